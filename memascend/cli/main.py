@@ -1,0 +1,43 @@
+"""Entry point of the ``memascend`` command: a click group whose subcommands live one per module."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from memascend.errors import UserError
+
+# (module, attribute) of each subcommand; a module is imported only when listed here.
+_COMMANDS: tuple[tuple[str, str], ...] = (
+    ("memascend.cli.finetune", "finetune"),
+)
+
+
+class _Group(click.Group):
+    """Turns :class:`UserError` (and OS-level input errors) into one line and exit code 2."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except UserError as exc:
+            click.echo(f"memascend: error: {exc}", err=True)
+            sys.exit(exc.exit_code)
+        except KeyboardInterrupt:
+            click.echo("memascend: interrupted", err=True)
+            sys.exit(130)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(package_name="memascend")
+def cli() -> None:
+    """memascend: SSD-offloaded LLM fine-tuning with far less host memory (DeepSpeed ZeRO-Infinity)."""
+
+
+for _mod, _attr in _COMMANDS:
+    cli.add_command(getattr(importlib.import_module(_mod), _attr))
+
+
+def main() -> None:
+    cli(prog_name="memascend")
