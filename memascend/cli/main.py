@@ -12,6 +12,7 @@ from memascend.errors import UserError
 # (module, attribute) of each subcommand; a module is imported only when listed here.
 _COMMANDS: tuple[tuple[str, str], ...] = (
     ("memascend.cli.finetune", "finetune"),
+    ("memascend.cli.doctor", "doctor"),
 )
 
 

@@ -1,0 +1,104 @@
+"""``memascend doctor``: check this host (or the inside of the container) for a memascend run."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import click
+
+from memascend.host import DoctorOptions, HostPaths, Status, exit_code, run_checks
+from memascend.host.memlock import estimate_lock_bytes
+from memascend.host.result import format_bytes
+from memascend.host.storage import estimate_nvme_bytes
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_STYLE = {Status.PASS: "green", Status.WARN: "yellow", Status.FAIL: "bold red", Status.SKIP: "dim"}
+
+
+class SizeBytes(click.ParamType):
+    """A byte count such as ``4GiB``, ``512MiB``, ``2G`` (decimal) or ``1048576``."""
+
+    name = "SIZE"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+        if not match or match.group(2).lower() not in _UNITS:
+            self.fail(f"{value!r} is not a size (examples: 4GiB, 512MiB, 2G, 1048576)", param, ctx)
+        return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _print_table(results, console) -> None:
+    from rich.table import Table
+
+    table = Table(title="memascend doctor", show_lines=False)
+    for col in ("check", "status", "detail", "fix"):
+        table.add_column(col, overflow="fold")
+    for r in results:
+        status = r.status.value.upper() + ("" if r.required or r.status is Status.PASS else " (optional)")
+        table.add_row(r.name, f"[{_STYLE[r.status]}]{status}[/]", r.detail, r.fix)
+    console.print(table)
+
+
+@click.command("doctor")
+@click.option("--lock-bytes", type=SizeBytes(), default=None,
+              help=f"Host memory the run will lock (mlock) [default: estimate for the built-in run, "
+                   f"{format_bytes(estimate_lock_bytes())}].")
+@click.option("--device", "devices", type=click.Path(path_type=Path), multiple=True,
+              help="Raw NVMe partition the run will use (repeatable).")
+@click.option("--user", "device_user", default=None,
+              help="Check device access for this user instead of the current process.")
+@click.option("--nvme-path", type=click.Path(path_type=Path), default=None,
+              help="Offload folder to check for free space and O_DIRECT [default: not checked].")
+@click.option("--nvme-bytes", type=SizeBytes(), default=None,
+              help=f"Bytes the run writes under --nvme-path [default: estimate for the built-in run, "
+                   f"{format_bytes(estimate_nvme_bytes())}].")
+@click.option("--require-hugepages", is_flag=True, help="Fail (not warn) when no huge pages are reserved and mounted.")
+@click.option("--gpu/--no-gpu", "require_gpu", default=None,
+              help="Require (or not) a CUDA device [default: required when torch is a CUDA build].")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON instead of a table.")
+@click.option("--proc-root", type=click.Path(path_type=Path), default=Path("/proc"), show_default=True,
+              help="procfs to read (to inspect a chroot or in tests).")
+@click.option("--sys-root", type=click.Path(path_type=Path), default=Path("/sys"), show_default=True,
+              help="sysfs to read.")
+@click.option("--etc-root", type=click.Path(path_type=Path), default=Path("/etc"), show_default=True,
+              help="Configuration root (cufile.json).")
+def doctor(lock_bytes, devices, device_user, nvme_path, nvme_bytes, require_hugepages, require_gpu, as_json,
+           proc_root, sys_root, etc_root) -> None:
+    """Check that this host can run memascend and print the fix for each failure.
+
+    Checks: memlock limit vs the bytes the run locks, huge pages, raw partitions, libaio/liburing,
+    the compiled ops, CUDA and the NVIDIA driver, GPUDirect Storage, and the NVMe folder.
+    Exit code 1 when a check the run needs fails, 0 otherwise (warnings do not fail).
+    """
+    options = DoctorOptions(
+        lock_bytes=estimate_lock_bytes() if lock_bytes is None else lock_bytes,
+        devices=tuple(devices),
+        device_user=device_user,
+        nvme_path=nvme_path,
+        nvme_bytes=estimate_nvme_bytes() if nvme_bytes is None else nvme_bytes,
+        require_hugepages=require_hugepages,
+        require_gpu=require_gpu,
+        paths=HostPaths(proc=proc_root, sys=sys_root, etc=etc_root),
+    )
+    results = run_checks(options)
+    code = exit_code(results)
+    if as_json:
+        click.echo(json.dumps({"ok": code == 0, "checks": [r.to_dict() for r in results]}, indent=2))
+    else:
+        from rich.console import Console
+
+        console = Console(width=None if sys.stdout.isatty() else 160)
+        _print_table(results, console)
+        failed = [r.name for r in results if r.blocks_run]
+        console.print("[bold red]not ready:[/] " + ", ".join(failed) if failed else "[green]ready[/]")
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    doctor(prog_name="memascend doctor")

@@ -1,0 +1,73 @@
+"""Runs every host check for one configured run: the library behind ``memascend doctor``.
+
+The same facts the Ansible roles establish (``ansible/roles/*``) are verified here, so a host
+provisioned with ``just provision HOST`` passes and an unprovisioned one fails with the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from memascend.host.devices import check_device
+from memascend.host.extensions import check_extension, op_names
+from memascend.host.gpu import check_cuda, check_gds
+from memascend.host.hugepages import check_hugepages
+from memascend.host.libraries import check_library
+from memascend.host.memlock import check_memlock, estimate_lock_bytes
+from memascend.host.result import CheckResult, HostPaths
+from memascend.host.storage import check_nvme_path, estimate_nvme_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class DoctorOptions:
+    """What the configured run needs from the host.
+
+    Attributes:
+        lock_bytes: bytes the run will mlock (default: :func:`estimate_lock_bytes` of the built-in run).
+        devices: raw partitions the run will use as its device store.
+        device_user: check device access as this user (``None``: the current process).
+        nvme_path: offload folder to check (``None``: skip the folder check).
+        nvme_bytes: bytes the run writes under ``nvme_path`` (default: :func:`estimate_nvme_bytes`).
+        require_hugepages: whether missing huge pages fail the run instead of warning.
+        require_gpu: whether a CUDA device is required; ``None`` = when torch is a CUDA build.
+        paths: procfs/sysfs/etc roots (tests point them at fakes).
+    """
+
+    lock_bytes: int = field(default_factory=estimate_lock_bytes)
+    devices: tuple[Path, ...] = ()
+    device_user: str | None = None
+    nvme_path: Path | None = None
+    nvme_bytes: int = field(default_factory=estimate_nvme_bytes)
+    require_hugepages: bool = False
+    require_gpu: bool | None = None
+    paths: HostPaths = field(default_factory=HostPaths)
+
+
+def run_checks(options: DoctorOptions) -> list[CheckResult]:
+    """Run all checks in table order.
+
+    Returns:
+        One result per check: memlock, hugepages, each device, libaio, liburing, each op, cuda,
+        gds, and the NVMe folder when given.
+    """
+    paths = options.paths
+    results = [
+        check_memlock(paths, lock_bytes=options.lock_bytes),
+        check_hugepages(paths, required=options.require_hugepages),
+    ]
+    results += [check_device(dev, paths, user=options.device_user) for dev in options.devices]
+    results.append(check_library("aio", "libaio.h", required=True))
+    results.append(check_library("uring", "liburing.h", required=False))
+    results += [check_extension(name) for name in op_names()]
+    results.append(check_cuda(paths, required=options.require_gpu))
+    results.append(check_gds(paths))
+    if options.nvme_path is not None:
+        results.append(check_nvme_path(options.nvme_path, need_bytes=options.nvme_bytes))
+    return results
+
+
+def exit_code(results: Sequence[CheckResult]) -> int:
+    """1 when any check the run needs failed, else 0."""
+    return 1 if any(r.blocks_run for r in results) else 0

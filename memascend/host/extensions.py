@@ -1,0 +1,98 @@
+"""Doctor check: are memascend's C++/CUDA extensions built and importable?
+
+An op ``X`` (``memascend/ops/X.py`` + ``csrc/X/``) is usable without a compiler when its module
+``memascend_X`` is prebuilt (on ``sys.path`` or in ``$MEMASCEND_PREBUILT_DIR``, as in the
+container image) or already JIT-built in the cache (``$MEMASCEND_EXT_DIR``). The check imports
+what is there and never starts a build (a build takes minutes).
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import os
+import pkgutil
+import shutil
+import sys
+from pathlib import Path
+
+from memascend.host.result import CheckResult, Status
+
+_NOT_OPS = {"build"}
+
+
+def op_names(ops_dir: Path | None = None) -> list[str]:
+    """Names of the ops: the loader modules in ``memascend/ops`` (all but ``build``)."""
+    import memascend.ops
+
+    ops_dir = ops_dir or Path(memascend.ops.__file__).parent
+    names = {m.name for m in pkgutil.iter_modules([str(ops_dir)]) if not m.name.startswith("_")} - _NOT_OPS
+    return sorted(names)
+
+
+def _find_built(mod_name: str, cache_dir: Path) -> tuple[str, str | None]:
+    """(where, shared-object path) of an already-built module, or ("", None)."""
+    prebuilt = os.environ.get("MEMASCEND_PREBUILT_DIR")
+    search = ([prebuilt] if prebuilt else []) + sys.path
+    spec = importlib.machinery.PathFinder.find_spec(mod_name, search)
+    if spec is not None and spec.origin:
+        return "prebuilt", spec.origin
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        for build_dir in (cache_dir / mod_name, cache_dir / f"{mod_name}_cuda"):
+            candidate = build_dir / f"{mod_name}{suffix}"
+            if candidate.is_file():
+                return "JIT cache", str(candidate)
+    return "", None
+
+
+def _import_from(mod_name: str, so_path: str) -> None:
+    import torch  # noqa: F401 - the extension links against libtorch/libc10, loaded by this import
+
+    spec = importlib.util.spec_from_file_location(mod_name, so_path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"no loader for {so_path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+
+def check_extension(name: str, *, cache_dir: Path | None = None) -> CheckResult:
+    """Import the built extension of one op, if any.
+
+    Args:
+        name: op name (module ``memascend_<name>``).
+        cache_dir: JIT cache root; default ``$MEMASCEND_EXT_DIR`` or ``~/.cache/memascend/ext``.
+
+    Returns:
+        PASS when built and importable; WARN "not built" when it would be JIT-built on first use
+        (a C++ compiler is present); FAIL when not built and no compiler can build it, or when
+        the built module does not import.
+    """
+    mod_name = f"memascend_{name}"
+    cache = cache_dir or Path(os.environ.get("MEMASCEND_EXT_DIR", Path.home() / ".cache" / "memascend" / "ext"))
+    where, so_path = _find_built(mod_name, cache)
+    label = f"op {name}"
+    if so_path is None:
+        compiler = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+        if compiler:
+            return CheckResult(
+                name=label,
+                status=Status.WARN,
+                detail=f"not built; will be JIT-built with {compiler} on first use",
+                fix=f"build it now: python -c 'import memascend.ops.{name} as m; m.load()'",
+            )
+        return CheckResult(
+            name=label,
+            status=Status.FAIL,
+            detail="not built and no C++ compiler to build it",
+            fix="use the memascend image (ops prebuilt in MEMASCEND_PREBUILT_DIR) or install g++ and ninja",
+        )
+    try:
+        _import_from(mod_name, so_path)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the finding
+        return CheckResult(
+            name=label,
+            status=Status.FAIL,
+            detail=f"{where} {so_path} does not import: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+            fix=f"rebuild: remove {so_path} and run python -c 'import memascend.ops.{name} as m; m.load()'",
+        )
+    return CheckResult(name=label, status=Status.PASS, detail=f"{where}: {so_path}")
