@@ -14,8 +14,22 @@ from memascend.host.memlock import estimate_lock_bytes
 from memascend.host.result import format_bytes
 from memascend.host.storage import estimate_nvme_bytes
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
 _STYLE = {Status.PASS: "green", Status.WARN: "yellow", Status.FAIL: "bold red", Status.SKIP: "dim"}
 
 
@@ -46,30 +60,83 @@ def _print_table(results, console) -> None:
 
 
 @click.command("doctor")
-@click.option("--lock-bytes", type=SizeBytes(), default=None,
-              help=f"Host memory the run will lock (mlock) [default: estimate for the built-in run, "
-                   f"{format_bytes(estimate_lock_bytes())}].")
-@click.option("--device", "devices", type=click.Path(path_type=Path), multiple=True,
-              help="Raw NVMe partition the run will use (repeatable).")
-@click.option("--user", "device_user", default=None,
-              help="Check device access for this user instead of the current process.")
-@click.option("--nvme-path", type=click.Path(path_type=Path), default=None,
-              help="Offload folder to check for free space and O_DIRECT [default: not checked].")
-@click.option("--nvme-bytes", type=SizeBytes(), default=None,
-              help=f"Bytes the run writes under --nvme-path [default: estimate for the built-in run, "
-                   f"{format_bytes(estimate_nvme_bytes())}].")
-@click.option("--require-hugepages", is_flag=True, help="Fail (not warn) when no huge pages are reserved and mounted.")
-@click.option("--gpu/--no-gpu", "require_gpu", default=None,
-              help="Require (or not) a CUDA device [default: required when torch is a CUDA build].")
+@click.option(
+    "--lock-bytes",
+    type=SizeBytes(),
+    default=None,
+    help=f"Host memory the run will lock (mlock) [default: estimate for the built-in run, "
+    f"{format_bytes(estimate_lock_bytes())}].",
+)
+@click.option(
+    "--device",
+    "devices",
+    type=click.Path(path_type=Path),
+    multiple=True,
+    help="Raw NVMe partition the run will use (repeatable).",
+)
+@click.option(
+    "--user",
+    "device_user",
+    default=None,
+    help="Check device access for this user instead of the current process.",
+)
+@click.option(
+    "--nvme-path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Offload folder to check for free space and O_DIRECT [default: not checked].",
+)
+@click.option(
+    "--nvme-bytes",
+    type=SizeBytes(),
+    default=None,
+    help=f"Bytes the run writes under --nvme-path [default: estimate for the built-in run, "
+    f"{format_bytes(estimate_nvme_bytes())}].",
+)
+@click.option(
+    "--require-hugepages", is_flag=True, help="Fail (not warn) when no huge pages are reserved and mounted."
+)
+@click.option(
+    "--gpu/--no-gpu",
+    "require_gpu",
+    default=None,
+    help="Require (or not) a CUDA device [default: required when torch is a CUDA build].",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON instead of a table.")
-@click.option("--proc-root", type=click.Path(path_type=Path), default=Path("/proc"), show_default=True,
-              help="procfs to read (to inspect a chroot or in tests).")
-@click.option("--sys-root", type=click.Path(path_type=Path), default=Path("/sys"), show_default=True,
-              help="sysfs to read.")
-@click.option("--etc-root", type=click.Path(path_type=Path), default=Path("/etc"), show_default=True,
-              help="Configuration root (cufile.json).")
-def doctor(lock_bytes, devices, device_user, nvme_path, nvme_bytes, require_hugepages, require_gpu, as_json,
-           proc_root, sys_root, etc_root) -> None:
+@click.option(
+    "--proc-root",
+    type=click.Path(path_type=Path),
+    default=Path("/proc"),
+    show_default=True,
+    help="procfs to read (to inspect a chroot or in tests).",
+)
+@click.option(
+    "--sys-root",
+    type=click.Path(path_type=Path),
+    default=Path("/sys"),
+    show_default=True,
+    help="sysfs to read.",
+)
+@click.option(
+    "--etc-root",
+    type=click.Path(path_type=Path),
+    default=Path("/etc"),
+    show_default=True,
+    help="Configuration root (cufile.json).",
+)
+def doctor(
+    lock_bytes,
+    devices,
+    device_user,
+    nvme_path,
+    nvme_bytes,
+    require_hugepages,
+    require_gpu,
+    as_json,
+    proc_root,
+    sys_root,
+    etc_root,
+) -> None:
     """Check that this host can run memascend and print the fix for each failure.
 
     Checks: memlock limit vs the bytes the run locks, huge pages, raw partitions, libaio/liburing,

@@ -73,7 +73,9 @@ class _Identity:
 
 def _identity(user: str | None) -> _Identity:
     if user is None:
-        return _Identity(os.geteuid(), frozenset({os.getegid(), *os.getgroups()}), pwd.getpwuid(os.geteuid()).pw_name)
+        return _Identity(
+            os.geteuid(), frozenset({os.getegid(), *os.getgroups()}), pwd.getpwuid(os.geteuid()).pw_name
+        )
     try:
         entry = pwd.getpwnam(user)
     except KeyError:
@@ -141,7 +143,9 @@ def check_device(path: Path, paths: HostPaths, *, user: str | None = None) -> Ch
     try:
         st = os.stat(path)
     except OSError as exc:
-        return CheckResult(name=name, status=Status.FAIL, detail=f"not present ({exc.strerror})", fix=FIX_MISSING)
+        return CheckResult(
+            name=name, status=Status.FAIL, detail=f"not present ({exc.strerror})", fix=FIX_MISSING
+        )
     if not stat.S_ISBLK(st.st_mode):
         return CheckResult(name=name, status=Status.FAIL, detail="not a block device", fix=FIX_MISSING)
     real = os.path.realpath(path)
@@ -155,17 +159,30 @@ def check_device(path: Path, paths: HostPaths, *, user: str | None = None) -> Ch
     who = _identity(user)
     allowed = os.access(path, os.R_OK | os.W_OK) if user is None else can_read_write(st, who)
     if not allowed:
-        return CheckResult(name=name, status=Status.FAIL, detail=f"{owner}; no rw access for {who.name}", fix=FIX_ACCESS)
+        return CheckResult(
+            name=name, status=Status.FAIL, detail=f"{owner}; no rw access for {who.name}", fix=FIX_ACCESS
+        )
     in_use = _mounted_as(real, st, paths)
     if in_use:
         return CheckResult(name=name, status=Status.FAIL, detail=f"{owner}; {in_use}", fix=FIX_MOUNTED)
     parts = _partitions_of(real, paths)
     if parts:
-        return CheckResult(name=name, status=Status.FAIL, detail=f"{owner}; whole disk with partitions {', '.join(parts)}", fix=FIX_DISK)
+        return CheckResult(
+            name=name,
+            status=Status.FAIL,
+            detail=f"{owner}; whole disk with partitions {', '.join(parts)}",
+            fix=FIX_DISK,
+        )
     try:
         signature = probe_signature(Path(real))
     except OSError as exc:
-        return CheckResult(name=name, status=Status.FAIL, detail=f"{owner}; cannot read ({exc.strerror})", fix=FIX_ACCESS)
+        return CheckResult(
+            name=name, status=Status.FAIL, detail=f"{owner}; cannot read ({exc.strerror})", fix=FIX_ACCESS
+        )
     if signature:
-        return CheckResult(name=name, status=Status.FAIL, detail=f"{owner}; carries a {signature}", fix=FIX_SIGNATURE)
-    return CheckResult(name=name, status=Status.PASS, detail=f"{owner}; rw for {who.name}, unmounted, no signature")
+        return CheckResult(
+            name=name, status=Status.FAIL, detail=f"{owner}; carries a {signature}", fix=FIX_SIGNATURE
+        )
+    return CheckResult(
+        name=name, status=Status.PASS, detail=f"{owner}; rw for {who.name}, unmounted, no signature"
+    )

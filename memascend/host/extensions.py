@@ -68,7 +68,9 @@ def check_extension(name: str, *, cache_dir: Path | None = None) -> CheckResult:
         the built module does not import.
     """
     mod_name = f"memascend_{name}"
-    cache = cache_dir or Path(os.environ.get("MEMASCEND_EXT_DIR", Path.home() / ".cache" / "memascend" / "ext"))
+    cache = cache_dir or Path(
+        os.environ.get("MEMASCEND_EXT_DIR", Path.home() / ".cache" / "memascend" / "ext")
+    )
     where, so_path = _find_built(mod_name, cache)
     label = f"op {name}"
     if so_path is None:

@@ -33,7 +33,10 @@ def driver_version(paths: HostPaths) -> str | None:
         try:
             out = subprocess.run(
                 [smi, "--query-gpu=driver_version", "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=20, check=True,
+                capture_output=True,
+                text=True,
+                timeout=20,
+                check=True,
             ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return None
@@ -69,21 +72,27 @@ def check_cuda(paths: HostPaths, *, required: bool | None = None) -> CheckResult
         )
     if driver is None:
         return CheckResult(
-            name="cuda", status=Status.FAIL if needed else Status.WARN,
-            detail=f"torch {torch.__version__} (CUDA {cuda_build}); {driver_text}", fix=FIX_DRIVER, required=needed,
+            name="cuda",
+            status=Status.FAIL if needed else Status.WARN,
+            detail=f"torch {torch.__version__} (CUDA {cuda_build}); {driver_text}",
+            fix=FIX_DRIVER,
+            required=needed,
         )
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:
         return CheckResult(
-            name="cuda", status=Status.FAIL if needed else Status.WARN,
+            name="cuda",
+            status=Status.FAIL if needed else Status.WARN,
             detail=f"torch {torch.__version__} (CUDA {cuda_build}); {driver_text}; no usable device",
             fix="check `nvidia-smi`; the driver must be at least as new as CUDA " + cuda_build,
             required=needed,
         )
     names = ", ".join(sorted({torch.cuda.get_device_name(i) for i in range(count)}))
     return CheckResult(
-        name="cuda", status=Status.PASS,
-        detail=f"torch {torch.__version__} (CUDA {cuda_build}); {driver_text}; {count} x {names}", required=needed,
+        name="cuda",
+        status=Status.PASS,
+        detail=f"torch {torch.__version__} (CUDA {cuda_build}); {driver_text}; {count} x {names}",
+        required=needed,
     )
 
 
@@ -94,12 +103,16 @@ def check_gds(paths: HostPaths) -> CheckResult:
         PASS when both are there, WARN otherwise (memascend then stages through pinned host memory).
     """
     modules = read_text(paths.proc / "modules") or ""
-    loaded = any(line.split()[:1] == ["nvidia_fs"] for line in modules.splitlines()) or (
-        paths.sys / "module" / "nvidia_fs"
-    ).is_dir()
+    loaded = (
+        any(line.split()[:1] == ["nvidia_fs"] for line in modules.splitlines())
+        or (paths.sys / "module" / "nvidia_fs").is_dir()
+    )
     env_json = os.environ.get("CUFILE_ENV_PATH_JSON")
     config = Path(env_json) if env_json else paths.etc / "cufile.json"
-    parts = [f"nvidia_fs {'loaded' if loaded else 'not loaded'}", f"{config} {'present' if config.is_file() else 'missing'}"]
+    parts = [
+        f"nvidia_fs {'loaded' if loaded else 'not loaded'}",
+        f"{config} {'present' if config.is_file() else 'missing'}",
+    ]
     if loaded and config.is_file():
         return CheckResult(name="gds", status=Status.PASS, detail="; ".join(parts), required=False)
     return CheckResult(

@@ -10,7 +10,9 @@ from __future__ import annotations
 from memascend.host.result import CheckResult, HostPaths, Status, format_bytes, read_text
 
 FIX_RESERVE = "reserve pages: run `just provision HOST` (role hugepages, hugepages_count_2m) or `sysctl vm.nr_hugepages=N`"
-FIX_MOUNT = "mount one: run `just provision HOST` (role hugepages) or `mount -t hugetlbfs none /dev/hugepages`"
+FIX_MOUNT = (
+    "mount one: run `just provision HOST` (role hugepages) or `mount -t hugetlbfs none /dev/hugepages`"
+)
 
 
 def read_meminfo(paths: HostPaths) -> dict[str, int]:

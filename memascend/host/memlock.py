@@ -83,7 +83,9 @@ def check_memlock(paths: HostPaths, *, lock_bytes: int) -> CheckResult:
     limits = read_memlock_limit_bytes(paths)
     need = f"run locks ~{format_bytes(lock_bytes)}"
     if limits is None:
-        return CheckResult(name="memlock", status=Status.FAIL, detail=f"cannot read {paths.proc}/self/limits", fix=FIX)
+        return CheckResult(
+            name="memlock", status=Status.FAIL, detail=f"cannot read {paths.proc}/self/limits", fix=FIX
+        )
     soft, _hard = limits
     soft_text = "unlimited" if soft == UNLIMITED else format_bytes(soft)
     if soft == UNLIMITED or soft >= lock_bytes:

@@ -70,20 +70,34 @@ def check_nvme_path(folder: Path, *, need_bytes: int) -> CheckResult:
     """
     name = f"nvme path {folder}"
     if not folder.is_dir():
-        return CheckResult(name=name, status=Status.FAIL, detail="not a folder", fix=f"mkdir -p {folder} on the NVMe filesystem")
+        return CheckResult(
+            name=name,
+            status=Status.FAIL,
+            detail="not a folder",
+            fix=f"mkdir -p {folder} on the NVMe filesystem",
+        )
     free = shutil.disk_usage(folder).free
     space = f"{format_bytes(free)} free, run needs ~{format_bytes(need_bytes)}"
     if not os.access(folder, os.W_OK | os.X_OK):
-        return CheckResult(name=name, status=Status.FAIL, detail=f"{space}; not writable", fix=f"chown/chmod {folder} for the run's user")
+        return CheckResult(
+            name=name,
+            status=Status.FAIL,
+            detail=f"{space}; not writable",
+            fix=f"chown/chmod {folder} for the run's user",
+        )
     problem = o_direct_works(folder)
     if problem:
         return CheckResult(
-            name=name, status=Status.FAIL, detail=f"{space}; {problem}",
+            name=name,
+            status=Status.FAIL,
+            detail=f"{space}; {problem}",
             fix="put nvme_path on an ext4/xfs filesystem on the NVMe (not tmpfs/overlay), or use a raw partition (--device)",
         )
     if free < need_bytes:
         return CheckResult(
-            name=name, status=Status.FAIL, detail=space,
+            name=name,
+            status=Status.FAIL,
+            detail=space,
             fix="free space, pick a larger filesystem, or offload to a raw partition (--device)",
         )
     return CheckResult(name=name, status=Status.PASS, detail=f"{space}; O_DIRECT ok")

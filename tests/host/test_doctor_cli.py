@@ -1,0 +1,69 @@
+import ctypes.util
+import json
+
+from click.testing import CliRunner
+
+from memascend.cli.doctor import doctor
+from memascend.host import DoctorOptions, Status, exit_code, run_checks
+
+
+def _roots(fake_host):
+    p = fake_host.paths
+    return ["--proc-root", str(p.proc), "--sys-root", str(p.sys), "--etc-root", str(p.etc)]
+
+
+def test_json_and_exit_code_on_unready_host(fake_host, tmp_path):
+    result = CliRunner().invoke(
+        doctor,
+        [
+            *_roots(fake_host),
+            "--json",
+            "--lock-bytes",
+            "2GiB",
+            "--device",
+            str(tmp_path / "nvme0n1p3"),
+            "--no-gpu",
+        ],
+    )
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.output)
+    by_name = {c["name"]: c for c in report["checks"]}
+    assert report["ok"] is False
+    assert by_name["memlock"]["status"] == "fail" and "2.00 GiB" in by_name["memlock"]["detail"]
+    assert by_name[f"device {tmp_path / 'nvme0n1p3'}"]["status"] == "fail"
+    assert by_name["hugepages"]["status"] == "warn"
+
+
+def test_ready_host_exits_zero_and_prints_table(fake_host, tmp_path):
+    fake_host.set_limits("unlimited", "unlimited")
+    result = CliRunner().invoke(
+        doctor, [*_roots(fake_host), "--no-gpu", "--nvme-path", str(tmp_path), "--nvme-bytes", "1MiB"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "memlock" in result.output and "ready" in result.output
+
+
+def test_required_hugepages_flag_changes_exit_code(fake_host):
+    fake_host.set_limits("unlimited", "unlimited")
+    assert CliRunner().invoke(doctor, [*_roots(fake_host), "--no-gpu"]).exit_code == 0
+    assert CliRunner().invoke(doctor, [*_roots(fake_host), "--no-gpu", "--require-hugepages"]).exit_code == 1
+
+
+def test_bad_size_is_a_usage_error(fake_host):
+    result = CliRunner().invoke(doctor, ["--lock-bytes", "lots"])
+    assert result.exit_code == 2 and "not a size" in result.output
+
+
+def test_sizes_accept_binary_and_decimal_units(fake_host):
+    fake_host.set_limits(str(3 << 30), str(3 << 30))
+    assert CliRunner().invoke(doctor, [*_roots(fake_host), "--no-gpu", "--lock-bytes", "3GiB"]).exit_code == 0
+    assert CliRunner().invoke(doctor, [*_roots(fake_host), "--no-gpu", "--lock-bytes", "3.3G"]).exit_code == 1
+
+
+def test_real_host_runs():
+    results = run_checks(DoctorOptions())
+    assert {"memlock", "hugepages", "libaio", "liburing", "cuda", "gds"} <= {r.name for r in results}
+    by_name = {r.name: r for r in results}
+    has_aio = ctypes.util.find_library("aio") is not None
+    assert (by_name["libaio"].status is not Status.FAIL) == has_aio
+    assert exit_code(results) == int(any(r.required and r.status is Status.FAIL for r in results))
