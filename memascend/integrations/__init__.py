@@ -1,0 +1,1 @@
+"""Integrations with training frameworks; :mod:`memascend.integrations.deepspeed` is the only one."""

@@ -1,0 +1,158 @@
+"""The one reversible seam between memascend and DeepSpeed 0.19.8.
+
+This package is the only code in memascend that touches DeepSpeed internals. :func:`apply`
+patches DeepSpeed where the patched objects are *used* (names imported into other modules are
+patched in those modules); :func:`revert` puts every original object back.
+
+Three ways in:
+
+* ``memascend finetune --engine memascend`` calls :func:`apply` before ``deepspeed.initialize``
+  (and before ``deepspeed.zero.Init``) and :func:`revert` after training;
+* code that drives DeepSpeed itself (HF Trainer, accelerate, its own loop) adds a
+  ``"memascend": {...}`` section to its DeepSpeed JSON (DeepSpeed ignores unknown top-level keys)
+  and calls, once, before the model is built under ZeRO-3::
+
+      import memascend.integrations.deepspeed as ma_ds
+      ma_ds.apply_from_config("ds_config.json")   # or the config dict
+
+  The section's keys are the fields of :class:`MemAscendSettings` (all optional), e.g.
+  ``"memascend": {"enable_fused_overflow_check": false, "param_prefetch_slots": 8}``;
+* ``apply(MemAscendSettings(...))`` directly.
+
+What each flag patches (DeepSpeed 0.19.8 names):
+
+* ``enable_param_pool``: ``AsyncPartitionedParameterSwapper`` as imported by
+  ``runtime.zero.partition_parameters`` (where ``zero.Init`` builds the swapper) ->
+  :class:`~memascend.integrations.deepspeed.param_swapper.PooledParamSwapper`.
+* ``enable_optimizer_pool``: ``SwapBufferManager`` as imported by
+  ``runtime.swap_tensor.optimizer_utils`` (used by both the partitioned and the pipelined optimizer
+  swapper) -> :class:`~memascend.integrations.deepspeed.optimizer_swapper.OnDemandSwapBufferManager`.
+* ``enable_arena_pinning``: the swap buffers above allocate from the arena where the aio engine
+  accepts it; ``pin_memory``/``unpin_memory`` of the active accelerator's class route to the arena
+  when that accelerator page-locks.
+* ``enable_fused_overflow_check``: ``DeepSpeedZeroOptimizer_Stage3.has_overflow`` and
+  ``._has_inf_or_nan``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from memascend.errors import UserError
+from memascend.integrations.deepspeed.patches import PatchRecord, PatchRegistry
+from memascend.integrations.deepspeed.settings import DS_CONFIG_SECTION, MemAscendSettings
+
+__all__ = [
+    "DS_CONFIG_SECTION",
+    "MemAscendSettings",
+    "apply",
+    "apply_from_config",
+    "applied_settings",
+    "patch_records",
+    "revert",
+]
+
+_lock = threading.Lock()
+_registry = PatchRegistry()
+_applied: MemAscendSettings | None = None
+
+
+def apply(settings: MemAscendSettings | None = None) -> MemAscendSettings:
+    """Patch DeepSpeed with the MemAscend optimizations enabled in ``settings``.
+
+    Call before ``deepspeed.zero.Init`` / ``deepspeed.initialize``: swappers built earlier keep
+    the stock behaviour. Applying the same settings again is a no-op.
+
+    Args:
+        settings: what to enable; default: everything (``MemAscendSettings()``).
+
+    Returns:
+        The settings in force.
+
+    Raises:
+        UserError: already applied with different settings (call :func:`revert` first), or an
+            enabled optimization's op is unavailable on this host.
+    """
+    global _applied
+    settings = settings if settings is not None else MemAscendSettings()
+    with _lock:
+        if _applied is not None:
+            if _applied == settings:
+                return _applied
+            raise UserError("memascend is already applied to DeepSpeed with other settings; call revert() first")
+        try:
+            _patch_all(settings)
+        except BaseException:
+            _registry.restore_all()
+            raise
+        _applied = settings
+        return settings
+
+
+def apply_from_config(ds_config: Mapping[str, Any] | str | Path) -> MemAscendSettings:
+    """:func:`apply` with the ``"memascend"`` section of a DeepSpeed config (dict or JSON path).
+
+    A config without the section applies the defaults (every optimization on).
+
+    Raises:
+        UserError: unreadable config, unknown key or bad value in the section, or as :func:`apply`.
+    """
+    return apply(MemAscendSettings.from_ds_config(ds_config))
+
+
+def revert() -> None:
+    """Restore every patched DeepSpeed attribute to its original object. Safe to call twice."""
+    global _applied
+    with _lock:
+        _registry.restore_all()
+        _applied = None
+
+
+def applied_settings() -> MemAscendSettings | None:
+    """The settings in force, or ``None`` when DeepSpeed is stock."""
+    return _applied
+
+
+def patch_records() -> tuple[PatchRecord, ...]:
+    """The attribute patches in force (owner, name, original, replacement)."""
+    return _registry.records()
+
+
+def _patch_all(settings: MemAscendSettings) -> None:
+    # Imported here so importing memascend does not import DeepSpeed.
+    if settings.enable_param_pool:
+        from deepspeed.runtime.zero import partition_parameters
+
+        from memascend.integrations.deepspeed.param_swapper import make_param_swapper_class
+
+        _registry.patch(partition_parameters, "AsyncPartitionedParameterSwapper",
+                        make_param_swapper_class(settings))
+
+    if settings.enable_optimizer_pool:
+        from deepspeed.runtime.swap_tensor import optimizer_utils
+
+        from memascend.integrations.deepspeed.optimizer_swapper import make_swap_buffer_manager_class
+
+        _registry.patch(optimizer_utils, "SwapBufferManager", make_swap_buffer_manager_class(settings))
+
+    if settings.enable_arena_pinning:
+        from deepspeed.accelerator import get_accelerator
+
+        from memascend.integrations.deepspeed.pinning import make_arena_pin_memory, make_arena_unpin_memory
+
+        accelerator_cls = type(get_accelerator())
+        _registry.patch(accelerator_cls, "pin_memory", make_arena_pin_memory(accelerator_cls.pin_memory))
+        _registry.patch(accelerator_cls, "unpin_memory", make_arena_unpin_memory(accelerator_cls.unpin_memory))
+
+    if settings.enable_fused_overflow_check:
+        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+        from memascend.integrations.deepspeed.overflow import load_checker, make_has_inf_or_nan, make_has_overflow
+
+        checker = load_checker()
+        stage3 = DeepSpeedZeroOptimizer_Stage3
+        _registry.patch(stage3, "has_overflow", make_has_overflow(stage3.has_overflow, checker))
+        _registry.patch(stage3, "_has_inf_or_nan", make_has_inf_or_nan(checker))

@@ -1,0 +1,166 @@
+"""Optimizer-state swap buffers sized to the real sub-groups, allocated as first needed.
+
+Stock DeepSpeed 0.19.8 (``runtime/swap_tensor/utils.py`` ``SwapBufferManager``, created by
+``OptimizerSwapper.__init__`` in ``optimizer_utils.py``) locks ``buffer_count`` fp32 buffers of the
+largest sub-group at construction, whether the optimizer needs that many or not, and returns
+``None`` (an assertion failure upstream) when it needs more, e.g. the pipelined swapper with
+``pipeline_read`` needs two sub-groups' worth (``2 x (states + 1)``).
+
+:class:`OnDemandSwapBufferManager` has the same interface and buffer geometry (each buffer holds
+the largest I/O-aligned sub-group, handed out narrowed to the request), but
+
+* creates a buffer only when a request finds none free, so it holds exactly the peak number the
+  optimizer used at once (``states + 1`` for the partitioned swapper with Adam);
+* never refuses a request (grows past ``buffer_count``);
+* ``allocate_all`` hands out the free buffers it already has (at least one): callers of it
+  (initial fp32 write-out, gradient swap-out staging) only stream through them, and move the same
+  bytes to the same files with fewer buffers.
+
+Locked memory per buffer is then set by the sub-group size. :func:`plan_sub_group_numel` picks
+one that bounds the optimizer's locked memory while keeping every I/O request large.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from deepspeed.runtime.swap_tensor.utils import SwapBufferManager
+
+from memascend.errors import UserError
+from memascend.integrations.deepspeed.pinning import LockedAllocator
+from memascend.integrations.deepspeed.settings import MemAscendSettings
+
+_FP32_BYTES = 4
+
+
+class OnDemandSwapBufferManager(SwapBufferManager):
+    """Drop-in ``SwapBufferManager`` that allocates largest-sub-group buffers on demand.
+
+    Constructed by DeepSpeed as ``cls(num_elems, count, dtype, aio_handle)``; settings are a class
+    attribute bound by :func:`make_swap_buffer_manager_class`.
+
+    Args:
+        num_elems: elements per buffer: the largest I/O-aligned sub-group.
+        count: the stock ``buffer_count`` (kept for reporting; not a limit).
+        dtype: element type (the master weights' dtype, fp32).
+        aio_handle: the swapper's aio handle (locked allocation, ``is_pinned``).
+    """
+
+    memascend_settings: MemAscendSettings = MemAscendSettings()
+
+    def __init__(self, num_elems: int, count: int, dtype: torch.dtype, aio_handle: Any) -> None:  # noqa: D107
+        # Deliberately not calling SwapBufferManager.__init__: it locks count x num_elems up front.
+        self.num_elems = int(num_elems)
+        self.count = int(count)
+        self.dtype = dtype
+        self.aio_handle = aio_handle
+        self.allocator = LockedAllocator(aio_handle, prefer_arena=self.memascend_settings.enable_arena_pinning)
+        self.all_buffers: list[torch.Tensor] = []
+        self.free_buffer_index: list[int] = []
+        self.used_buffer_index: dict[int, int] = {}
+        self.peak_buffers_in_use = 0
+        self.gigabytes = 0.0
+
+    def _grow(self, how_many: int) -> None:
+        for _ in range(how_many):
+            # Zeroed like the stock buffers: optimizer state may start from them.
+            self.all_buffers.append(self.allocator.allocate(self.num_elems, self.dtype).zero_())
+            self.free_buffer_index.append(len(self.all_buffers) - 1)
+        self.gigabytes = self.locked_bytes() / 1024**3
+
+    def allocate(self, num_elems: int, count: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """``count`` buffers narrowed to ``num_elems``; grows instead of returning ``None``.
+
+        Raises:
+            ValueError: wrong dtype or ``num_elems`` above the largest sub-group.
+        """
+        if dtype != self.dtype:
+            raise ValueError(f"swap buffers hold {self.dtype}, asked for {dtype}")
+        if num_elems > self.num_elems:
+            raise ValueError(f"{num_elems} elements exceed the largest sub-group ({self.num_elems})")
+        missing = count - len(self.free_buffer_index)
+        if missing > 0:
+            self._grow(missing)
+        indices = self.free_buffer_index[-count:] if count else []
+        self.free_buffer_index = self.free_buffer_index[:len(self.free_buffer_index) - count]
+        buffers = []
+        for index in indices:
+            view = self.all_buffers[index].narrow(0, 0, num_elems)
+            self.used_buffer_index[id(view)] = index
+            buffers.append(view)
+        self.peak_buffers_in_use = max(self.peak_buffers_in_use, len(self.used_buffer_index))
+        return buffers
+
+    def allocate_all(self, num_elems: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Every free buffer, creating one if none is free."""
+        return self.allocate(num_elems=num_elems, count=max(1, len(self.free_buffer_index)), dtype=dtype)
+
+    def free(self, buffers: list[torch.Tensor]) -> None:
+        """Return buffers from :meth:`allocate` (the same view objects).
+
+        Raises:
+            KeyError: a buffer that is not handed out.
+        """
+        keys = [id(b) for b in buffers]
+        unknown = [k for k in keys if k not in self.used_buffer_index]
+        if unknown:
+            raise KeyError(f"{len(unknown)} buffer(s) were not allocated by this manager")
+        for key in keys:
+            self.free_buffer_index.append(self.used_buffer_index.pop(key))
+
+    def locked_bytes(self) -> int:
+        """Bytes locked by this manager's buffers."""
+        return sum(b.numel() * b.element_size() for b in self.all_buffers)
+
+    def __del__(self) -> None:
+        buffers = getattr(self, "all_buffers", None)
+        allocator = getattr(self, "allocator", None)
+        if not buffers or allocator is None:
+            return
+        for buf in buffers:
+            try:
+                allocator.free(buf)
+            except Exception:  # noqa: BLE001 - interpreter teardown may have dropped the handle
+                pass
+        self.all_buffers = []
+
+
+def make_swap_buffer_manager_class(settings: MemAscendSettings) -> type[OnDemandSwapBufferManager]:
+    """An :class:`OnDemandSwapBufferManager` subclass bound to ``settings``."""
+    return type("OnDemandSwapBufferManager", (OnDemandSwapBufferManager,),
+                {"memascend_settings": settings, "__module__": __name__})
+
+
+def plan_sub_group_numel(*, locked_budget_bytes: int, buffers_in_flight: int = 4,
+                         min_io_bytes: int = 8 * 1024**2, element_size_bytes: int = _FP32_BYTES) -> int:
+    """Choose ``zero_optimization.sub_group_size`` to bound the optimizer's locked memory.
+
+    The optimizer swapper locks ``buffers_in_flight`` buffers of the largest sub-group (Adam with
+    the partitioned swapper: parameter, two moments and the gradient = 4; the pipelined swapper
+    doubles it). A sub-group must not fall below ``min_io_bytes`` per tensor, or each NVMe request
+    gets too small to reach the drive's bandwidth.
+
+    Args:
+        locked_budget_bytes: locked bytes the optimizer swap buffers may use in total.
+        buffers_in_flight: buffers of the largest sub-group held at once.
+        min_io_bytes: smallest acceptable I/O request.
+        element_size_bytes: bytes per element of the master weights (fp32: 4).
+
+    Returns:
+        Elements per sub-group: ``budget / (buffers x element size)``, rounded down to a multiple
+        of 1 Mi elements when that large.
+
+    Raises:
+        UserError: the budget cannot hold ``buffers_in_flight`` requests of ``min_io_bytes``.
+    """
+    if buffers_in_flight < 1:
+        raise UserError(f"buffers_in_flight must be at least 1, got {buffers_in_flight}")
+    numel = locked_budget_bytes // (buffers_in_flight * element_size_bytes)
+    if numel * element_size_bytes < min_io_bytes:
+        need_mib = buffers_in_flight * min_io_bytes / 1024**2
+        raise UserError(f"optimizer locked budget {locked_budget_bytes / 1024**2:.1f} MiB is below the "
+                        f"{need_mib:.1f} MiB needed for {buffers_in_flight} buffers of "
+                        f"{min_io_bytes / 1024**2:.1f} MiB; raise the budget")
+    granule = 1 << 20
+    return (numel // granule) * granule if numel >= granule else int(numel)

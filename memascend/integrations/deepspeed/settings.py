@@ -1,0 +1,114 @@
+"""Settings of the DeepSpeed seam: one ``enable_*`` flag per MemAscend optimization.
+
+The settings can come from code (``MemAscendSettings(...)``) or from a ``"memascend": {...}``
+section of a DeepSpeed JSON config (DeepSpeed 0.19.8 accepts unknown top-level keys), read by
+:meth:`MemAscendSettings.from_ds_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from memascend.errors import UserError
+
+DS_CONFIG_SECTION = "memascend"
+"""Name of the top-level key of a DeepSpeed config that holds these settings."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemAscendSettings:
+    """What :func:`memascend.integrations.deepspeed.apply` patches into DeepSpeed 0.19.8.
+
+    Every optimization keeps the numbers the model computes bit-identical to stock DeepSpeed;
+    they change only how host memory is laid out.
+
+    Attributes:
+        enable_param_pool: replace ``AsyncPartitionedParameterSwapper``'s
+            ``buffer_count`` x ``buffer_size`` locked slab with the adaptive size-classed pool
+            (:mod:`memascend.memory.pool`), and size ``reserve_partitioned_swap_space`` from
+            partition sizes instead of full ``ds_numel``.
+        enable_optimizer_pool: replace the optimizer swappers' ``SwapBufferManager`` (``buffer_count``
+            locked buffers of the largest sub-group, all allocated up front) with one that
+            allocates largest-sub-group buffers only as they are first needed, so it holds
+            exactly as many as the optimizer uses at once and never runs out.
+        enable_arena_pinning: allocate the swappers' locked buffers and the accelerator's
+            ``pin_memory`` results on the offload path from the exact-size pinned arena
+            (``memascend.memory.arena``) where the aio engine treats arena memory as pinned;
+            elsewhere the aio handle's own exact-size locked allocator is kept (see
+            :mod:`memascend.integrations.deepspeed.pinning`).
+        enable_fused_overflow_check: replace stage 3's ``has_overflow`` full-buffer
+            ``isinf``/``isnan`` masks and ``_has_inf_or_nan`` with the fused, allocation-free check
+            (``memascend.ops.overflow_check``).
+        param_prefetch_slots: slot budget the parameter prefetcher may use; ``None`` means the
+            config's ``offload_param.buffer_count`` (the stock prefetch schedule).
+    """
+
+    enable_param_pool: bool = True
+    enable_optimizer_pool: bool = True
+    enable_arena_pinning: bool = True
+    enable_fused_overflow_check: bool = True
+    param_prefetch_slots: int | None = None
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name.startswith("enable_") and not isinstance(value, bool):
+                raise UserError(f"memascend setting {field.name} must be true or false, got {value!r}")
+        slots = self.param_prefetch_slots
+        if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
+            raise UserError(f"memascend setting param_prefetch_slots must be an integer >= 1, got {slots!r}")
+
+    @classmethod
+    def from_mapping(cls, section: Mapping[str, Any]) -> MemAscendSettings:
+        """Build settings from a mapping of field names to values.
+
+        Raises:
+            UserError: an unknown key or a bad value.
+        """
+        if not isinstance(section, Mapping):
+            raise UserError(f'the "{DS_CONFIG_SECTION}" section must be an object, got {type(section).__name__}')
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(section) - known)
+        if unknown:
+            raise UserError(
+                f'unknown key(s) {", ".join(unknown)} in "{DS_CONFIG_SECTION}"; known: {", ".join(sorted(known))}')
+        return cls(**dict(section))
+
+    @classmethod
+    def from_ds_config(cls, ds_config: Mapping[str, Any] | str | Path) -> MemAscendSettings:
+        """Read the ``"memascend"`` section of a DeepSpeed config (dict or JSON file path).
+
+        A config without the section gives the defaults (every optimization on).
+
+        Args:
+            ds_config: the DeepSpeed config as a dict, or the path of its JSON file.
+
+        Raises:
+            UserError: unreadable file, invalid JSON, unknown key or bad value in the section.
+        """
+        config = load_ds_config(ds_config)
+        return cls.from_mapping(config.get(DS_CONFIG_SECTION, {}))
+
+
+def load_ds_config(ds_config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
+    """Return a DeepSpeed config as a dict, reading it from JSON when given a path.
+
+    Raises:
+        UserError: the file cannot be read or is not a JSON object.
+    """
+    if isinstance(ds_config, Mapping):
+        return dict(ds_config)
+    path = Path(ds_config)
+    try:
+        loaded = json.loads(path.read_text())
+    except OSError as exc:
+        raise UserError(f"cannot read DeepSpeed config {path}: {exc.strerror}") from exc
+    except json.JSONDecodeError as exc:
+        raise UserError(f"DeepSpeed config {path} is not valid JSON: {exc.msg} at line {exc.lineno}") from exc
+    if not isinstance(loaded, dict):
+        raise UserError(f"DeepSpeed config {path} must hold a JSON object")
+    return loaded

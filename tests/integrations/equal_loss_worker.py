@@ -1,0 +1,160 @@
+"""One tiny ZeRO-3 NVMe-offload training run, stock or with memascend applied; prints a JSON report.
+
+Run as a subprocess by ``test_equal_loss.py`` (one DeepSpeed process per engine, so neither run
+sees the other's patches or locked memory)::
+
+    python tests/integrations/equal_loss_worker.py --engine memascend --dtype bf16 --nvme DIR --steps 3
+
+The report holds the per-step losses as ``float.hex`` strings (bit-exact comparison), the peak
+locked memory (VmLck, sampled every 2 ms by a thread and at each phase) and peak RSS (VmHWM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+class PeakSampler:
+    """Polls VmLck and VmRSS of this process; keeps the maxima (KiB)."""
+
+    def __init__(self, period_s: float = 0.002) -> None:
+        self.period_s = period_s
+        self.peak_vmlck_kib = 0
+        self.peak_rss_kib = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> None:
+        self.peak_vmlck_kib = max(self.peak_vmlck_kib, _status_kib("VmLck"))
+        self.peak_rss_kib = max(self.peak_rss_kib, _status_kib("VmRSS"))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            time.sleep(self.period_s)
+
+    def __enter__(self) -> PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ds_config(dtype: str, nvme: str, sub_group_size: int, param_buffer_count: int) -> dict:
+    """DeepSpeed config of the run: ZeRO-3, params and optimizer on NVMe, tight stock buffers."""
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10_000,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+        "zero_optimization": {
+            "stage": 3,
+            "sub_group_size": sub_group_size,
+            "offload_param": {"device": "nvme", "nvme_path": nvme, "buffer_count": param_buffer_count,
+                              "buffer_size": 1 << 20, "max_in_cpu": 0},
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "buffer_count": 4},
+        },
+        "aio": {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1,
+                "single_submit": False, "overlap_events": True},
+    }
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--engine", choices=("baseline", "memascend"), required=True)
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), required=True)
+    parser.add_argument("--nvme", required=True)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--sub-group-size", type=int, default=1_000_000_000)
+    parser.add_argument("--param-buffer-count", type=int, default=8,
+                        help="offload_param.buffer_count (stock needs 8 for this model, fails with 5)")
+    parser.add_argument("--fake-overflow-check", action="store_true",
+                        help="use a pure-torch stand-in for memascend.ops.overflow_check")
+    args = parser.parse_args()
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0", DS_ACCELERATOR="cpu")
+    import deepspeed
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    with PeakSampler() as sampler:
+        cfg = ds_config(args.dtype, args.nvme, args.sub_group_size, args.param_buffer_count)
+        applied = None
+        if args.engine == "memascend":
+            import memascend.integrations.deepspeed as ma_ds
+
+            if args.fake_overflow_check:
+                import memascend.integrations.deepspeed.overflow as ov
+
+                ov.load_checker = lambda: (lambda t: bool((~torch.isfinite(t)).any()))
+            applied = ma_ds.apply()
+        deepspeed.init_distributed(dist_backend="gloo")
+        hf_ds = HfDeepSpeedConfig(cfg)  # noqa: F841 - keeps transformers' zero-3 awareness alive (fp32 route)
+        torch.manual_seed(0)
+        model_cfg = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=2048, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+                                tie_word_embeddings=False)
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
+            model = LlamaForCausalLM(model_cfg)
+        sampler.sample()
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        sampler.sample()
+        gen = torch.Generator().manual_seed(1234)
+        losses = []
+        for _ in range(args.steps):
+            ids = torch.randint(0, model_cfg.vocab_size, (2, 64), generator=gen)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            sampler.sample()
+            losses.append(float(loss.float().item()))
+
+        pool = None
+        if applied is not None:
+            swapper = next(p.nvme_swapper for p in model.parameters() if getattr(p, "nvme_swapper", None))
+            stats = swapper.pool.stats()
+            opt_mgr = engine.optimizer.optimizer_swapper.swap_buffer_manager
+            pool = {"param_pool_reserved_bytes": stats.reserved_bytes,
+                    "param_pool_classes": {str(k): [c.slots, c.peak_in_use] for k, c in stats.classes.items()},
+                    "param_locked_bytes": swapper.locked_bytes(),
+                    "optimizer_buffers": len(opt_mgr.all_buffers),
+                    "optimizer_locked_bytes": opt_mgr.locked_bytes(),
+                    "allocator": swapper.locked_allocator.source}
+    report = {"engine": args.engine, "dtype": args.dtype, "losses_hex": [x.hex() for x in losses],
+              "losses": losses, "peak_vmlck_kib": sampler.peak_vmlck_kib, "peak_rss_kib": sampler.peak_rss_kib,
+              "vmhwm_kib": _status_kib("VmHWM"), "pool": pool}
+    print("EQUAL_LOSS_REPORT " + json.dumps(report), flush=True)
+    sys.stdout.flush()
+    os._exit(0)  # skip DeepSpeed/gloo teardown (slow, and irrelevant to the measurement)
+
+
+if __name__ == "__main__":
+    main()
