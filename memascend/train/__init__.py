@@ -1,0 +1,1 @@
+"""Fine-tuning loop around deepspeed.initialize; DeepSpeed config rendering; reports."""

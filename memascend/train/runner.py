@@ -1,0 +1,315 @@
+"""The fine-tuning job: load, initialize ZeRO-3 (ZeRO-Infinity offload), evaluate, train, save, report.
+
+One call, :func:`run_finetune`, per process; under torchrun or the ``deepspeed`` launcher every
+rank calls it. Rank 0 writes the outputs. Swap files live in a private folder under the NVMe path
+and are removed at exit, including on Ctrl-C, SIGTERM and errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+from memascend.config import RunConfig
+from memascend.errors import UserError
+from memascend.telemetry import MemorySampler, read_proc_io
+from memascend.train import dist as dist_setup
+from memascend.train import report as report_mod
+from memascend.train.ds_config import derived_as_dicts, load_user_ds_config, model_shape, render_ds_config
+from memascend.train.swapdir import (
+    TerminationAsInterrupt,
+    estimate_nvme_bytes,
+    folder_bytes,
+    make_run_id,
+    prepare_swap_dir,
+    remove_swap_dir,
+)
+
+_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def _check_dtype_supported(dtype: str, device_type: str) -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if dtype == "fp16" and not acc.is_fp16_supported():
+        raise UserError(f"--dtype fp16 is not supported on this device ({device_type}); use bf16 or fp32")
+    if dtype == "bf16" and not acc.is_bf16_supported():
+        raise UserError(f"--dtype bf16 is not supported on this device ({device_type}); use fp16 or fp32")
+
+
+def _meta_shape(src, cfg: RunConfig):
+    """Parameter layout from a meta-device instance (no memory, no weights read)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memascend.models.loading import llama_config
+
+    hf_cfg = llama_config(cfg.model.from_scratch) if cfg.model.from_scratch else AutoConfig.from_pretrained(src.hf_dir)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(hf_cfg)
+    return model_shape(meta)
+
+
+def _broadcast(obj, rank: int):
+    import torch.distributed as tdist
+
+    box = [obj if rank == 0 else None]
+    tdist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _all_reduce_sum(values: list[float]) -> list[float]:
+    import torch
+    import torch.distributed as tdist
+
+    t = torch.tensor(values, dtype=torch.float64)
+    if tdist.is_initialized() and tdist.get_world_size() > 1:
+        tdist.all_reduce(t)
+    return t.tolist()
+
+
+def evaluate(engine, blocks, micro_batch: int, info, sampler: MemorySampler) -> float | None:
+    """Token-weighted mean cross-entropy over the held-out blocks (all ranks take part)."""
+    import torch
+
+    n = len(blocks) // info.world_size * info.world_size
+    if n == 0:
+        return None
+    sampler.phase("eval")
+    engine.eval()
+    mine = list(range(info.rank, n, info.world_size))
+    loss_sum = tok_sum = 0.0
+    with torch.no_grad():
+        for i in range(0, len(mine), micro_batch):
+            idx = torch.tensor(mine[i : i + micro_batch])
+            ids, labels = blocks.input_ids[idx], blocks.labels[idx]
+            dev = engine.device
+            out = engine(input_ids=ids.to(dev), labels=labels.to(dev))
+            count = float((labels[:, 1:] != -100).sum())
+            loss_sum += float(out.loss) * count
+            tok_sum += count
+    engine.train()
+    loss_sum, tok_sum = _all_reduce_sum([loss_sum, tok_sum])
+    return loss_sum / tok_sum if tok_sum else None
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="fine-tune", unit="step", disable=not enabled, dynamic_ncols=True)
+
+
+class _Cleanup:
+    """What must be undone at exit, filled in as the run progresses."""
+
+    def __init__(self) -> None:
+        self.swap_dir: Path | None = None
+        self.revert = None
+
+    def run(self) -> None:
+        remove_swap_dir(self.swap_dir)
+        if self.revert is not None:
+            self.revert()
+
+
+def run_finetune(cfg: RunConfig) -> dict | None:
+    """Run one fine-tuning job and write its outputs to ``cfg.output_dir``.
+
+    Returns:
+        The report dict on rank 0, ``None`` on other ranks.
+
+    Raises:
+        UserError: bad input detected before or during the run (nothing is left behind).
+    """
+    info = dist_setup.setup_env()
+    cleanup = _Cleanup()
+    with TerminationAsInterrupt(), MemorySampler() as sampler:
+        try:
+            return _run(cfg, info, sampler, cleanup)
+        finally:
+            cleanup.run()
+
+
+def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dict | None:
+    is_rank0 = info.rank == 0
+    out_dir = Path(cfg.output_dir)
+    t_start = time.time()
+
+    # ---- load: cheap checks first, then model source and data --------------------------------
+    sampler.phase("load")
+    from memascend.data import BlockSampler, build_blocks, read_documents
+    from memascend.models.loading import build_model, load_tokenizer, max_positions, resolve_model
+
+    user_ds = load_user_ds_config(cfg.deepspeed_config) if cfg.deepspeed_config else None
+    src = resolve_model(cfg.model)
+    limit = max_positions(src, cfg.model.from_scratch)
+    if cfg.data.seq_len > limit:
+        raise UserError(f"--seq-len {cfg.data.seq_len} exceeds the model's limit of {limit} tokens")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create --output {out_dir}: {exc.strerror}") from None
+    if not os.access(out_dir, os.W_OK):
+        raise UserError(f"--output is not writable: {out_dir}")
+    tokenizer = load_tokenizer(src)
+    docs = read_documents(cfg.data.source, cfg.data.max_documents)
+    split = build_blocks(docs, tokenizer, cfg.data.seq_len, cfg.data.eval_blocks, cfg.train.seed)
+    shape = _meta_shape(src, cfg)
+    if cfg.model.from_scratch and cfg.model.from_scratch.vocab_size < len(tokenizer):
+        raise UserError(
+            f"from-scratch vocab_size {cfg.model.from_scratch.vocab_size} is smaller than the tokenizer's {len(tokenizer)}"
+        )
+
+    dist_setup.init_process_group()
+    _check_dtype_supported(cfg.train.dtype, info.device_type)
+    run_id = _broadcast(make_run_id(), info.rank)
+    swap_dir = None
+    if cfg.offload.uses_nvme:
+        need = estimate_nvme_bytes(
+            shape.total_numel,
+            _DTYPE_BYTES[cfg.train.dtype],
+            cfg.offload.param == "nvme",
+            cfg.offload.optimizer == "nvme",
+        )
+        # Every rank checks (ranks may have different NVMe paths via the environment); the first
+        # rank's folder name is shared so all ranks of one launch use one run folder.
+        swap_dir = prepare_swap_dir(cfg.offload.nvme_path, need // info.world_size, run_id)
+        cleanup.swap_dir = swap_dir
+    ds_cfg, derived = render_ds_config(cfg, shape, info.world_size, str(swap_dir) if swap_dir else None, user_ds)
+    micro_batch = int(ds_cfg["train_micro_batch_size_per_gpu"])
+    grad_accum = int(ds_cfg["gradient_accumulation_steps"])
+
+    # ---- initialize -----------------------------------------------------------------------------
+    sampler.phase("initialize")
+    import deepspeed
+
+    engine_settings = None
+    if cfg.engine == "memascend":
+        from memascend.integrations.deepspeed import apply_for_run
+
+        engine_settings, revert = apply_for_run(ds_cfg, user_ds)
+        cleanup.revert = revert
+    model, hf_ds = build_model(src, cfg.model, ds_cfg, cfg.train.seed)
+    if cfg.train.activation_checkpointing:
+        model.gradient_checkpointing_enable()
+    engine, _opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
+    del hf_ds
+
+    global_batch_blocks = micro_batch * grad_accum * info.world_size
+    if cfg.train.epochs is not None:
+        steps = max(1, math.floor(cfg.train.epochs * len(split.train) / global_batch_blocks))
+    else:
+        steps = int(cfg.train.steps)
+    loss_before = evaluate(engine, split.eval, micro_batch, info, sampler)
+
+    # ---- train ----------------------------------------------------------------------------------
+    block_sampler = BlockSampler(len(split.train), micro_batch, info.world_size, info.rank, cfg.train.seed)
+    io0 = read_proc_io()
+    per_step = []
+    tokens_per_step = global_batch_blocks * cfg.data.seq_len
+    peak_swap_bytes = 0
+    bar = _progress(steps, is_rank0)
+    train_t0 = time.monotonic()
+    try:
+        for step in range(steps):
+            t0 = time.monotonic()
+            skipped_before = int(getattr(engine, "skipped_steps", 0))
+            losses = []
+            for micro in range(grad_accum):
+                idx = block_sampler.indices(step * grad_accum + micro)
+                ids = split.train.input_ids[idx].to(engine.device)
+                labels = split.train.labels[idx].to(engine.device)
+                sampler.phase("forward")
+                loss = engine(input_ids=ids, labels=labels).loss
+                sampler.phase("backward")
+                engine.backward(loss)
+                sampler.phase("step")
+                engine.step()
+                losses.append(float(loss.detach().float()))
+            loss_sum, n = _all_reduce_sum([sum(losses), len(losses)])
+            dt = time.monotonic() - t0
+            rss = sampler.sample().rss_bytes
+            entry = {
+                "step": step + 1,
+                "loss": loss_sum / n,
+                "rank_losses": losses,
+                "time_s": dt,
+                "tokens": tokens_per_step,
+                "tokens_per_s": tokens_per_step / dt,
+                "rss_bytes": rss,
+                "skipped": int(getattr(engine, "skipped_steps", 0)) > skipped_before,
+            }
+            per_step.append(entry)
+            if swap_dir is not None and step == 0:
+                peak_swap_bytes = folder_bytes(swap_dir)
+            bar.set_postfix(
+                loss=f"{entry['loss']:.4f}", tok_s=f"{entry['tokens_per_s']:.0f}", rss=f"{rss / 2**30:.2f}GiB"
+            )
+            bar.update(1)
+    finally:
+        bar.close()
+    train_s = time.monotonic() - train_t0
+    io1 = read_proc_io()
+    skipped_steps = int(getattr(engine, "skipped_steps", 0))
+    loss_after = evaluate(engine, split.eval, micro_batch, info, sampler)
+
+    # ---- save -----------------------------------------------------------------------------------
+    sampler.phase("save")
+    model_dir = None
+    if cfg.train.save_model:
+        state_dict = engine._zero3_consolidated_16bit_state_dict()
+        if is_rank0:
+            model_dir = out_dir / "model"
+            model_to_save = engine.module
+            with contextlib.suppress(AttributeError):
+                model_to_save.config.use_cache = True
+            model_to_save.save_pretrained(model_dir, state_dict=state_dict, safe_serialization=True)
+            tokenizer.save_pretrained(model_dir)
+        del state_dict
+    sampler.phase("done")
+
+    # ---- report ---------------------------------------------------------------------------------
+    summary = sampler.summary()
+    import torch.distributed as tdist
+
+    rank_peaks = [None] * info.world_size
+    tdist.all_gather_object(rank_peaks, {"rank": info.rank, **{k: summary[k] for k in ("peak_rss_bytes", "peak_locked_bytes")}})
+    engine.destroy() if hasattr(engine, "destroy") else None
+    if not is_rank0:
+        return None
+    rep = report_mod.build_report(
+        cfg=cfg,
+        ds_cfg=ds_cfg,
+        derived=derived_as_dicts(derived),
+        engine_settings=engine_settings,
+        info=info,
+        split=split,
+        shape=shape,
+        per_step=per_step,
+        loss_before=loss_before,
+        loss_after=loss_after,
+        summary=summary,
+        rank_peaks=rank_peaks,
+        io_read_bytes=io1["read_bytes"] - io0["read_bytes"],
+        io_write_bytes=io1["write_bytes"] - io0["write_bytes"],
+        swap_folder_bytes=peak_swap_bytes,
+        train_s=train_s,
+        wall_s=time.time() - t_start,
+        skipped_steps=skipped_steps,
+        model_dir=str(model_dir) if model_dir else None,
+    )
+    sampler.write_csv(out_dir / "memory_timeline.csv")
+    from memascend.telemetry.plot import plot_timelines
+
+    plot_timelines(
+        {cfg.engine: out_dir / "memory_timeline.csv"},
+        out_dir / "memory_timeline.png",
+        title=f"{cfg.model.name_or_path if not cfg.model.from_scratch else 'from-scratch'} / {cfg.engine}",
+    )
+    (out_dir / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
+    return rep
