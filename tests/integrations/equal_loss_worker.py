@@ -94,6 +94,8 @@ def main() -> None:
     parser.add_argument("--sub-group-size", type=int, default=1_000_000_000)
     parser.add_argument("--param-buffer-count", type=int, default=8,
                         help="offload_param.buffer_count (stock needs 8 for this model, fails with 5)")
+    parser.add_argument("--ma-sub-group-numel", type=int, default=None,
+                        help="memascend only: optimizer_sub_group_numel (rewrites sub_group_size)")
     parser.add_argument("--fake-overflow-check", action="store_true",
                         help="use a pure-torch stand-in for memascend.ops.overflow_check")
     args = parser.parse_args()
@@ -115,7 +117,8 @@ def main() -> None:
                 import memascend.integrations.deepspeed.overflow as ov
 
                 ov.load_checker = lambda: (lambda t: bool((~torch.isfinite(t)).any()))
-            applied = ma_ds.apply()
+            applied = ma_ds.apply(ma_ds.MemAscendSettings(optimizer_sub_group_numel=args.ma_sub_group_numel))
+            cfg = ma_ds.rewrite_ds_config(cfg, applied)
         deepspeed.init_distributed(dist_backend="gloo")
         hf_ds = HfDeepSpeedConfig(cfg)  # noqa: F841 - keeps transformers' zero-3 awareness alive (fp32 route)
         torch.manual_seed(0)

@@ -19,6 +19,11 @@ Three ways in:
   ``"memascend": {"enable_fused_overflow_check": false, "param_prefetch_slots": 8}``;
 * ``apply(MemAscendSettings(...))`` directly.
 
+Settings that live in DeepSpeed's own config (``optimizer_sub_group_numel`` ->
+``zero_optimization.sub_group_size``) are written by :func:`rewrite_ds_config`; pass its result to
+``deepspeed.initialize``/``zero.Init`` (a user with their own JSON can equally set
+``sub_group_size`` there).
+
 What each flag patches (DeepSpeed 0.19.8 names):
 
 * ``enable_param_pool``: ``AsyncPartitionedParameterSwapper`` as imported by
@@ -43,7 +48,7 @@ from typing import Any
 
 from memascend.errors import UserError
 from memascend.integrations.deepspeed.patches import PatchRecord, PatchRegistry
-from memascend.integrations.deepspeed.settings import DS_CONFIG_SECTION, MemAscendSettings
+from memascend.integrations.deepspeed.settings import DS_CONFIG_SECTION, MemAscendSettings, rewrite_ds_config
 
 __all__ = [
     "DS_CONFIG_SECTION",
@@ -53,6 +58,7 @@ __all__ = [
     "applied_settings",
     "patch_records",
     "revert",
+    "rewrite_ds_config",
 ]
 
 _lock = threading.Lock()

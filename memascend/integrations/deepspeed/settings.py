@@ -45,6 +45,14 @@ class MemAscendSettings:
             (``memascend.ops.overflow_check``).
         param_prefetch_slots: slot budget the parameter prefetcher may use; ``None`` means the
             config's ``offload_param.buffer_count`` (the stock prefetch schedule).
+        optimizer_sub_group_numel: elements per optimizer sub-group written into
+            ``zero_optimization.sub_group_size`` by :func:`rewrite_ds_config` (``None``: keep the
+            config's). The optimizer swapper locks ``states + 1`` fp32 buffers of the largest
+            sub-group, so this bounds its locked memory; pick it with
+            ``optimizer_swapper.plan_sub_group_numel``. Adam's update is elementwise, so the
+            losses stay bit-identical (verified in bf16 and fp32 without gradient clipping; with
+            ``gradient_clipping`` the per-sub-group norm partial sums regroup, which can change
+            the last bit of the clip coefficient).
     """
 
     enable_param_pool: bool = True
@@ -52,6 +60,7 @@ class MemAscendSettings:
     enable_arena_pinning: bool = True
     enable_fused_overflow_check: bool = True
     param_prefetch_slots: int | None = None
+    optimizer_sub_group_numel: int | None = None
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -61,6 +70,9 @@ class MemAscendSettings:
         slots = self.param_prefetch_slots
         if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
             raise UserError(f"memascend setting param_prefetch_slots must be an integer >= 1, got {slots!r}")
+        sub = self.optimizer_sub_group_numel
+        if sub is not None and (isinstance(sub, bool) or not isinstance(sub, int) or sub < 1):
+            raise UserError(f"memascend setting optimizer_sub_group_numel must be an integer >= 1, got {sub!r}")
 
     @classmethod
     def from_mapping(cls, section: Mapping[str, Any]) -> MemAscendSettings:
@@ -112,3 +124,24 @@ def load_ds_config(ds_config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
     if not isinstance(loaded, dict):
         raise UserError(f"DeepSpeed config {path} must hold a JSON object")
     return loaded
+
+
+def rewrite_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings) -> dict[str, Any]:
+    """Return a copy of ``ds_config`` with the settings that live in DeepSpeed's own config applied.
+
+    Today that is ``optimizer_sub_group_numel`` -> ``zero_optimization.sub_group_size``. The
+    ``"memascend"`` section itself is kept (DeepSpeed ignores it).
+
+    Args:
+        ds_config: the DeepSpeed config dict (not modified).
+        settings: the memascend settings.
+
+    Returns:
+        A new dict (nested ``zero_optimization`` copied, other values shared).
+    """
+    out = dict(ds_config)
+    if settings.optimizer_sub_group_numel is not None:
+        zero = dict(out.get("zero_optimization", {}))
+        zero["sub_group_size"] = settings.optimizer_sub_group_numel
+        out["zero_optimization"] = zero
+    return out

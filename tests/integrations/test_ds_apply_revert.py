@@ -1,0 +1,145 @@
+"""apply()/revert() leave DeepSpeed exactly as it was; settings load from a DeepSpeed config."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import memascend.integrations.deepspeed as ma_ds
+from memascend.errors import UserError
+from memascend.integrations.deepspeed import overflow
+from memascend.integrations.deepspeed.patches import PatchRegistry
+
+
+@pytest.fixture(autouse=True)
+def _stand_in_overflow_op(monkeypatch):
+    # Pure-torch stand-in for memascend.ops.overflow_check so apply() works before the op lands.
+    monkeypatch.setattr(overflow, "load_checker", lambda: (lambda t: bool((~torch.isfinite(t)).any())))
+    yield
+    ma_ds.revert()
+
+
+def _seam_objects():
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.swap_tensor import optimizer_utils
+    from deepspeed.runtime.zero import partition_parameters
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as S3
+
+    acc = type(get_accelerator())
+    return {
+        "partition_parameters.AsyncPartitionedParameterSwapper": (partition_parameters,
+                                                                  "AsyncPartitionedParameterSwapper"),
+        "optimizer_utils.SwapBufferManager": (optimizer_utils, "SwapBufferManager"),
+        "accelerator.pin_memory": (acc, "pin_memory"),
+        "accelerator.unpin_memory": (acc, "unpin_memory"),
+        "stage3.has_overflow": (S3, "has_overflow"),
+        "stage3._has_inf_or_nan": (S3, "_has_inf_or_nan"),
+    }
+
+
+def _snapshot():
+    # Raw __dict__ entries (so a staticmethod object and "inherited, not own" both count).
+    return {key: vars(owner).get(name, "<absent>") for key, (owner, name) in _seam_objects().items()}
+
+
+def test_revert_restores_identical_objects():
+    before = _snapshot()
+    ma_ds.apply()
+    during = _snapshot()
+    assert all(during[k] is not before[k] for k in before), "every seam must be patched"
+    assert len(ma_ds.patch_records()) == len(before)
+    ma_ds.revert()
+    after = _snapshot()
+    assert all(after[k] is before[k] for k in before)
+    assert ma_ds.applied_settings() is None and ma_ds.patch_records() == ()
+
+
+def test_each_flag_patches_only_its_seams():
+    before = _snapshot()
+    ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=True, enable_optimizer_pool=False,
+                                        enable_arena_pinning=False, enable_fused_overflow_check=False))
+    during = _snapshot()
+    changed = {k for k in before if during[k] is not before[k]}
+    assert changed == {"partition_parameters.AsyncPartitionedParameterSwapper"}
+
+
+def test_apply_twice_same_settings_is_noop_other_settings_is_error():
+    s = ma_ds.apply()
+    records = ma_ds.patch_records()
+    assert ma_ds.apply(ma_ds.MemAscendSettings()) == s
+    assert ma_ds.patch_records() == records
+    with pytest.raises(UserError, match="revert"):
+        ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=False))
+    ma_ds.revert()
+    ma_ds.revert()  # twice is safe
+
+
+def test_failed_apply_leaves_deepspeed_stock(monkeypatch):
+    before = _snapshot()
+
+    def broken():
+        raise UserError("op unavailable")
+
+    monkeypatch.setattr(overflow, "load_checker", broken)
+    with pytest.raises(UserError):
+        ma_ds.apply()
+    assert _snapshot() == before and ma_ds.applied_settings() is None
+
+
+def test_registry_deletes_attributes_that_were_inherited():
+    class Base:
+        def f(self):
+            return "base"
+
+    class Child(Base):
+        pass
+
+    reg = PatchRegistry()
+    reg.patch(Child, "f", lambda self: "patched")
+    assert Child().f() == "patched"
+    with pytest.raises(RuntimeError):
+        reg.patch(Child, "f", lambda self: "again")
+    reg.restore_all()
+    assert "f" not in vars(Child) and Child().f() == "base"
+
+
+def test_apply_from_config_reads_the_memascend_section(tmp_path):
+    cfg = {"train_micro_batch_size_per_gpu": 1,
+           "memascend": {"enable_fused_overflow_check": False, "param_prefetch_slots": 9}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    s = ma_ds.apply_from_config(path)
+    assert s == ma_ds.MemAscendSettings(enable_fused_overflow_check=False, param_prefetch_slots=9)
+    ma_ds.revert()
+    assert ma_ds.apply_from_config({"train_micro_batch_size_per_gpu": 1}) == ma_ds.MemAscendSettings()
+
+
+@pytest.mark.parametrize("section, match", [
+    ({"enable_turbo": True}, "unknown key"),
+    ({"enable_param_pool": "yes"}, "true or false"),
+    ({"param_prefetch_slots": 0}, ">= 1"),
+    ({"optimizer_sub_group_numel": -5}, ">= 1"),
+    ([1, 2], "must be an object"),
+])
+def test_bad_sections_are_user_errors(section, match):
+    with pytest.raises(UserError, match=match):
+        ma_ds.MemAscendSettings.from_ds_config({"memascend": section})
+
+
+def test_bad_config_files_are_user_errors(tmp_path):
+    with pytest.raises(UserError, match="cannot read"):
+        ma_ds.apply_from_config(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(UserError, match="not valid JSON"):
+        ma_ds.apply_from_config(bad)
+
+
+def test_rewrite_ds_config_sets_sub_group_size_without_mutating_input():
+    cfg = {"zero_optimization": {"stage": 3, "sub_group_size": 10**9}}
+    out = ma_ds.rewrite_ds_config(cfg, ma_ds.MemAscendSettings(optimizer_sub_group_numel=1 << 20))
+    assert out["zero_optimization"] == {"stage": 3, "sub_group_size": 1 << 20}
+    assert cfg["zero_optimization"]["sub_group_size"] == 10**9
+    assert ma_ds.rewrite_ds_config(cfg, ma_ds.MemAscendSettings()) == cfg
