@@ -96,8 +96,6 @@ def main() -> None:
                         help="offload_param.buffer_count (stock needs 8 for this model, fails with 5)")
     parser.add_argument("--ma-sub-group-numel", type=int, default=None,
                         help="memascend only: optimizer_sub_group_numel (rewrites sub_group_size)")
-    parser.add_argument("--fake-overflow-check", action="store_true",
-                        help="use a pure-torch stand-in for memascend.ops.overflow_check")
     args = parser.parse_args()
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
@@ -113,10 +111,6 @@ def main() -> None:
         if args.engine == "memascend":
             import memascend.integrations.deepspeed as ma_ds
 
-            if args.fake_overflow_check:
-                import memascend.integrations.deepspeed.overflow as ov
-
-                ov.load_checker = lambda: (lambda t: bool((~torch.isfinite(t)).any()))
             applied = ma_ds.apply(ma_ds.MemAscendSettings(optimizer_sub_group_numel=args.ma_sub_group_numel))
             cfg = ma_ds.rewrite_ds_config(cfg, applied)
         deepspeed.init_distributed(dist_backend="gloo")
