@@ -41,4 +41,9 @@ for _mod, _attr in _COMMANDS:
 
 
 def main() -> None:
+    import warnings
+
+    # torch.distributed's deprecation notices for calls made inside DeepSpeed fill the log every
+    # step; they are not actionable for a user of this CLI.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     cli(prog_name="memascend")

@@ -44,6 +44,7 @@ def build_report(
     wall_s: float,
     skipped_steps: int,
     model_dir: str | None,
+    param_dtype: str,
 ) -> dict:
     """Assemble the report dict (all sizes in bytes, times in seconds)."""
     step_times = [s["time_s"] for s in per_step]
@@ -70,6 +71,7 @@ def build_report(
             "from_scratch": cfg.model.from_scratch is not None,
             "param_numel": shape.total_numel,
             "largest_param_numel": shape.largest_numel,
+            "param_dtype": param_dtype,
         },
         "data": {
             "source": cfg.data.source,
@@ -89,7 +91,13 @@ def build_report(
         else None,
         "train_s": train_s,
         "wall_s": wall_s,
-        "memory": {**summary, "ranks": rank_peaks},
+        "memory": {
+            **summary,
+            "ranks": rank_peaks,
+            # Ranks on one host add up; the sum of per-rank peaks bounds the host's peak.
+            "sum_rank_peak_rss_bytes": sum(r["peak_rss_bytes"] for r in rank_peaks),
+            "sum_rank_peak_locked_bytes": sum(r["peak_locked_bytes"] for r in rank_peaks),
+        },
         "nvme": {
             "read_bytes": io_read_bytes,
             "write_bytes": io_write_bytes,

@@ -42,6 +42,17 @@ def _check_dtype_supported(dtype: str, device_type: str) -> None:
         raise UserError(f"--dtype bf16 is not supported on this device ({device_type}); use fp16 or fp32")
 
 
+def _check_output_dir(out_dir: Path) -> None:
+    """Fail early if ``--output`` cannot be created or written (without creating anything)."""
+    probe = out_dir.resolve()
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UserError(f"--output is inside a file, not a folder: {out_dir}")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UserError(f"--output is not writable: {out_dir}")
+
+
 def _meta_shape(src, cfg: RunConfig):
     """Parameter layout from a meta-device instance (no memory, no weights read)."""
     import torch
@@ -150,12 +161,7 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
     limit = max_positions(src, cfg.model.from_scratch)
     if cfg.data.seq_len > limit:
         raise UserError(f"--seq-len {cfg.data.seq_len} exceeds the model's limit of {limit} tokens")
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"cannot create --output {out_dir}: {exc.strerror}") from None
-    if not os.access(out_dir, os.W_OK):
-        raise UserError(f"--output is not writable: {out_dir}")
+    _check_output_dir(out_dir)
     tokenizer = load_tokenizer(src)
     docs = read_documents(cfg.data.source, cfg.data.max_documents)
     split = build_blocks(docs, tokenizer, cfg.data.seq_len, cfg.data.eval_blocks, cfg.train.seed)
@@ -184,21 +190,32 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
     micro_batch = int(ds_cfg["train_micro_batch_size_per_gpu"])
     grad_accum = int(ds_cfg["gradient_accumulation_steps"])
 
+    if is_rank0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+
     # ---- initialize -----------------------------------------------------------------------------
     sampler.phase("initialize")
     import deepspeed
 
     engine_settings = None
     if cfg.engine == "memascend":
-        from memascend.integrations.deepspeed import apply_for_run
+        import dataclasses
 
-        engine_settings, revert = apply_for_run(ds_cfg, user_ds)
-        cleanup.revert = revert
+        from memascend.integrations import deepspeed as seam
+        from memascend.integrations.deepspeed.settings import MemAscendSettings, rewrite_ds_config
+
+        settings = MemAscendSettings.from_mapping((user_ds or {}).get("memascend", {}))
+        ds_cfg = rewrite_ds_config(ds_cfg, settings)
+        cleanup.revert = seam.revert
+        seam.apply(settings)
+        engine_settings = dataclasses.asdict(settings)
     model, hf_ds = build_model(src, cfg.model, ds_cfg, cfg.train.seed)
     if cfg.train.activation_checkpointing:
         model.gradient_checkpointing_enable()
     engine, _opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
     del hf_ds
+    first = next(engine.module.parameters())
+    param_dtype = str(getattr(first, "ds_tensor", first).dtype).replace("torch.", "")
 
     global_batch_blocks = micro_batch * grad_accum * info.world_size
     if cfg.train.epochs is not None:
@@ -302,6 +319,7 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
         wall_s=time.time() - t_start,
         skipped_steps=skipped_steps,
         model_dir=str(model_dir) if model_dir else None,
+        param_dtype=param_dtype,
     )
     sampler.write_csv(out_dir / "memory_timeline.csv")
     from memascend.telemetry.plot import plot_timelines

@@ -1,0 +1,35 @@
+"""Shared fixtures. Tests that run DeepSpeed do so in subprocesses (one process group each)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_cli(args: list[str], cwd: Path, timeout_s: float = 900, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m memascend ARGS`` in a fresh process; returns the completed process (text mode)."""
+    full_env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        full_env.pop(key, None)
+    return subprocess.run(
+        [sys.executable, "-m", "memascend", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    from memascend.config import ModelConfig
+    from memascend.models.loading import load_tokenizer, resolve_model
+
+    return load_tokenizer(resolve_model(ModelConfig()))

@@ -1,0 +1,87 @@
+import pytest
+
+from memascend.config import (
+    FROM_SCRATCH_PRESETS,
+    FromScratchConfig,
+    build_run_config,
+    load_toml,
+    parse_from_scratch,
+)
+from memascend.errors import UserError
+
+
+def test_defaults_are_the_documented_main_job():
+    cfg = build_run_config({}, {})
+    assert cfg.model.name_or_path == "smollm2-135m"
+    assert cfg.data.source == "shakespeare"
+    assert (cfg.offload.param, cfg.offload.optimizer) == ("nvme", "nvme")
+    assert cfg.train.dtype == "bf16" and cfg.train.micro_batch == 4 and cfg.data.seq_len == 256
+
+
+def test_cli_overrides_file_and_none_means_not_given(tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_text('engine = "baseline"\n[train]\nlr = 0.5\nsteps = 7\n[data]\nseq_len = 128\n')
+    cfg = build_run_config(load_toml(f), {"train": {"lr": 0.25, "steps": None}, "data": {"seq_len": None}})
+    assert cfg.train.lr == 0.25 and cfg.train.steps == 7 and cfg.data.seq_len == 128
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("[train]\nbogus = 1\n", r"unknown key \[train\]\.bogus"),
+        ("nonsense = 1\n", "unknown key 'nonsense'"),
+        ("[train\n", "not valid TOML"),
+    ],
+)
+def test_bad_toml_is_a_user_error(tmp_path, text, match):
+    f = tmp_path / "bad.toml"
+    f.write_text(text)
+    with pytest.raises(UserError, match=match):
+        load_toml(f)
+
+
+def test_missing_toml_file():
+    with pytest.raises(UserError, match="config file not found"):
+        load_toml("/nonexistent/run.toml")
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"train": {"micro_batch": 0}}, "micro-batch"),
+        ({"train": {"lr": -1.0}}, "--lr"),
+        ({"train": {"dtype": "fp8"}}, "--dtype"),
+        ({"data": {"seq_len": 2}}, "--seq-len"),
+        ({"offload": {"param": "disk"}}, "--offload-param"),
+        ({"engine": "turbo"}, "--engine"),
+    ],
+)
+def test_invalid_values_raise_user_error(overrides, match):
+    with pytest.raises(UserError, match=match):
+        build_run_config({}, overrides)
+
+
+def test_from_scratch_specs():
+    assert parse_from_scratch("llama-1b") is FROM_SCRATCH_PRESETS["llama-1b"]
+    fs = parse_from_scratch("hidden=256,layers=4,heads=8,vocab=49152")
+    assert (fs.hidden_size, fs.num_layers, fs.num_heads, fs.kv_heads) == (256, 4, 8, 8)
+    with pytest.raises(UserError, match="not divisible"):
+        parse_from_scratch("hidden=100,layers=2,heads=3")
+    with pytest.raises(UserError, match="unknown preset"):
+        parse_from_scratch("gpt-5")
+    with pytest.raises(UserError, match="missing"):
+        parse_from_scratch("hidden=64")
+
+
+@pytest.mark.parametrize("name", sorted(FROM_SCRATCH_PRESETS))
+def test_param_numel_matches_transformers(name):
+    """The closed-form parameter count (used for NVMe space estimates) matches the real model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from memascend.models.loading import llama_config
+
+    fs: FromScratchConfig = FROM_SCRATCH_PRESETS[name]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(llama_config(fs))
+    assert sum(p.numel() for p in model.parameters()) == fs.param_numel

@@ -1,0 +1,126 @@
+"""The real pipeline end to end on the CPU: SmolLM2-135M, Shakespeare, params + optimizer on NVMe."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.conftest import REPO, run_cli
+
+
+@pytest.fixture(scope="module")
+def smollm2_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("e2e")
+    args = [
+        "finetune",
+        "--steps", "2",
+        "--seq-len", "64",
+        "--micro-batch", "2",
+        "--eval-blocks", "4",
+        "--output", str(tmp / "out"),
+        "--nvme-path", str(tmp / "swap"),
+    ]
+    proc = run_cli(args, tmp)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return tmp, json.loads((tmp / "out" / "report.json").read_text())
+
+
+def test_report_has_what_the_run_measured(smollm2_run):
+    tmp, rep = smollm2_run
+    assert rep["engine"] == "baseline" and rep["model"]["param_numel"] == 134_515_008
+    assert rep["deepspeed_config"]["zero_optimization"]["offload_param"]["device"] == "nvme"
+    assert rep["deepspeed_config"]["zero_optimization"]["offload_optimizer"]["device"] == "nvme"
+    assert rep["versions"]["deepspeed"] == "0.19.8" and rep["versions"]["torch"].startswith("2.13.0")
+    assert rep["num_steps"] == 2 and all(math.isfinite(s["loss"]) for s in rep["steps"])
+    assert all(s["tokens_per_s"] > 0 and s["time_s"] > 0 for s in rep["steps"])
+    assert rep["eval"]["loss_before"] is not None and rep["eval"]["loss_after"] is not None
+    mem = rep["memory"]
+    # The stock param swapper pins buffer_count x buffer_size elements up front: >= 5 x 1e8 x 2 bytes.
+    assert mem["peak_locked_bytes"] >= 5 * 10**8 * 2
+    assert mem["peak_rss_bytes"] > mem["peak_locked_bytes"]
+    assert rep["nvme"]["write_bytes"] > 134_515_008 * 2  # at least the bf16 params went to the swap folder
+    assert rep["nvme"]["swap_folder_bytes"] > 134_515_008 * 2
+    assert "derived_deepspeed_settings" in rep
+    assert (tmp / "out" / "memory_timeline.png").stat().st_size > 10_000
+    header = (tmp / "out" / "memory_timeline.csv").read_text().splitlines()[0]
+    assert header.startswith("t_s,phase,rss_bytes")
+
+
+def test_swap_files_removed_at_exit(smollm2_run):
+    tmp, _ = smollm2_run
+    assert list((tmp / "swap").iterdir()) == []
+
+
+def test_output_model_reloads_and_generates(smollm2_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp, _ = smollm2_run
+    model_dir = tmp / "out" / "model"
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    ids = tok("To be, or not to be", return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=8, do_sample=False)
+    assert out.shape[1] == ids["input_ids"].shape[1] + 8
+
+
+def test_fp32_really_trains_in_fp32(tmp_path):
+    """DeepSpeed 0.19.8 turns an explicit dtype into bf16 on the CPU; memascend sidesteps that."""
+    args = ["finetune", "--from-scratch", "llama-tiny", "--dtype", "fp32", "--steps", "2", "--seq-len", "32",
+            "--micro-batch", "2", "--eval-blocks", "2", "--no-save-model",
+            "--output", str(tmp_path / "out"), "--nvme-path", str(tmp_path / "swap")]
+    proc = run_cli(args, tmp_path, timeout_s=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert rep["model"]["param_dtype"] == "float32"
+    assert rep["deepspeed_config"]["bf16"]["enabled"] is False
+
+
+@pytest.mark.distributed
+def test_two_cpu_ranks(tmp_path):
+    args = ["finetune", "--nproc", "2", "--steps", "2", "--seq-len", "32", "--micro-batch", "1", "--eval-blocks", "2",
+            "--no-save-model", "--output", str(tmp_path / "out"), "--nvme-path", str(tmp_path / "swap")]
+    proc = run_cli(args, tmp_path, timeout_s=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert rep["host"]["world_size"] == 2
+    assert [r["rank"] for r in rep["memory"]["ranks"]] == [0, 1]
+    assert all(len(s["rank_losses"]) == 1 and math.isfinite(s["loss"]) for s in rep["steps"])
+    assert list((tmp_path / "swap").iterdir()) == []
+
+
+def test_ctrl_c_removes_swap_files(tmp_path):
+    swap = tmp_path / "swap"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "memascend", "finetune", "--from-scratch", "llama-tiny", "--steps", "100000",
+         "--seq-len", "32", "--micro-batch", "1", "--eval-blocks", "1", "--output", str(tmp_path / "out"),
+         "--nvme-path", str(swap)],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if swap.exists() and any(f for _, _, fs in os.walk(swap) for f in fs if f.endswith(".swp")):
+                break
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            time.sleep(0.5)
+        else:
+            pytest.fail("the run never created swap files")
+        time.sleep(2)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert list(swap.iterdir()) == []
