@@ -156,7 +156,11 @@ def _patch_all(settings: MemAscendSettings) -> None:
     if settings.enable_fused_overflow_check:
         from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-        from memascend.integrations.deepspeed.overflow import load_checker, make_has_inf_or_nan, make_has_overflow
+        from memascend.integrations.deepspeed.overflow import (
+            load_checker,
+            make_has_inf_or_nan,
+            make_has_overflow,
+        )
 
         checker = load_checker()
         stage3 = DeepSpeedZeroOptimizer_Stage3
