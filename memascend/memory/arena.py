@@ -236,7 +236,9 @@ class PinnedArena:
         if tensor.numel() == 0:
             nbytes = 0
         else:  # the byte span the (possibly strided) view touches
-            last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+            last = sum(
+                (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+            )
             nbytes = (last + 1) * tensor.element_size()
         for region in self.regions():
             if region.base <= start and start + nbytes <= region.base + region.size_bytes:

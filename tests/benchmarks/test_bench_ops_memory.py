@@ -103,8 +103,10 @@ def test_bench_overflow_throughput_ratio(benchmark, buffers, nbytes, dtype):
     )
     benchmark.group = f"overflow-check-{nbytes >> 20}MiB"
     benchmark.pedantic(has_inf_or_nan, args=(buf,), rounds=1, iterations=1)
-    print(f"\n{nbytes >> 20} MiB {dtype}: fused {nbytes / fused_s / GIB:.2f} GiB/s, torch pair "
-          f"{nbytes / stock_s / GIB:.2f} GiB/s, speedup {ratio:.2f}x")
+    print(
+        f"\n{nbytes >> 20} MiB {dtype}: fused {nbytes / fused_s / GIB:.2f} GiB/s, torch pair "
+        f"{nbytes / stock_s / GIB:.2f} GiB/s, speedup {ratio:.2f}x"
+    )
     assert ratio >= 1.0, f"fused {fused_s:.4f}s slower than torch pair {stock_s:.4f}s"
 
 
@@ -148,7 +150,10 @@ def test_bench_arena_vs_pow2_smollm2_partitions(benchmark, world_size):
     try:
         s = arena.stats()
         assert s.requested_bytes == requested and s.in_use_bytes == arena_exact
-        assert s.reserved_bytes == (arena_exact + REGION_ALIGN_BYTES - 1) // REGION_ALIGN_BYTES * REGION_ALIGN_BYTES
+        assert (
+            s.reserved_bytes
+            == (arena_exact + REGION_ALIGN_BYTES - 1) // REGION_ALIGN_BYTES * REGION_ALIGN_BYTES
+        )
         assert s.locked_bytes == s.reserved_bytes and s.num_regions == 1
         assert all(t.data_ptr() % ALIGN_BYTES == 0 for t in tensors)
         assert s.reserved_bytes < torch_pow2
@@ -159,9 +164,11 @@ def test_bench_arena_vs_pow2_smollm2_partitions(benchmark, world_size):
             arena_overhead_ratio=s.reserved_bytes / requested,
             torch_overhead_ratio=torch_pow2 / requested,
         )
-        print(f"\nSmolLM2-135M bf16 partitions, world {world_size}: requested {requested / MIB:.1f} MiB, "
-              f"arena {s.reserved_bytes / MIB:.1f} MiB (x{s.reserved_bytes / requested:.4f}), "
-              f"torch pow2 {torch_pow2 / MIB:.1f} MiB (x{torch_pow2 / requested:.4f})")
+        print(
+            f"\nSmolLM2-135M bf16 partitions, world {world_size}: requested {requested / MIB:.1f} MiB, "
+            f"arena {s.reserved_bytes / MIB:.1f} MiB (x{s.reserved_bytes / requested:.4f}), "
+            f"torch pow2 {torch_pow2 / MIB:.1f} MiB (x{torch_pow2 / requested:.4f})"
+        )
     finally:
         for t in tensors:
             arena.free(t)

@@ -159,7 +159,9 @@ TestArenaAgainstModel = ArenaMachine.TestCase
 @settings(max_examples=60, deadline=None)
 @given(
     numel=st.integers(0, 300_000),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8, torch.int64]),
+    dtype=st.sampled_from(
+        [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8, torch.int64]
+    ),
 )
 def test_allocate_is_aligned_and_exact(numel, dtype):
     with PinnedArena(enable_hugetlb=False, region_bytes=2 * MIB, enable_mlock=False) as a:
@@ -193,7 +195,9 @@ def test_coalescing_returns_one_block(arena):
 
 
 def test_best_fit_reuses_the_smallest_hole(arena):
-    a, _b, c, _d = (arena.allocate(n, torch.uint8) for n in (3 * ALIGN_BYTES, ALIGN_BYTES, ALIGN_BYTES, ALIGN_BYTES))
+    a, _b, c, _d = (
+        arena.allocate(n, torch.uint8) for n in (3 * ALIGN_BYTES, ALIGN_BYTES, ALIGN_BYTES, ALIGN_BYTES)
+    )
     a_ptr, c_ptr = a.data_ptr(), c.data_ptr()
     arena.free(a)
     arena.free(c)
@@ -397,7 +401,16 @@ _MLOCK_DENIED = textwrap.dedent(
 def test_mlock_failure_names_limit_and_need():
     if os.geteuid() != 0:
         pytest.skip("needs root to drop CAP_IPC_LOCK with setpriv")
-    cmd = ["setpriv", "--bounding-set", "-ipc_lock", "--inh-caps", "-ipc_lock", sys.executable, "-c", _MLOCK_DENIED]
+    cmd = [
+        "setpriv",
+        "--bounding-set",
+        "-ipc_lock",
+        "--inh-caps",
+        "-ipc_lock",
+        sys.executable,
+        "-c",
+        _MLOCK_DENIED,
+    ]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     except FileNotFoundError:

@@ -15,7 +15,6 @@ from memascend.ops import overflow_check
 from memascend.ops.overflow_check import has_inf_or_nan
 
 FUSED = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
-INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}
 
 
 def reference(t: torch.Tensor) -> bool:
@@ -192,9 +191,39 @@ def test_no_peak_rss_growth_on_1gib_buffer():
     """The issue's memory target: checking a 1 GiB buffer must not raise the peak RSS."""
     import json
 
-    out = subprocess.run([sys.executable, "-c", _RSS_PROBE], capture_output=True, text=True, timeout=300, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _RSS_PROBE], capture_output=True, text=True, timeout=300, check=True
+    )
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["fused"] is False and r["stock"] is False
     assert r["fused_growth"] < 8 << 20, r  # thread stacks and page noise only
     # The measurement can see the stock path's bool masks (512 MiB each for 1 GiB of bf16).
     assert r["stock_growth"] > 256 << 20, r
+
+
+@pytest.mark.slow
+def test_cuda_kernel_compiles_with_nvcc(tmp_path, request):
+    """The .cu needs no torch headers; on hosts with nvcc it must compile even when torch is CPU-only.
+
+    About a minute of nvcc on a 2-core host: runs with ``-m slow``.
+    """
+    import shutil
+
+    if "slow" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("slow: run with -m slow")
+
+    from memascend.ops.build import CSRC_DIR
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not installed")
+    src = CSRC_DIR / "overflow_check" / "overflow_check_cuda.cu"
+    out = subprocess.run(
+        [nvcc, "-O3", "-std=c++17", "-c", str(src), "-o", str(tmp_path / "k.o")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    symbols = subprocess.run(["nm", str(tmp_path / "k.o")], capture_output=True, text=True).stdout
+    assert "memascend_launch_has_inf_or_nan" in symbols
