@@ -6,7 +6,7 @@
 #include "overflow_check.h"
 
 #ifdef MEMASCEND_WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #endif
 
@@ -53,7 +53,7 @@ bool has_inf_or_nan(const torch::Tensor& t) {
     auto flag = torch::zeros({1}, t.options().dtype(torch::kInt32));
     const int err = memascend_launch_has_inf_or_nan(t.data_ptr(), t.numel(), static_cast<int>(kind),
                                                     flag.data_ptr<int>(),
-                                                    at::cuda::getCurrentCUDAStream().stream());
+                                                    c10::cuda::getCurrentCUDAStream().stream());
     if (err != 0) throw std::runtime_error("has_inf_or_nan: CUDA kernel launch failed, cudaError " + std::to_string(err));
     return flag.item<int>() != 0;
   }
