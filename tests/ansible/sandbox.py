@@ -1,0 +1,187 @@
+"""A throwaway provisioning target: this machine, with every path the roles write confined to one
+test root, and loop devices standing in for NVMe disks. Everything is undone in :meth:`close`."""
+
+from __future__ import annotations
+
+import grp
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+ANSIBLE_DIR = REPO / "ansible"
+GROUP, GID = "memascend", 2300
+HUGEPAGES_2M = 16
+
+
+def tools_missing() -> str | None:
+    """Why the real playbook run cannot happen here, or ``None``."""
+    if os.geteuid() != 0:
+        return "needs root (loop devices, sysctl, mounts)"
+    for tool in (
+        "ansible-playbook",
+        "losetup",
+        "parted",
+        "blkid",
+        "wipefs",
+        "mkfs.ext4",
+        "setpriv",
+        "prlimit",
+    ):
+        if shutil.which(tool) is None:
+            return f"needs {tool} (pip install ansible; apt-get install util-linux parted e2fsprogs)"
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import ansible_collections.ansible.posix, ansible_collections.community.general",
+        ],
+        capture_output=True,
+    )
+    if probe.returncode != 0:
+        return "needs the ansible.posix and community.general collections (pip install ansible)"
+    return None
+
+
+class Sandbox:
+    """Test root, loop disks, inventory and variables for one provisioning target."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.loops: list[str] = []
+        self.notes: list[str] = []
+        self.nr_hugepages_before = Path("/proc/sys/vm/nr_hugepages").read_text().strip()
+        Path("/proc/sys/vm/nr_hugepages").write_text("0")  # start unprovisioned; restored in close()
+        self.group_existed = _group_exists(GROUP)
+        self.user = "memascend-doctor-test"
+        self.user_created = False
+        self.mount_path = root / "mnt" / "hugepages"
+        self.inventory = root / "inventory.yml"
+        self.inventory.write_text(
+            "memascend:\n  hosts:\n    localhost:\n      ansible_connection: local\n"
+            f"      ansible_python_interpreter: {sys.executable}\n"
+        )
+
+    def loop_disk(self, name: str, size_bytes: int = 64 << 20) -> str:
+        """A new partition-scanning loop device over a sparse file; detached in :meth:`close`."""
+        backing = self.root / f"{name}.img"
+        with open(backing, "wb") as f:
+            f.truncate(size_bytes)
+        dev = subprocess.run(
+            ["losetup", "--find", "--show", "--partscan", str(backing)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        self.loops.append(dev)
+        return dev
+
+    def variables(self, disks: list[str], allow_wipe: list[str] = ()) -> Path:
+        r = self.root
+        values = {
+            "nvme_raw_devices": disks,
+            "nvme_raw_allow_wipe": list(allow_wipe),
+            "nvme_raw_udev_rules_dir": f"{r}/etc/udev/rules.d",
+            "nvme_raw_udev_reload": False,  # no udevd in this sandbox; the role also sets the node's group
+            "hugepages_count_2m": HUGEPAGES_2M,
+            "hugepages_sysctl_file": f"{r}/etc/sysctl.d/80-memascend-hugepages.conf",
+            "hugepages_mount_path": str(self.mount_path),
+            "hugepages_fstab": f"{r}/etc/fstab",
+            "hugepages_grub_dropin_dir": f"{r}/etc/default/grub.d",
+            "hugepages_count_1g": 1,
+            "hugepages_grub_update_command": "true",  # no bootloader here; the drop-in file is checked instead
+            "memlock_limits_file": f"{r}/etc/security/limits.d/80-memascend-memlock.conf",
+            "memlock_systemd_conf_dir": f"{r}/etc/systemd/system.conf.d",
+            "memlock_docker_daemon_json": f"{r}/etc/docker/daemon.json",
+            "memlock_docker_restart": False,
+            "memlock_systemd_reexec": False,
+            "gpu_runtime_install_packages": False,
+            "gpu_runtime_check_driver": False,
+            "gpu_runtime_docker_daemon_json": f"{r}/etc/docker/daemon.json",
+            "gpu_runtime_restart_engine": False,
+        }
+        path = r / f"vars-{len(list(r.glob('vars-*.json')))}.json"
+        path.write_text(json.dumps(values))
+        return path
+
+    def playbook(self, variables: Path, *tags: str) -> subprocess.CompletedProcess[str]:
+        """Run site.yml against the sandbox; returns the finished process (output in stdout)."""
+        cmd = ["ansible-playbook", "-i", str(self.inventory), "site.yml", "-e", f"@{variables}"]
+        if tags:
+            cmd += ["--tags", ",".join(tags)]
+        env = {**os.environ, "ANSIBLE_FORCE_COLOR": "0", "ANSIBLE_NOCOLOR": "1"}
+        return subprocess.run(cmd, cwd=ANSIBLE_DIR, capture_output=True, text=True, env=env, timeout=600)
+
+    def add_group_member(self) -> None:
+        """A throwaway user in the memascend group, for checking device access as a non-root user."""
+        if not _user_exists(self.user):
+            subprocess.run(
+                ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", "-G", GROUP, self.user],
+                check=True,
+            )
+            self.user_created = True
+
+    def doctor(self, *args: str, limits_file: Path | None = None) -> subprocess.CompletedProcess[str]:
+        """Run ``memascend doctor --json`` as a login without CAP_IPC_LOCK would see the host.
+
+        ``limits_file`` emulates pam_limits: its memlock value is applied with prlimit; without it
+        the limit is 64 KiB, an unprovisioned Debian default. Where the sandbox's own hard limit
+        cannot be raised (no CAP_SYS_RESOURCE, as in this container), the provisioned run keeps
+        CAP_IPC_LOCK instead, which is what ``--cap-add IPC_LOCK`` gives a container.
+        """
+        memlock = "65536"
+        if limits_file is not None:
+            value = _limits_memlock_kib(limits_file)
+            memlock = "unlimited" if value == "unlimited" else str(int(value) * 1024)
+        limit = ["prlimit", f"--memlock={memlock}:{memlock}", "--"]
+        drop_cap = ["setpriv", "--bounding-set=-ipc_lock", "--inh-caps=-ipc_lock"]
+        if subprocess.run([*limit, "true"], capture_output=True).returncode != 0:
+            self.notes.append(f"cannot set RLIMIT_MEMLOCK={memlock} here; doctor keeps CAP_IPC_LOCK")
+            limit, drop_cap = [], []
+        cmd = [*drop_cap, *limit, sys.executable, "-m", "memascend", "doctor", "--json", "--no-gpu", *args]
+        return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+    def close(self) -> None:
+        if os.path.ismount(self.mount_path):
+            subprocess.run(["umount", str(self.mount_path)], check=False)
+        for dev in self.loops:
+            subprocess.run(["losetup", "--detach", dev], check=False)
+        Path("/proc/sys/vm/nr_hugepages").write_text(self.nr_hugepages_before)
+        if self.user_created:
+            subprocess.run(["userdel", self.user], check=False)
+        if not self.group_existed and _group_exists(GROUP):
+            subprocess.run(["groupdel", GROUP], check=False)
+
+
+def recap(output: str) -> dict[str, int]:
+    """The PLAY RECAP counters of the single host, e.g. ``{"ok": 35, "changed": 0, "failed": 0, ...}``."""
+    line = next(line for line in output.splitlines() if line.startswith("localhost") and "ok=" in line)
+    return {k: int(v) for k, v in (field.split("=") for field in line.split(":", 1)[1].split())}
+
+
+def _limits_memlock_kib(path: Path) -> str:
+    for line in path.read_text().splitlines():
+        fields = line.split()
+        if len(fields) == 4 and fields[0] == "*" and fields[1] == "soft" and fields[2] == "memlock":
+            return fields[3]
+    raise AssertionError(f"no '* soft memlock' line in {path}")
+
+
+def _group_exists(name: str) -> bool:
+    try:
+        grp.getgrnam(name)
+    except KeyError:
+        return False
+    return True
+
+
+def _user_exists(name: str) -> bool:
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        return False
+    return True
