@@ -134,6 +134,9 @@ def main() -> None:
             sampler.sample()
             losses.append(float(loss.float().item()))
 
+        from memascend.integrations.deepspeed import swap_buffer_breakdown
+
+        breakdown = swap_buffer_breakdown(engine)
         pool = None
         if applied is not None:
             swapper = next(p.nvme_swapper for p in model.parameters() if getattr(p, "nvme_swapper", None))
@@ -147,7 +150,7 @@ def main() -> None:
                     "allocator": swapper.locked_allocator.source}
     report = {"engine": args.engine, "dtype": args.dtype, "losses_hex": [x.hex() for x in losses],
               "losses": losses, "peak_vmlck_kib": sampler.peak_vmlck_kib, "peak_rss_kib": sampler.peak_rss_kib,
-              "vmhwm_kib": _status_kib("VmHWM"), "pool": pool}
+              "vmhwm_kib": _status_kib("VmHWM"), "pool": pool, "swap_buffers": breakdown}
     print("EQUAL_LOSS_REPORT " + json.dumps(report), flush=True)
     sys.stdout.flush()
     os._exit(0)  # skip DeepSpeed/gloo teardown (slow, and irrelevant to the measurement)

@@ -57,6 +57,11 @@ def test_losses_bit_identical_and_less_locked_memory(tmp_path, aio_available, dt
     assert pooled["pool"]["param_pool_reserved_bytes"] < 8 * (1 << 20) * (2 if dtype == "bf16" else 4)
     assert all(n_slots == peak for n_slots, peak in slots.values())
     assert pooled["peak_vmlck_kib"] < baseline["peak_vmlck_kib"]
+    # Same component accounting for both engines: stock locks the 8-slot slab, memascend the pool.
+    elem = 2 if dtype == "bf16" else 4
+    assert baseline["swap_buffers"]["param_swap_buffers_bytes"] == 8 * (1 << 20) * elem
+    assert pooled["swap_buffers"]["param_swap_buffers_bytes"] == pooled["pool"]["param_pool_reserved_bytes"]
+    assert baseline["swap_buffers"]["optimizer_swap_buffers"] == 4
     # Smaller optimizer sub-groups cut the 4 largest-sub-group fp32 buffers.
     assert small_groups["pool"]["optimizer_locked_bytes"] < pooled["pool"]["optimizer_locked_bytes"] / 3
     assert small_groups["peak_vmlck_kib"] < baseline["peak_vmlck_kib"] / 2

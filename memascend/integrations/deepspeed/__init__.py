@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from memascend.errors import UserError
+from memascend.integrations.deepspeed.accounting import swap_buffer_breakdown
 from memascend.integrations.deepspeed.patches import PatchRecord, PatchRegistry
 from memascend.integrations.deepspeed.settings import DS_CONFIG_SECTION, MemAscendSettings, rewrite_ds_config
 
@@ -59,6 +60,7 @@ __all__ = [
     "patch_records",
     "revert",
     "rewrite_ds_config",
+    "swap_buffer_breakdown",
 ]
 
 _lock = threading.Lock()
