@@ -1,0 +1,156 @@
+// Direct I/O engine of the device store (MemAscend, arXiv 2505.23254, "direct NVMe engine").
+//
+// One Engine owns one file descriptor (a raw block device or one preallocated regular file),
+// opened with O_DIRECT, and one io_uring of `queue_depth` entries. A job (one tensor's bytes at
+// one device offset) is split into requests of at most `request_bytes`; requests of all jobs share
+// the ring, so up to `queue_depth` of them are in flight at once. Callers submit from any thread;
+// a worker thread reaps completions, resubmits the rest of a short transfer, and keeps the ring
+// full from the pending queue. Memory that is not aligned for O_DIRECT (or a length that is not a
+// multiple of the block) goes through bounce buffers (at most `queue_depth` of `request_bytes`,
+// allocated on first need); aligned memory is transferred in place.
+//
+// Replaces DeepSpeed's csrc/aio (libaio, file-per-tensor, opened per request, whose read path
+// aborts on a block device because it sizes the file with stat()). No torch dependency: the pybind
+// layer (bindings.cpp) passes addresses and keeps tensors alive through the job's keep-alive token.
+#pragma once
+
+#include <liburing.h>
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+namespace memascend::nvme_io {
+
+// An OS call failed; carries errno so the bindings raise OSError(errno, message).
+class SystemError : public std::runtime_error {
+ public:
+  SystemError(int err, const std::string& what) : std::runtime_error(what), errno_value(err) {}
+  int errno_value;
+};
+
+enum class OpKind : int { kRead = 0, kWrite = 1 };
+
+struct EngineConfig {
+  std::string path;                      // block device node or regular file
+  unsigned queue_depth = 32;             // io_uring entries = requests in flight at most
+  std::size_t request_bytes = 8u << 20;  // largest single request; a multiple of align_bytes
+  bool enable_direct = true;             // O_DIRECT (bypass the page cache)
+  bool enable_exclusive = true;          // O_EXCL on block devices: EBUSY when mounted/claimed
+};
+
+// Outcome of one job, returned by Engine::wait.
+struct JobResult {
+  std::int64_t job_id = 0;
+  int error = 0;                   // 0, or the positive errno of the first failed request
+  bool short_transfer = false;     // a request moved 0 bytes (end of file/device) before finishing
+  std::uint64_t error_offset = 0;  // device byte offset of the first failure
+  std::uint64_t bytes_done = 0;    // bytes of the job transferred without error
+  bool has_crc = false;            // crc32c below is valid (asked for, and no error)
+  std::uint32_t crc32c = 0;        // CRC32C of the job's nbytes (written or read)
+};
+
+class Engine {
+ public:
+  explicit Engine(const EngineConfig& config);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Queue a transfer of `nbytes` between host memory `buf` and device byte `offset`.
+  // `offset` must be a multiple of align_bytes(); the device range [offset, offset +
+  // round_up(nbytes, align_bytes())) must lie inside size_bytes(). For a write the tail of the last
+  // block past nbytes is written as zeros. With `want_crc`, the CRC32C of the buffer is computed
+  // (before a write is queued; after a read completes, in wait()). `keep_alive` is held until the
+  // job is waited for (the bindings put the tensor owning `buf` there).
+  // Throws std::invalid_argument on a misaligned or out-of-range request, std::logic_error after
+  // close().
+  std::int64_t submit(OpKind op, void* buf, std::size_t nbytes, std::uint64_t offset, bool want_crc,
+                      std::shared_ptr<void> keep_alive = nullptr);
+
+  // Block until job `job_id` has finished and return its result; each job is waited for once.
+  // Throws std::out_of_range for an unknown (or already waited) id.
+  JobResult wait(std::int64_t job_id);
+
+  // Whether job `job_id` has finished (wait() will not block).
+  bool done(std::int64_t job_id);
+
+  // Number of jobs submitted and not yet waited for.
+  std::size_t outstanding();
+
+  // Drain everything in flight, stop the worker, close the descriptor. Idempotent.
+  void close();
+
+  std::uint64_t size_bytes() const { return size_bytes_; }
+  std::size_t logical_block_bytes() const { return logical_block_bytes_; }
+  std::size_t align_bytes() const { return align_bytes_; }
+  bool is_block_device() const { return is_block_device_; }
+  unsigned queue_depth() const { return config_.queue_depth; }
+  std::size_t request_bytes() const { return config_.request_bytes; }
+  bool direct() const { return config_.enable_direct; }
+  std::size_t bounce_bytes_allocated();
+
+ private:
+  struct Job;
+  struct Request {
+    Job* job;
+    unsigned char* user;     // job memory this request covers
+    std::size_t user_bytes;  // bytes of job memory covered
+    std::size_t io_bytes;    // bytes moved on the device (user_bytes rounded up to the block)
+    std::uint64_t offset;    // device byte offset of the request's first byte
+    std::size_t done_bytes = 0;
+    int bounce = -1;         // bounce slot in use, or -1 for in-place
+    bool needs_bounce = false;
+  };
+  struct Job {
+    std::int64_t id;
+    OpKind op;
+    unsigned char* buf;
+    std::size_t nbytes;
+    bool want_crc;
+    std::size_t remaining;  // requests not finished
+    bool finished = false;
+    JobResult result;
+    std::shared_ptr<void> keep_alive;
+  };
+
+  void worker_loop();
+  void issue_pending_locked();
+  void complete_locked(Request* req, int res);
+  void finish_request_locked(Request* req);
+
+  EngineConfig config_;
+  int fd_ = -1;
+  std::uint64_t size_bytes_ = 0;
+  std::size_t logical_block_bytes_ = 512;
+  std::size_t align_bytes_ = 4096;
+  bool is_block_device_ = false;
+
+  io_uring ring_{};
+  bool ring_ready_ = false;
+  std::thread worker_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Request*> pending_;
+  unsigned in_flight_ = 0;
+  bool stopping_ = false;
+  bool closed_ = false;
+  std::int64_t next_id_ = 1;
+  std::unordered_map<std::int64_t, std::unique_ptr<Job>> jobs_;
+  std::vector<unsigned char*> bounce_;  // slots, allocated on first need
+  std::vector<int> free_bounce_;
+};
+
+// posix_memalign'ed block of `nbytes` (rounded up to `align_bytes`); release with free().
+void* aligned_alloc_bytes(std::size_t nbytes, std::size_t align_bytes);
+
+}  // namespace memascend::nvme_io
