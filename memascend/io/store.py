@@ -1,0 +1,652 @@
+"""``TensorStore``: tensors swapped to a raw block device (or one preallocated file) by key.
+
+Each key maps to one extent (aligned offset and length) from :class:`~memascend.io.extent.ExtentAllocator`;
+bytes move through the io_uring/O_DIRECT engine (``csrc/nvme_io``), so swapping never grows the
+page cache. A CRC32C of every extent is recorded on write and checked on read (``enable_crc``).
+The extent table lives on the device (:mod:`memascend.io.header`) and is persisted by
+:meth:`TensorStore.flush` / :meth:`TensorStore.close`; checkpoints use :meth:`TensorStore.export_files`
+and :meth:`TensorStore.import_files` (ordinary files), since a raw store has no folder to copy.
+
+Source: MemAscend (arXiv 2505.23254), direct NVMe engine. Replaces the folder of ``.swp`` files
+behind DeepSpeed's ``AsyncPartitionedParameterSwapper`` and ``PartitionedOptimizerSwapper``, and
+the ``shutil.copytree`` of that folder in ``DeepSpeedEngine`` checkpointing.
+
+Example::
+
+    with TensorStore.create("/dev/nvme0n1p3") as store:
+        store.write("layer0.weight", weight)
+        ticket = store.submit_read("layer0.weight", out)
+        store.wait(ticket)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from memascend.errors import UserError
+from memascend.io import device as _device
+from memascend.io.errors import ChecksumError, DeviceRefusedError, StoreError, StoreFullError, StoreIOError
+from memascend.io.extent import Extent, ExtentAllocator
+from memascend.io.header import STORE_MAGIC, StoreHeader, decode_table, encode_table
+from memascend.ops import nvme_io as _op
+
+DEFAULT_QUEUE_DEPTH = 32
+DEFAULT_REQUEST_BYTES = 8 << 20
+DEFAULT_TABLE_SLOT_BYTES = 2 << 20
+EXPORT_CHUNK_BYTES = 64 << 20
+MANIFEST_NAME = "manifest.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExtentRecord:
+    """Where one tensor lives on the device."""
+
+    key: str
+    offset_bytes: int
+    """Device byte offset of the extent (a multiple of the store's ``align_bytes``)."""
+    nbytes: int
+    """Bytes of the tensor (``numel * element_size``)."""
+    alloc_bytes: int
+    """Bytes of the extent (``nbytes`` rounded up to ``align_bytes``; 0 for an empty tensor)."""
+    crc32c: int | None
+    """CRC32C of the tensor's bytes, or ``None`` when written with checksums off."""
+    dtype: str
+    """``str(tensor.dtype)`` at write time, e.g. ``"torch.float32"``."""
+    shape: tuple[int, ...]
+
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype.removeprefix("torch."))
+
+    def to_json(self) -> dict:
+        return {"o": self.offset_bytes, "n": self.nbytes, "a": self.alloc_bytes, "c": self.crc32c, "d": self.dtype, "s": list(self.shape)}
+
+    @classmethod
+    def from_json(cls, key: str, d: dict) -> ExtentRecord:
+        return cls(key=key, offset_bytes=d["o"], nbytes=d["n"], alloc_bytes=d["a"], crc32c=d["c"], dtype=d["d"], shape=tuple(d["s"]))
+
+
+@dataclass(eq=False)
+class Ticket:
+    """An in-flight transfer returned by :meth:`TensorStore.submit_write` / ``submit_read``;
+    pass it to :meth:`TensorStore.wait`. Holds a reference to the tensor until then."""
+
+    key: str
+    op: str
+    job_id: int | None
+    record: ExtentRecord
+    tensor: torch.Tensor
+
+
+class TensorStore:
+    """Tensors by key on one block device or preallocated file. Use :meth:`create` or :meth:`open`.
+
+    Thread-safe: several threads may submit and wait at once; up to ``queue_depth`` requests of
+    at most ``request_bytes`` are in flight on the device. Per key, a write excludes any other
+    transfer or free of that key until it is waited for; reads of one key may overlap.
+    """
+
+    def __init__(self, *, engine, info: _device.DeviceInfo, header: StoreHeader, records: dict[str, ExtentRecord], enable_crc: bool) -> None:
+        self._engine = engine
+        self.info = info
+        self.header = header
+        self.enable_crc = enable_crc
+        self._records = records
+        self._alloc = ExtentAllocator(header.data_offset, engine.size_bytes, header.align_bytes)
+        for rec in records.values():
+            if rec.alloc_bytes:
+                self._alloc.reserve(Extent(rec.offset_bytes, rec.alloc_bytes))
+        self._lock = threading.Lock()
+        self._reads: dict[str, int] = {}
+        self._writes: set[str] = set()
+        self._tickets: dict[int, Ticket] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def create(
+        cls,
+        path: str | os.PathLike,
+        *,
+        size_bytes: int | None = None,
+        allow_overwrite: bool = False,
+        owner_uuid: uuid.UUID | None = None,
+        queue_depth: int = DEFAULT_QUEUE_DEPTH,
+        request_bytes: int = DEFAULT_REQUEST_BYTES,
+        enable_crc: bool = True,
+        enable_direct: bool = True,
+        table_slot_bytes: int = DEFAULT_TABLE_SLOT_BYTES,
+    ) -> TensorStore:
+        """Create an empty store on ``path``, refusing a target that holds anything else.
+
+        Args:
+            path: raw block device (e.g. ``/dev/nvme0n1p3``) or a file, created and preallocated
+                (``posix_fallocate``) to ``size_bytes`` when missing or smaller.
+            size_bytes: file size; required for a file that does not exist. Ignored for devices.
+            allow_overwrite: accept a target carrying a filesystem, partition table or another
+                store's header. A mounted or held device is refused regardless.
+            owner_uuid: identity written in the header (default: a new random UUID); a target
+                whose header carries this same UUID is this owner's old store and is reused.
+            queue_depth: requests in flight at most (io_uring entries).
+            request_bytes: largest single request; jobs are split into requests of this size.
+            enable_crc: record a CRC32C per extent on write and check it on read.
+            enable_direct: O_DIRECT; turn off only for filesystems without it (tmpfs).
+            table_slot_bytes: room for the compressed extent table (two slots are reserved).
+
+        Raises:
+            DeviceRefusedError: the target is in use or carries data (see above).
+            UserError: the path is unusable (missing, no size given, too small, no O_DIRECT).
+        """
+        p = Path(path)
+        owner = owner_uuid or uuid.uuid4()
+        if not p.exists():
+            if size_bytes is None:
+                raise UserError(f"nvme path {p} does not exist: pass a size to create a store file there")
+            _device.preallocate_file(p, size_bytes)
+        else:
+            own = False
+            head = _device.read_head(p, 4096)
+            if head[:8] == STORE_MAGIC:
+                try:
+                    own = StoreHeader.unpack(head, _crc_bytes).owner_uuid == owner
+                except StoreError:
+                    own = False
+            _device.check_target(p, allow_overwrite=allow_overwrite, own_store=own)
+            if size_bytes is not None and not _device.probe_info(p).is_block_device:
+                _device.preallocate_file(p, size_bytes)
+        info = _device.probe_info(p)
+        engine = _open_engine(p, queue_depth, request_bytes, enable_direct)
+        try:
+            align = engine.align_bytes
+            slot = -(-table_slot_bytes // align) * align
+            header = StoreHeader(owner_uuid=owner, device_bytes=engine.size_bytes, align_bytes=align, table_slot_bytes=slot)
+            if header.data_offset + align > engine.size_bytes:
+                raise UserError(f"nvme path {p} holds {engine.size_bytes} bytes: too small for a store (needs > {header.data_offset + align})")
+            store = cls(engine=engine, info=info, header=header, records={}, enable_crc=enable_crc)
+            store._write_raw(0, header.pack(_crc_bytes), "<store header>")
+            return store
+        except BaseException:
+            engine.close()
+            raise
+
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike,
+        *,
+        owner_uuid: uuid.UUID | None = None,
+        queue_depth: int = DEFAULT_QUEUE_DEPTH,
+        request_bytes: int = DEFAULT_REQUEST_BYTES,
+        enable_crc: bool = True,
+        enable_direct: bool = True,
+    ) -> TensorStore:
+        """Open an existing store with the extent table of its last :meth:`flush`.
+
+        Args:
+            owner_uuid: when given, the header's owner must match.
+
+        Raises:
+            StoreFormatError: no store header, a damaged header or table.
+            DeviceRefusedError: the target is in use, or belongs to another owner.
+        """
+        p = Path(path)
+        info = _device.probe_info(p)
+        reason = _device.in_use_reason(p)
+        if reason:
+            raise DeviceRefusedError(f"nvme path {p} is {reason}")
+        engine = _open_engine(p, queue_depth, request_bytes, enable_direct)
+        try:
+            block = _op.load().aligned_empty(engine.align_bytes)
+            _check_job(engine, engine.wait(engine.submit_read(block, 0)), "<store header>", 0, p)
+            header = StoreHeader.unpack(block.numpy().tobytes(), _crc_bytes)
+            if owner_uuid is not None and header.owner_uuid != owner_uuid:
+                raise DeviceRefusedError(f"nvme path {p} holds the store of owner {header.owner_uuid}, not {owner_uuid}: {_device.FIX_OVERWRITE}")
+            records: dict[str, ExtentRecord] = {}
+            if header.table_length:
+                off = header.slot_offset(header.active_slot)
+                buf = _op.load().aligned_empty(header.table_length)
+                _check_job(engine, engine.wait(engine.submit_read(buf, off)), "<extent table>", off, p)
+                data = buf.numpy().tobytes()
+                if _crc_bytes(data) != header.table_crc32c:
+                    raise ChecksumError(
+                        f"extent table of {p} at offset {off} is damaged (checksum mismatch)",
+                        key="<extent table>", offset_bytes=off, expected_crc32c=header.table_crc32c, actual_crc32c=_crc_bytes(data),
+                    )
+                records = {k: ExtentRecord.from_json(k, v) for k, v in decode_table(data).items()}
+            return cls(engine=engine, info=info, header=header, records=records, enable_crc=enable_crc)
+        except BaseException:
+            engine.close()
+            raise
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def path(self) -> Path:
+        return self.info.path
+
+    @property
+    def align_bytes(self) -> int:
+        return self.header.align_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes of the data region."""
+        return self._alloc.capacity_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self._alloc.used_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        return self._alloc.free_bytes
+
+    @property
+    def largest_free_bytes(self) -> int:
+        return self._alloc.largest_free_bytes
+
+    @property
+    def engine(self):
+        """The ``memascend_nvme_io.Engine`` (queue depth, request size, alignment, bounce bytes)."""
+        return self._engine
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._records)
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._records
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._records)
+
+    def record(self, key: str) -> ExtentRecord:
+        """The extent record of ``key``. Raises ``KeyError`` for an unknown key."""
+        with self._lock:
+            return self._records[key]
+
+    # ------------------------------------------------------------------ transfers
+    def write(self, key: str, tensor: torch.Tensor) -> ExtentRecord:
+        """Write ``tensor`` under ``key`` and wait; see :meth:`submit_write`."""
+        return self.wait(self.submit_write(key, tensor))
+
+    def read(self, key: str, out: torch.Tensor) -> ExtentRecord:
+        """Read ``key`` into ``out`` and wait; see :meth:`submit_read`."""
+        return self.wait(self.submit_read(key, out))
+
+    def read_tensor(self, key: str) -> torch.Tensor:
+        """A new tensor with the dtype, shape and bytes written under ``key``."""
+        rec = self.record(key)
+        out = torch.empty(rec.shape, dtype=rec.torch_dtype())
+        self.read(key, out)
+        return out
+
+    def submit_write(self, key: str, tensor: torch.Tensor) -> Ticket:
+        """Queue a write of a contiguous CPU tensor (any dtype/shape) under ``key``.
+
+        The key's previous extent is reused when the size matches, else replaced. Memory that
+        is 4 KiB-aligned (pinned arena, ``aligned_empty``) is transferred in place; other memory
+        through the engine's bounce buffers. Do not modify ``tensor`` before :meth:`wait`.
+
+        Raises:
+            StoreFullError: no free extent is large enough (the store is left unchanged).
+            ValueError: a non-contiguous or non-CPU tensor, or a transfer of ``key`` in flight.
+        """
+        self._check_tensor(tensor)
+        nbytes = tensor.numel() * tensor.element_size()
+        with self._lock:
+            self._check_open()
+            if key in self._writes or self._reads.get(key):
+                raise ValueError(f"tensor '{key}' has a transfer in flight; wait for it before writing")
+            old = self._records.get(key)
+            need = self._alloc.aligned_size(nbytes) if nbytes else 0
+            if old is not None and old.alloc_bytes == need:
+                offset = old.offset_bytes
+            else:
+                offset = self._allocate(key, nbytes, old) if nbytes else 0
+            rec = ExtentRecord(key=key, offset_bytes=offset, nbytes=nbytes, alloc_bytes=need, crc32c=0 if nbytes == 0 else None,
+                               dtype=str(tensor.dtype), shape=tuple(tensor.shape))
+            self._records[key] = rec
+            self._writes.add(key)
+        job = None
+        if nbytes:
+            try:
+                job = self._engine.submit_write(tensor, offset, nbytes, self.enable_crc)
+            except BaseException:
+                with self._lock:
+                    self._drop_locked(key)
+                raise
+        ticket = Ticket(key=key, op="write", job_id=job, record=rec, tensor=tensor)
+        if job is not None:
+            with self._lock:
+                self._tickets[job] = ticket
+        return ticket
+
+    def submit_read(self, key: str, out: torch.Tensor) -> Ticket:
+        """Queue a read of ``key`` into the first ``record(key).nbytes`` bytes of ``out``.
+
+        Args:
+            out: contiguous CPU tensor of at least the written bytes (dtype and shape are free:
+                the swappers read into slices of flat buffers).
+
+        Raises:
+            KeyError: unknown key.
+            ValueError: ``out`` too small, non-contiguous or not on the CPU; a write of ``key``
+                in flight.
+        """
+        self._check_tensor(out)
+        with self._lock:
+            self._check_open()
+            rec = self._records[key]
+            if key in self._writes:
+                raise ValueError(f"tensor '{key}' has a write in flight; wait for it before reading")
+            have = out.numel() * out.element_size()
+            if have < rec.nbytes:
+                raise ValueError(f"tensor '{key}' holds {rec.nbytes} bytes; the output tensor has only {have}")
+            self._reads[key] = self._reads.get(key, 0) + 1
+        job = None
+        if rec.nbytes:
+            try:
+                job = self._engine.submit_read(out, rec.offset_bytes, rec.nbytes, self.enable_crc and rec.crc32c is not None)
+            except BaseException:
+                with self._lock:
+                    self._reads[key] -= 1
+                raise
+        ticket = Ticket(key=key, op="read", job_id=job, record=rec, tensor=out)
+        if job is not None:
+            with self._lock:
+                self._tickets[job] = ticket
+        return ticket
+
+    def wait(self, ticket: Ticket) -> ExtentRecord:
+        """Wait for a submitted transfer and check it.
+
+        Returns:
+            The key's record (for a write, with its CRC32C filled in).
+
+        Raises:
+            StoreIOError: EIO or another OS error, or a short transfer; names key and offset.
+                A failed write drops the key (its extent is freed).
+            ChecksumError: a read whose CRC32C differs from the one recorded at write time.
+        """
+        result = self._engine.wait(ticket.job_id) if ticket.job_id is not None else None
+        with self._lock:
+            if ticket.job_id is not None:
+                self._tickets.pop(ticket.job_id, None)
+            if ticket.op == "write":
+                self._writes.discard(ticket.key)
+            else:
+                self._reads[ticket.key] -= 1
+                if not self._reads[ticket.key]:
+                    del self._reads[ticket.key]
+            if result is None:
+                return ticket.record
+            failed = result.error != 0 or result.short_transfer
+            if ticket.op == "write":
+                if failed:
+                    self._drop_locked(ticket.key)
+                else:
+                    rec = dataclasses.replace(ticket.record, crc32c=result.crc32c if result.has_crc else None)
+                    self._records[ticket.key] = rec
+                    ticket.record = rec
+        _check_job(self._engine, result, ticket.key, ticket.record.offset_bytes, self.path, op=ticket.op)
+        rec = ticket.record
+        if ticket.op == "read" and result.has_crc and rec.crc32c is not None and result.crc32c != rec.crc32c:
+            raise ChecksumError(
+                f"checksum mismatch reading tensor '{ticket.key}' at device offset {rec.offset_bytes} "
+                f"({rec.nbytes} bytes) of {self.path}: expected crc32c 0x{rec.crc32c:08x}, read 0x{result.crc32c:08x}",
+                key=ticket.key, offset_bytes=rec.offset_bytes, expected_crc32c=rec.crc32c, actual_crc32c=result.crc32c,
+            )
+        return rec
+
+    def wait_all(self) -> None:
+        """Wait for every submitted transfer; raises the first error after all have finished."""
+        with self._lock:
+            tickets = list(self._tickets.values())
+        first: BaseException | None = None
+        for t in tickets:
+            try:
+                self.wait(t)
+            except StoreError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def free(self, key: str) -> None:
+        """Drop ``key`` and return its extent to the free list.
+
+        Raises:
+            KeyError: unknown key.
+            ValueError: a transfer of ``key`` is in flight.
+        """
+        with self._lock:
+            self._check_open()
+            if key not in self._records:
+                raise KeyError(key)
+            if key in self._writes or self._reads.get(key):
+                raise ValueError(f"tensor '{key}' has a transfer in flight; wait for it before freeing")
+            self._drop_locked(key)
+
+    # ------------------------------------------------------------------ persistence
+    def flush(self) -> None:
+        """Persist the extent table (to the inactive slot, then the header points at it).
+
+        Raises:
+            StoreFullError: the compressed table does not fit its slot.
+        """
+        with self._lock:
+            self._check_open()
+            data = encode_table({k: r.to_json() for k, r in self._records.items() if k not in self._writes})
+            hdr = self.header
+            if len(data) > hdr.table_slot_bytes:
+                raise StoreFullError(f"extent table of {self.path} needs {len(data)} bytes, the slot holds {hdr.table_slot_bytes}: create the store with a larger table_slot_bytes")
+            slot = 1 - hdr.active_slot if hdr.table_length else hdr.active_slot
+            new = dataclasses.replace(hdr, generation=hdr.generation + 1, active_slot=slot, table_length=len(data), table_crc32c=_crc_bytes(data))
+        self._write_raw(hdr.slot_offset(slot), data, "<extent table>")
+        self._write_raw(0, new.pack(_crc_bytes), "<store header>")
+        self.header = new
+
+    def close(self) -> None:
+        """Wait for everything in flight, flush the table, close the device. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self.wait_all()
+            self.flush()
+        finally:
+            self._closed = True
+            self._engine.close()
+
+    def __enter__(self) -> TensorStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def export_files(self, folder: str | os.PathLike, *, chunk_bytes: int = EXPORT_CHUNK_BYTES) -> Path:
+        """Copy every tensor to ordinary files in ``folder`` (one ``.bin`` per tensor plus
+        ``manifest.json`` with key, dtype, shape, bytes, CRC32C): the checkpoint of a raw store,
+        in place of DeepSpeed's ``shutil.copytree`` of the swap folder. Host memory used: one
+        staging buffer of ``chunk_bytes``. Every tensor is verified against its CRC32C.
+
+        Returns:
+            Path of the manifest.
+
+        Raises:
+            ChecksumError, StoreIOError: a tensor cannot be read back intact.
+        """
+        out = Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        self.wait_all()
+        with self._lock:
+            records = sorted(self._records.values(), key=lambda r: r.key)
+        op = _op.load()
+        chunk = max(self.align_bytes, chunk_bytes // self.align_bytes * self.align_bytes)
+        staging = op.aligned_empty(chunk)
+        view = staging.numpy()
+        manifest = []
+        for i, rec in enumerate(records):
+            name = f"tensor_{i:06d}.bin"
+            crc = 0
+            with open(out / name, "wb") as f:
+                for pos in range(0, rec.nbytes, chunk):
+                    n = min(chunk, rec.nbytes - pos)
+                    res = self._engine.wait(self._engine.submit_read(staging, rec.offset_bytes + pos, n))
+                    _check_job(self._engine, res, rec.key, rec.offset_bytes + pos, self.path)
+                    crc = op.crc32c(staging, n, crc)
+                    f.write(view[:n].data)
+                f.flush()
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            if rec.crc32c is not None and crc != rec.crc32c:
+                raise ChecksumError(
+                    f"checksum mismatch exporting tensor '{rec.key}' at device offset {rec.offset_bytes} of {self.path}",
+                    key=rec.key, offset_bytes=rec.offset_bytes, expected_crc32c=rec.crc32c, actual_crc32c=crc,
+                )
+            manifest.append({"key": rec.key, "file": name, "nbytes": rec.nbytes, "dtype": rec.dtype, "shape": list(rec.shape), "crc32c": crc})
+        path = out / MANIFEST_NAME
+        path.write_text(json.dumps({"format": 1, "tensors": manifest}, indent=1))
+        return path
+
+    def import_files(self, folder: str | os.PathLike, *, chunk_bytes: int = EXPORT_CHUNK_BYTES) -> list[str]:
+        """Load tensors exported by :meth:`export_files` (replacing keys that exist).
+
+        Returns:
+            The keys imported.
+
+        Raises:
+            UserError: no manifest, or a file of the wrong size.
+            ChecksumError: a file's CRC32C differs from the manifest's (names the key and file).
+            StoreFullError: no room.
+        """
+        src = Path(folder)
+        try:
+            manifest = json.loads((src / MANIFEST_NAME).read_text())["tensors"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise UserError(f"no readable {MANIFEST_NAME} in {src}: {exc}") from exc
+        op = _op.load()
+        chunk = max(self.align_bytes, chunk_bytes // self.align_bytes * self.align_bytes)
+        staging = op.aligned_empty(chunk)
+        view = staging.numpy()
+        keys = []
+        for entry in manifest:
+            key, nbytes, file = entry["key"], int(entry["nbytes"]), src / entry["file"]
+            if not file.is_file() or file.stat().st_size != nbytes:
+                raise UserError(f"checkpoint file {file} of tensor '{key}' is missing or not {nbytes} bytes")
+            with self._lock:
+                self._check_open()
+                if key in self._writes or self._reads.get(key):
+                    raise ValueError(f"tensor '{key}' has a transfer in flight")
+                old = self._records.get(key)
+                offset = self._allocate(key, nbytes, old) if nbytes else 0
+                self._writes.add(key)
+            crc = 0
+            try:
+                with open(file, "rb") as f:
+                    for pos in range(0, nbytes, chunk):
+                        n = f.readinto(view[: min(chunk, nbytes - pos)].data)
+                        crc = op.crc32c(staging, n, crc)
+                        res = self._engine.wait(self._engine.submit_write(staging, offset + pos, n))
+                        _check_job(self._engine, res, key, offset + pos, self.path, op="write")
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                if entry.get("crc32c") is not None and crc != entry["crc32c"]:
+                    raise ChecksumError(
+                        f"checksum mismatch importing tensor '{key}' from {file}: the checkpoint file is corrupt",
+                        key=key, offset_bytes=offset, expected_crc32c=entry["crc32c"], actual_crc32c=crc,
+                    )
+            except BaseException:
+                with self._lock:
+                    self._writes.discard(key)
+                    if nbytes:
+                        self._alloc.free(Extent(offset, self._alloc.aligned_size(nbytes)))
+                raise
+            rec = ExtentRecord(key=key, offset_bytes=offset, nbytes=nbytes, alloc_bytes=self._alloc.aligned_size(nbytes) if nbytes else 0,
+                               crc32c=crc if self.enable_crc or nbytes == 0 else None, dtype=entry["dtype"], shape=tuple(entry["shape"]))
+            with self._lock:
+                self._writes.discard(key)
+                self._records[key] = rec
+            keys.append(key)
+        return keys
+
+    # ------------------------------------------------------------------ internals
+    def _allocate(self, key: str, nbytes: int, old: ExtentRecord | None) -> int:
+        """Extent offset for ``nbytes`` under ``key`` (lock held); frees ``old`` on success."""
+        ext = self._alloc.allocate(nbytes)
+        if ext is None and old is not None and old.alloc_bytes:
+            self._alloc.free(Extent(old.offset_bytes, old.alloc_bytes))
+            self._records.pop(key)
+            old_freed = True
+            ext = self._alloc.allocate(nbytes)
+            if ext is None:
+                self._alloc.reserve(Extent(old.offset_bytes, old.alloc_bytes))
+                self._records[key] = old
+                old_freed = False
+        else:
+            old_freed = False
+        if ext is None:
+            raise StoreFullError(
+                f"store {self.path} is full: tensor '{key}' needs {self._alloc.aligned_size(nbytes)} bytes, "
+                f"{self._alloc.free_bytes} free, largest free extent {self._alloc.largest_free_bytes} bytes"
+            )
+        if old is not None and old.alloc_bytes and not old_freed:
+            self._alloc.free(Extent(old.offset_bytes, old.alloc_bytes))
+        return ext.offset_bytes
+
+    def _drop_locked(self, key: str) -> None:
+        rec = self._records.pop(key, None)
+        self._writes.discard(key)
+        if rec is not None and rec.alloc_bytes:
+            self._alloc.free(Extent(rec.offset_bytes, rec.alloc_bytes))
+
+    def _write_raw(self, offset: int, data: bytes, what: str) -> None:
+        buf = _op.load().aligned_empty(len(data))
+        buf.numpy()[:] = memoryview(data)
+        _check_job(self._engine, self._engine.wait(self._engine.submit_write(buf, offset)), what, offset, self.path, op="write")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"store {self.path} is closed")
+
+    @staticmethod
+    def _check_tensor(t: torch.Tensor) -> None:
+        if t.device.type != "cpu":
+            raise ValueError(f"tensor must be on the CPU, got {t.device}")
+        if not t.is_contiguous():
+            raise ValueError("tensor must be contiguous")
+
+
+def _crc_bytes(data: bytes) -> int:
+    return _op.load().crc32c_bytes(bytes(data))
+
+
+def _open_engine(path: Path, queue_depth: int, request_bytes: int, enable_direct: bool):
+    try:
+        return _op.load().Engine(str(path), queue_depth=queue_depth, request_bytes=request_bytes, enable_direct=enable_direct)
+    except OSError as exc:
+        if exc.errno == 16:  # EBUSY: the kernel refused the exclusive open
+            raise DeviceRefusedError(f"nvme path {path} is in use (mounted, held by RAID/LVM/dm or opened exclusively)") from exc
+        raise UserError(f"nvme path {path}: {exc.strerror or exc}") from exc
+
+
+def _check_job(engine, result, key: str, offset_bytes: int, path, *, op: str = "read") -> None:
+    """Raise :class:`StoreIOError` for a failed or short engine job."""
+    if result is None or (result.error == 0 and not result.short_transfer):
+        return
+    where = result.error_offset or offset_bytes
+    if result.short_transfer:
+        raise StoreIOError(
+            f"short {op} of tensor '{key}' at device offset {where} of {path} (extent at {offset_bytes}): end of device reached",
+            key=key, offset_bytes=where, errno=None,
+        )
+    raise StoreIOError(
+        f"{op} of tensor '{key}' failed at device offset {where} of {path} (extent at {offset_bytes}): "
+        f"{os.strerror(result.error)} (errno {result.error})",
+        key=key, offset_bytes=where, errno=result.error,
+    )
