@@ -247,3 +247,41 @@ def preallocate_file(path: str | os.PathLike, size_bytes: int) -> None:
         raise UserError(f"cannot preallocate {size_bytes} bytes for {path}: {exc.strerror}") from exc
     finally:
         os.close(fd)
+
+
+def cached_bytes(path: str | os.PathLike) -> int:
+    """Bytes of ``path`` resident in the page cache (``mincore`` over a shared read-only mapping;
+    mapping does not fault pages in). For a block device, its own page cache. Used to show that
+    O_DIRECT swapping leaves the page cache alone.
+
+    Raises:
+        OSError: the path cannot be opened or mapped.
+    """
+    import ctypes
+
+    info = probe_info(path)
+    if info.size_bytes == 0:
+        return 0
+    page = os.sysconf("SC_PAGE_SIZE")
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        addr = libc.mmap(None, info.size_bytes, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            err = ctypes.get_errno()
+            raise OSError(err, f"mmap of {path}: {os.strerror(err)}")
+        try:
+            npages = -(-info.size_bytes // page)
+            vec = (ctypes.c_ubyte * npages)()
+            if libc.mincore(ctypes.c_void_p(addr), info.size_bytes, vec) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"mincore of {path}: {os.strerror(err)}")
+            return sum(b & 1 for b in bytes(vec)) * page
+        finally:
+            libc.munmap(ctypes.c_void_p(addr), info.size_bytes)
+    finally:
+        os.close(fd)

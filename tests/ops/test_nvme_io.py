@@ -1,0 +1,174 @@
+"""Direct I/O engine (csrc/nvme_io) against plain-torch/Python oracles, on preallocated files."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memascend.ops import nvme_io
+
+MiB = 1 << 20
+
+
+def crc32c_reference(data: bytes, crc: int = 0) -> int:
+    crc ^= 0xFFFFFFFF
+    for b in data:
+        crc ^= b
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 & -(crc & 1))
+    return crc ^ 0xFFFFFFFF
+
+
+@pytest.fixture(scope="module")
+def op():
+    return nvme_io.load()
+
+
+@pytest.fixture()
+def store_file(tmp_path):
+    path = tmp_path / "dev.bin"
+    with open(path, "wb") as f:
+        os.posix_fallocate(f.fileno(), 0, 32 * MiB)
+    return path
+
+
+def test_crc32c_check_value(op):
+    assert op.crc32c_bytes(b"123456789") == 0xE3069283
+    assert op.crc32c_bytes(b"") == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(min_size=0, max_size=3000), split=st.integers(0, 3000), shift=st.integers(0, 7))
+def test_crc32c_matches_reference(op, data, split, shift):
+    expected = crc32c_reference(data)
+    assert op.crc32c_bytes(data) == expected
+    split = min(split, len(data))
+    assert op.crc32c_bytes(data[split:], op.crc32c_bytes(data[:split])) == expected
+    # tensor path at an unaligned start address
+    t = torch.tensor(list(b"\0" * shift + data) or [0], dtype=torch.uint8)[shift : shift + len(data)]
+    assert op.crc32c(t) == expected
+
+
+def test_aligned_empty_is_aligned(op):
+    for n in (0, 1, 4095, 4096, 3 * MiB + 5):
+        t = op.aligned_empty(n)
+        assert t.numel() == n and t.dtype == torch.uint8
+        assert t.data_ptr() % 4096 == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    nbytes=st.one_of(st.integers(0, 9000), st.integers(9000, 3 * MiB)),
+    block=st.integers(0, 1000),
+    shift=st.sampled_from([0, 0, 4, 64, 4096 + 8]),
+    qd=st.sampled_from([1, 2, 8, 32]),
+    request_bytes=st.sampled_from([4096, 64 << 10, 1 * MiB]),
+)
+def test_write_read_round_trip(op, tmp_path_factory, nbytes, block, shift, qd, request_bytes):
+    path = tmp_path_factory.mktemp("rt") / "dev.bin"
+    with open(path, "wb") as f:
+        os.posix_fallocate(f.fileno(), 0, 8 * MiB)
+    e = op.Engine(str(path), queue_depth=qd, request_bytes=request_bytes)
+    try:
+        offset = block * 4096
+        if offset + nbytes > e.size_bytes - 4096:
+            offset = 0
+        src_base = op.aligned_empty(nbytes + shift)
+        src = src_base[shift:]
+        src.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
+        r = e.wait(e.submit_write(src, offset, -1, True))
+        assert (r.error, r.short_transfer, r.bytes_done, r.has_crc) == (0, False, nbytes, True)
+        assert r.crc32c == crc32c_reference(src.numpy().tobytes()) if nbytes < 10000 else r.crc32c == op.crc32c(src)
+        out = torch.full((nbytes + 3,), 7, dtype=torch.uint8)[3:]
+        r2 = e.wait(e.submit_read(out, offset, -1, True))
+        assert r2.error == 0 and r2.bytes_done == nbytes and r2.crc32c == r.crc32c
+        assert torch.equal(out, src)
+        with open(path, "rb") as f:  # the device really holds the bytes (and zero padding)
+            f.seek(offset)
+            pad = -nbytes % 4096
+            raw = f.read(nbytes + pad)
+        assert raw[:nbytes] == src.numpy().tobytes() and raw[nbytes:] == b"\0" * pad
+    finally:
+        e.close()
+
+
+def test_many_jobs_in_flight_from_threads(op, store_file):
+    e = op.Engine(str(store_file), queue_depth=8, request_bytes=64 << 10)
+    tensors = [torch.randn(50_000 + 997 * i) for i in range(24)]
+    slot = 512 << 10
+    errors = []
+
+    def worker(ids):
+        try:
+            jobs = [(i, e.submit_write(tensors[i], i * slot)) for i in ids]
+            for _, j in jobs:
+                assert e.wait(j).error == 0
+            outs = {i: torch.empty_like(tensors[i]) for i in ids}
+            jobs = [(i, e.submit_read(outs[i], i * slot)) for i in ids]
+            assert e.outstanding() >= 1
+            for i, j in jobs:
+                assert e.wait(j).bytes_done == tensors[i].nbytes
+                assert torch.equal(outs[i], tensors[i])
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(range(k, 24, 4),)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert e.outstanding() == 0
+    e.close()
+
+
+def test_aligned_memory_needs_no_bounce(op, store_file):
+    e = op.Engine(str(store_file), queue_depth=4, request_bytes=1 * MiB)
+    buf = op.aligned_empty(4 * MiB)
+    assert e.wait(e.submit_write(buf, 0)).error == 0
+    assert e.bounce_bytes_allocated == 0
+    unaligned = torch.empty(4 * MiB + 1, dtype=torch.uint8)[1:]
+    assert e.wait(e.submit_write(unaligned, 0)).error == 0
+    assert 0 < e.bounce_bytes_allocated <= 4 * MiB
+    e.close()
+
+
+def test_rejects_misaligned_and_out_of_range(op, store_file):
+    e = op.Engine(str(store_file))
+    t = torch.zeros(4096, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="not a multiple"):
+        e.submit_write(t, 100)
+    with pytest.raises(ValueError, match="beyond the end"):
+        e.submit_read(t, 32 * MiB)
+    with pytest.raises(ValueError, match="beyond the end"):
+        e.submit_write(torch.zeros(4097, dtype=torch.uint8), 32 * MiB - 4096)
+    with pytest.raises(IndexError):
+        e.wait(12345)
+    e.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        e.submit_write(t, 0)
+
+
+def test_short_read_past_end_of_file(op, tmp_path):
+    path = tmp_path / "dev.bin"
+    with open(path, "wb") as f:
+        os.posix_fallocate(f.fileno(), 0, 1 * MiB)
+    e = op.Engine(str(path), request_bytes=64 << 10)
+    os.truncate(path, 256 << 10)  # the file shrinks under the engine: reads past it return 0 bytes
+    r = e.wait(e.submit_read(op.aligned_empty(512 << 10), 0))
+    assert r.short_transfer and r.error_offset == 256 << 10 and r.bytes_done == 256 << 10
+    e.close()
+
+
+def test_open_errors(op, tmp_path):
+    with pytest.raises(FileNotFoundError):
+        op.Engine(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="neither a block device nor a regular file"):
+        op.Engine(str(tmp_path))
+    with pytest.raises(ValueError, match="queue_depth"):
+        op.Engine(str(tmp_path / "missing"), queue_depth=0)
