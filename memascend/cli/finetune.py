@@ -72,6 +72,8 @@ def _launch_ranks(nproc: int) -> None:
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None, help="TOML file with [model] [data] [train] [offload] sections; flags override it")
 @click.option("--deepspeed-config", type=click.Path(dir_okay=False), default=None, help="Your DeepSpeed JSON to start from; its explicit values win")
 @click.option("--nproc", type=int, default=None, help="Launch this many ranks on this host (torchrun); default: one, or what a launcher set")
+@click.option("--local_rank", "--local-rank", "launcher_local_rank", type=int, default=None, hidden=True,
+              help="Set by the deepspeed launcher; LOCAL_RANK from the environment is used")
 def finetune(**kw) -> None:
     """Fine-tune a causal LM with DeepSpeed ZeRO-3, parameters and optimizer state offloaded (ZeRO-Infinity).
 
@@ -79,6 +81,7 @@ def finetune(**kw) -> None:
     parameters and optimizer state on NVMe (./memascend-swap). Writes the fine-tuned model
     (HF folder), report.json and memory_timeline.{csv,png} to --output.
     """
+    kw.pop("launcher_local_rank")
     nproc = kw.pop("nproc")
     if nproc is not None and nproc > 1 and "RANK" not in os.environ:
         _launch_ranks(nproc)
