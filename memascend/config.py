@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+import tomllib
 
 from memascend.errors import UserError
 

@@ -78,10 +78,14 @@ def _all_reduce_sum(values: list[float]) -> list[float]:
     import torch
     import torch.distributed as tdist
 
-    t = torch.tensor(values, dtype=torch.float64)
-    if tdist.is_initialized() and tdist.get_world_size() > 1:
-        tdist.all_reduce(t)
-    return t.tolist()
+    if not (tdist.is_initialized() and tdist.get_world_size() > 1):
+        return list(values)
+    from deepspeed.accelerator import get_accelerator
+
+    # nccl reduces device tensors only; gloo (CPU accelerator) takes host tensors.
+    t = torch.tensor(values, dtype=torch.float64, device=get_accelerator().current_device_name())
+    tdist.all_reduce(t)
+    return t.cpu().tolist()
 
 
 def evaluate(engine, blocks, micro_batch: int, info, sampler: MemorySampler) -> float | None:
