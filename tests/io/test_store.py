@@ -1,0 +1,229 @@
+"""TensorStore on a preallocated file: round trips, allocation, concurrency, errors, persistence."""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from memascend.io import device
+from memascend.io.errors import ChecksumError, DeviceRefusedError, StoreFullError, StoreIOError
+from memascend.io.store import TensorStore
+from memascend.ops import nvme_io
+
+MiB = 1 << 20
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.int32, torch.int64, torch.uint8, torch.bool]
+
+
+def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -(2**31)), min(info.max, 2**31 - 1), shape, generator=g, dtype=torch.int64).to(dtype)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    items=st.lists(
+        st.tuples(st.sampled_from(DTYPES), st.lists(st.integers(0, 50), min_size=0, max_size=3), st.integers(0, 2**31)),
+        min_size=1, max_size=12,
+    ),
+    aligned=st.booleans(),
+    enable_crc=st.booleans(),
+)
+def test_round_trip_random_tensors(tmp_path_factory, items, aligned, enable_crc):
+    path = tmp_path_factory.mktemp("store") / "s.bin"
+    tensors = {f"t{i}": random_tensor(d, tuple(s), seed) for i, (d, s, seed) in enumerate(items)}
+    with TensorStore.create(path, size_bytes=32 * MiB, queue_depth=4, request_bytes=64 << 10, enable_crc=enable_crc) as store:
+        for k, t in tensors.items():
+            if aligned and t.nbytes:  # pinned-arena-like memory: transferred in place
+                buf = nvme_io.load().aligned_empty(t.nbytes).view(t.dtype).view(t.shape)
+                buf.copy_(t)
+                t = buf
+            rec = store.write(k, t)
+            assert rec.nbytes == t.nbytes and rec.offset_bytes % 4096 == 0
+            assert (rec.crc32c is not None) == (enable_crc or t.nbytes == 0)
+        for k, t in tensors.items():
+            out = store.read_tensor(k)
+            assert out.dtype == t.dtype and out.shape == t.shape and torch.equal(out, t)
+        assert store.used_bytes == sum(-(-t.nbytes // 4096) * 4096 for t in tensors.values())
+    with TensorStore.open(path) as store:  # the table persisted
+        assert sorted(store.keys()) == sorted(tensors)
+        for k, t in tensors.items():
+            assert torch.equal(store.read_tensor(k), t)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.tuples(st.sampled_from(["write", "free", "read"]), st.integers(0, 7), st.integers(1, 200_000)), min_size=1, max_size=40))
+def test_interleaved_write_free_read_against_dict(tmp_path_factory, ops):
+    path = tmp_path_factory.mktemp("store") / "s.bin"
+    model: dict[str, torch.Tensor] = {}
+    with TensorStore.create(path, size_bytes=2 * MiB, queue_depth=8, request_bytes=32 << 10, table_slot_bytes=64 << 10) as store:
+        for i, (op, k, n) in enumerate(ops):
+            key = f"k{k}"
+            if op == "write":
+                t = random_tensor(torch.uint8, (n,), i)
+                try:
+                    store.write(key, t)
+                    model[key] = t
+                except StoreFullError as exc:
+                    assert key in str(exc)
+                    assert store.largest_free_bytes < -(-n // 4096) * 4096
+                    if key in model:  # a failed write leaves the old contents readable
+                        assert torch.equal(store.read_tensor(key), model[key])
+            elif op == "free":
+                if key in model:
+                    store.free(key)
+                    del model[key]
+                else:
+                    with pytest.raises(KeyError):
+                        store.free(key)
+            elif key in model:
+                assert torch.equal(store.read_tensor(key), model[key])
+            assert sorted(store.keys()) == sorted(model)
+            assert store.used_bytes == sum(-(-t.nbytes // 4096) * 4096 for t in model.values())
+            extents = sorted((store.record(k).offset_bytes, store.record(k).alloc_bytes) for k in model)
+            for (o1, n1), (o2, _) in zip(extents, extents[1:]):
+                assert o1 + n1 <= o2  # extents never overlap
+
+
+def test_many_transfers_in_flight_from_threads(store_path):
+    tensors = {f"w{i}": torch.randn(20_000 + 513 * i) for i in range(32)}
+    errors: list[BaseException] = []
+    with TensorStore.create(store_path, size_bytes=32 * MiB, queue_depth=16, request_bytes=16 << 10) as store:
+
+        def worker(keys):
+            try:
+                tickets = [store.submit_write(k, tensors[k]) for k in keys]
+                for t in tickets:
+                    store.wait(t)
+                outs = {k: torch.empty_like(tensors[k]) for k in keys}
+                tickets = [store.submit_read(k, outs[k]) for k in keys]
+                for t in tickets:
+                    store.wait(t)
+                for k in keys:
+                    assert torch.equal(outs[k], tensors[k])
+            except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(list(tensors)[j::4],)) for j in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        # several reads of one key may overlap; a write of a key with a read in flight may not
+        outs = [torch.empty_like(tensors["w0"]) for _ in range(3)]
+        tickets = [store.submit_read("w0", o) for o in outs]
+        with pytest.raises(ValueError, match="in flight"):
+            store.submit_write("w0", tensors["w1"])
+        with pytest.raises(ValueError, match="in flight"):
+            store.free("w0")
+        store.wait_all()
+        assert all(torch.equal(o, tensors["w0"]) for o in outs) and tickets
+
+
+def test_full_store_raises_clear_error(store_path):
+    with TensorStore.create(store_path, size_bytes=8 * MiB) as store:
+        free = store.free_bytes
+        store.write("big", torch.zeros(free - 4096, dtype=torch.uint8))
+        with pytest.raises(StoreFullError, match=r"full: tensor 'next' needs 8192 bytes, 4096 free"):
+            store.write("next", torch.zeros(5000, dtype=torch.uint8))
+        assert "next" not in store
+        store.write("fits", torch.zeros(4096, dtype=torch.uint8))
+        assert store.free_bytes == 0
+
+
+def test_corrupted_extent_raises_checksum_error_naming_key_and_offset(store_path):
+    t = torch.randn(10_000)
+    with TensorStore.create(store_path, size_bytes=8 * MiB) as store:
+        store.write("a", torch.randn(100))
+        rec = store.write("layer.weight", t)
+        fd = os.open(store_path, os.O_WRONLY)
+        try:  # flip one byte behind the store's back
+            os.pwrite(fd, b"\xff", rec.offset_bytes + 1234)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        out = torch.empty_like(t)
+        with pytest.raises(ChecksumError, match=rf"tensor 'layer.weight' at device offset {rec.offset_bytes} ") as info:
+            store.read("layer.weight", out)
+        assert (info.value.key, info.value.offset_bytes) == ("layer.weight", rec.offset_bytes)
+        store.enable_crc = False  # the speed-run flag skips the check
+        store.read("layer.weight", out)
+        assert not torch.equal(out, t)
+
+
+def test_short_read_raises_io_error_naming_key_and_offset(store_path):
+    with TensorStore.create(store_path, size_bytes=8 * MiB) as store:
+        rec = store.write("x", torch.randn(300_000))
+        os.truncate(store_path, rec.offset_bytes + 8192)
+        with pytest.raises(StoreIOError, match=rf"short read of tensor 'x' at device offset {rec.offset_bytes + 8192}") as info:
+            store.read("x", torch.empty(300_000))
+        assert info.value.key == "x" and info.value.errno is None
+        store._closed = True  # the truncated file cannot take the table any more
+        store.engine.close()
+
+
+def test_refuses_foreign_store_and_signatures(store_path, tmp_path):
+    owner = uuid.uuid4()
+    TensorStore.create(store_path, size_bytes=8 * MiB, owner_uuid=owner).close()
+    with pytest.raises(DeviceRefusedError, match="memascend store header"):
+        TensorStore.create(store_path)
+    TensorStore.create(store_path, owner_uuid=owner).close()  # its own old store: reused
+    with pytest.raises(DeviceRefusedError, match="of owner"):
+        TensorStore.open(store_path, owner_uuid=uuid.uuid4())
+    TensorStore.create(store_path, allow_overwrite=True).close()
+    img = tmp_path / "gpt.img"
+    with open(img, "wb") as f:
+        f.truncate(8 * MiB)
+        f.seek(512)
+        f.write(b"EFI PART")
+    with pytest.raises(DeviceRefusedError, match="GPT partition table"):
+        TensorStore.create(img)
+    with pytest.raises(device.UserError, match="pass a size"):
+        TensorStore.create(tmp_path / "new.bin")
+
+
+def test_export_import_round_trip_and_corrupt_checkpoint(store_path, tmp_path):
+    tensors = {"p.0": torch.randn(123_457), "p.1": torch.arange(10, dtype=torch.int64).view(2, 5), "empty": torch.empty(0, 3)}
+    with TensorStore.create(store_path, size_bytes=8 * MiB) as store:
+        for k, t in tensors.items():
+            store.write(k, t)
+        store.export_files(tmp_path / "ckpt", chunk_bytes=64 << 10)
+    other = tmp_path / "other.bin"
+    with TensorStore.create(other, size_bytes=8 * MiB) as store:
+        assert sorted(store.import_files(tmp_path / "ckpt", chunk_bytes=64 << 10)) == sorted(tensors)
+        for k, t in tensors.items():
+            out = store.read_tensor(k)
+            assert out.shape == t.shape and torch.equal(out, t)
+        bad = tmp_path / "ckpt" / "tensor_000001.bin"  # p.0 (sorted keys: empty, p.0, p.1)
+        data = bytearray(bad.read_bytes())
+        data[77] ^= 0x10
+        bad.write_bytes(bytes(data))
+        used = store.used_bytes
+        with pytest.raises(ChecksumError, match=r"tensor 'p.0' from .*tensor_000001.bin"):
+            store.import_files(tmp_path / "ckpt")
+        assert store.used_bytes <= used
+
+
+def test_swapping_does_not_grow_the_page_cache(store_path):
+    with TensorStore.create(store_path, size_bytes=48 * MiB, request_bytes=1 * MiB) as store:
+        tensors = [torch.randn(1 << 20) for _ in range(8)]  # 32 MiB
+        for i, t in enumerate(tensors):
+            store.write(f"t{i}", t)
+        for i, t in enumerate(tensors):
+            assert torch.equal(store.read_tensor(f"t{i}"), t)
+        assert device.cached_bytes(store_path) == 0
+    # the probe can see cache: a buffered read of the same file fills it
+    with open(store_path, "rb") as f:
+        f.read(8 * MiB)
+    assert device.cached_bytes(store_path) >= 4 * MiB
