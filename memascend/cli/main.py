@@ -13,6 +13,8 @@ from memascend.errors import UserError
 _COMMANDS: tuple[tuple[str, str], ...] = (
     ("memascend.cli.finetune", "finetune"),
     ("memascend.cli.doctor", "doctor"),
+    ("memascend.cli.regress", "regress"),
+    ("memascend.cli.plan", "plan"),
 )
 
 

@@ -1,0 +1,1 @@
+"""Regression benchmarks: matrices, the baseline-vs-memascend runner, comparison, golden files, planner."""

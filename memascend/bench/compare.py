@@ -1,0 +1,266 @@
+"""Compare a memascend run with the baseline run of the same configuration, and with golden results.
+
+Two kinds of checks, each a :class:`Check` with the measured value, its limit and a verdict:
+
+* pair checks (same run): per-step losses equal (bit-for-bit where the thresholds say so), peak
+  host RSS, peak locked memory and median step time of memascend over the baseline's, against the
+  :class:`~memascend.bench.matrix.Thresholds` of the configuration;
+* golden checks: this run's memascend numbers against the golden results recorded for this
+  hardware profile (``baselines/<profile>/<matrix>.json``), with :class:`GoldenTolerances`.
+
+Memory is host-wide: with several ranks on one host the per-rank peaks are summed
+(``report["memory"]["sum_rank_peak_*"]``), which bounds the host's peak.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from memascend.bench.matrix import BenchConfig, Thresholds
+
+GIB = float(1 << 30)
+
+
+@dataclass(frozen=True)
+class Check:
+    """One verdict.
+
+    Attributes:
+        name: what was checked (``losses``, ``peak_rss_ratio``, ``golden.peak_rss_bytes`` ...).
+        ok: passed.
+        measured: the measured value (ratio, bytes, seconds; ``None`` when it could not be measured).
+        limit: the limit it was held against.
+        detail: one human line.
+    """
+
+    name: str
+    ok: bool
+    measured: float | None
+    limit: float | None
+    detail: str
+
+
+@dataclass(frozen=True)
+class RunMetrics:
+    """The numbers of one engine's run that the checks use (from its ``report.json``).
+
+    Attributes:
+        peak_rss_bytes: sum over ranks of each rank's peak RSS.
+        peak_locked_bytes: sum over ranks of each rank's peak VmLck.
+        median_step_s: median step time, first step excluded.
+        tokens_per_s: median tokens per second (all ranks).
+        nvme_read_bytes / nvme_write_bytes: bytes through the process's I/O counters during training.
+        swap_folder_bytes: size of the swap folder after the first step.
+        losses: per-step mean loss over ranks.
+        param_numel: model parameters.
+    """
+
+    peak_rss_bytes: int
+    peak_locked_bytes: int
+    median_step_s: float
+    tokens_per_s: float
+    nvme_read_bytes: int
+    nvme_write_bytes: int
+    swap_folder_bytes: int
+    losses: tuple[float, ...]
+    param_numel: int
+
+    @classmethod
+    def from_report(cls, report: dict) -> RunMetrics:
+        mem = report["memory"]
+        return cls(
+            peak_rss_bytes=int(mem.get("sum_rank_peak_rss_bytes") or mem["peak_rss_bytes"]),
+            peak_locked_bytes=int(mem.get("sum_rank_peak_locked_bytes") or mem["peak_locked_bytes"]),
+            median_step_s=float(report["median_step_s"]),
+            tokens_per_s=float(report.get("median_tokens_per_s") or 0.0),
+            nvme_read_bytes=int(report.get("nvme", {}).get("read_bytes") or 0),
+            nvme_write_bytes=int(report.get("nvme", {}).get("write_bytes") or 0),
+            swap_folder_bytes=int(report.get("nvme", {}).get("swap_folder_bytes") or 0),
+            losses=tuple(float(s["loss"]) for s in report["steps"]),
+            param_numel=int(report["model"]["param_numel"]),
+        )
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den > 0 else (1.0 if num == 0 else math.inf)
+
+
+def check_losses(base: tuple[float, ...], mine: tuple[float, ...], th: Thresholds) -> Check:
+    """Per-step losses equal: bit-for-bit (``==`` on the float64 values) or within ``loss_rtol``."""
+    if len(base) != len(mine):
+        return Check("losses", False, None, None, f"step counts differ: baseline {len(base)}, memascend {len(mine)}")
+    bad = []
+    worst = 0.0
+    for i, (a, b) in enumerate(zip(base, mine, strict=True), start=1):
+        rel = abs(a - b) / max(abs(a), 1e-30)
+        worst = max(worst, rel)
+        equal = (a == b) if th.bitwise_losses else rel <= th.loss_rtol
+        if not equal or math.isnan(a) or math.isnan(b):
+            bad.append(f"step {i}: {a!r} vs {b!r}")
+    how = "bit-for-bit" if th.bitwise_losses else f"rtol {th.loss_rtol:g}"
+    if bad:
+        return Check("losses", False, worst, th.loss_rtol, f"losses differ ({how}): " + "; ".join(bad[:3]))
+    return Check("losses", True, worst, th.loss_rtol, f"{len(base)} steps equal ({how})")
+
+
+def compare_pair(cfg: BenchConfig, base: RunMetrics, mine: RunMetrics) -> list[Check]:
+    """The same-run checks of one configuration against its thresholds."""
+    th = cfg.thresholds
+    out = [check_losses(base.losses, mine.losses, th)]
+    rss = _ratio(mine.peak_rss_bytes, base.peak_rss_bytes)
+    out.append(Check("peak_rss_ratio", rss <= th.max_peak_rss_ratio, rss, th.max_peak_rss_ratio,
+                     f"peak RSS {mine.peak_rss_bytes / GIB:.2f} / {base.peak_rss_bytes / GIB:.2f} GiB = {rss:.3f} "
+                     f"(limit {th.max_peak_rss_ratio:.2f})"))
+    if th.max_peak_locked_ratio is not None:
+        lck = _ratio(mine.peak_locked_bytes, base.peak_locked_bytes)
+        out.append(Check("peak_locked_ratio", lck <= th.max_peak_locked_ratio, lck, th.max_peak_locked_ratio,
+                         f"locked {mine.peak_locked_bytes / GIB:.2f} / {base.peak_locked_bytes / GIB:.2f} GiB = "
+                         f"{lck:.3f} (limit {th.max_peak_locked_ratio:.2f})"))
+    st = _ratio(mine.median_step_s, base.median_step_s)
+    limit = th.max_step_time_ratio + th.step_time_noise
+    out.append(Check("step_time_ratio", st <= limit, st, limit,
+                     f"median step {mine.median_step_s:.2f} / {base.median_step_s:.2f} s = {st:.3f} "
+                     f"(limit {th.max_step_time_ratio:.2f} + {th.step_time_noise:.2f} noise allowance)"))
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class GoldenTolerances:
+    """How much worse than the golden result a run may be on the same hardware profile.
+
+    Attributes:
+        memory_rel: relative increase allowed on peak RSS and peak locked bytes.
+        ratio_abs: absolute increase allowed on the memascend/baseline memory ratios.
+        step_time_rel: relative increase allowed on memascend's median step time.
+        loss_rel: relative difference allowed on each step's loss (same hardware, same seed).
+    """
+
+    memory_rel: float = 0.05
+    ratio_abs: float = 0.03
+    step_time_rel: float = 0.30
+    loss_rel: float = 1e-3
+
+
+def golden_entry(base: RunMetrics, mine: RunMetrics) -> dict:
+    """What is recorded for one configuration in a golden file."""
+    return {
+        "memascend": {"peak_rss_bytes": mine.peak_rss_bytes, "peak_locked_bytes": mine.peak_locked_bytes,
+                      "median_step_s": mine.median_step_s, "losses": list(mine.losses)},
+        "baseline": {"peak_rss_bytes": base.peak_rss_bytes, "peak_locked_bytes": base.peak_locked_bytes,
+                     "median_step_s": base.median_step_s},
+        "peak_rss_ratio": _ratio(mine.peak_rss_bytes, base.peak_rss_bytes),
+        "peak_locked_ratio": _ratio(mine.peak_locked_bytes, base.peak_locked_bytes),
+    }
+
+
+def compare_golden(entry: dict, base: RunMetrics, mine: RunMetrics, tol: GoldenTolerances) -> list[Check]:
+    """This run against the golden ``entry`` of its configuration (see :func:`golden_entry`)."""
+    g = entry["memascend"]
+    out = []
+    for key, label in (("peak_rss_bytes", "peak RSS"), ("peak_locked_bytes", "locked")):
+        limit = g[key] * (1 + tol.memory_rel)
+        val = getattr(mine, key)
+        out.append(Check(f"golden.{key}", val <= limit, val, limit,
+                         f"memascend {label} {val / GIB:.3f} GiB vs golden {g[key] / GIB:.3f} GiB "
+                         f"(+{tol.memory_rel:.0%} allowed)"))
+    for key in ("peak_rss_ratio", "peak_locked_ratio"):
+        val = golden_entry(base, mine)[key]
+        limit = entry[key] + tol.ratio_abs
+        out.append(Check(f"golden.{key}", val <= limit, val, limit,
+                         f"{key} {val:.3f} vs golden {entry[key]:.3f} (+{tol.ratio_abs:.2f} allowed)"))
+    limit = g["median_step_s"] * (1 + tol.step_time_rel)
+    out.append(Check("golden.median_step_s", mine.median_step_s <= limit, mine.median_step_s, limit,
+                     f"memascend step {mine.median_step_s:.2f} s vs golden {g['median_step_s']:.2f} s "
+                     f"(+{tol.step_time_rel:.0%} allowed)"))
+    gl = g.get("losses") or []
+    if len(gl) == len(mine.losses):
+        worst = max((abs(a - b) / max(abs(a), 1e-30) for a, b in zip(gl, mine.losses, strict=True)), default=0.0)
+        out.append(Check("golden.losses", worst <= tol.loss_rel, worst, tol.loss_rel,
+                         f"largest relative loss difference to golden {worst:.2e} (<= {tol.loss_rel:g})"))
+    else:
+        out.append(Check("golden.losses", False, None, None,
+                         f"golden has {len(gl)} steps, this run {len(mine.losses)}: rerun with --update-golden "
+                         "if the matrix changed"))
+    return out
+
+
+@dataclass
+class ConfigResult:
+    """Everything known about one configuration after a regress run.
+
+    Attributes:
+        config: the configuration.
+        baseline / memascend: their metrics (``None`` when the run failed).
+        checks: pair and golden checks.
+        errors: why a run produced no report (exit status and log tail).
+        commands: the exact command of each engine's run.
+    """
+
+    config: BenchConfig
+    baseline: RunMetrics | None = None
+    memascend: RunMetrics | None = None
+    checks: list[Check] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    commands: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors and bool(self.checks) and all(c.ok for c in self.checks)
+
+    def check(self, name: str) -> Check | None:
+        return next((c for c in self.checks if c.name == name), None)
+
+    def to_dict(self) -> dict:
+        return {
+            "config": self.config.to_dict(),
+            "ok": self.ok,
+            "baseline": asdict(self.baseline) if self.baseline else None,
+            "memascend": asdict(self.memascend) if self.memascend else None,
+            "checks": [asdict(c) for c in self.checks],
+            "errors": self.errors,
+            "commands": self.commands,
+        }
+
+
+def evaluate(cfg: BenchConfig, base_report: dict | None, mine_report: dict | None, golden: dict | None,
+             tol: GoldenTolerances, errors: list[str] | None = None) -> ConfigResult:
+    """Build the :class:`ConfigResult` of one configuration from its two reports.
+
+    Args:
+        base_report / mine_report: parsed ``report.json`` of each engine, ``None`` if the run failed.
+        golden: this configuration's golden entry, or ``None`` (no golden check).
+        tol: golden tolerances.
+        errors: run failures already known (they make the result fail).
+    """
+    res = ConfigResult(cfg, errors=list(errors or []))
+    if base_report is None or mine_report is None:
+        if not res.errors:
+            res.errors.append("a run produced no report")
+        return res
+    res.baseline = RunMetrics.from_report(base_report)
+    res.memascend = RunMetrics.from_report(mine_report)
+    res.checks = compare_pair(cfg, res.baseline, res.memascend)
+    if golden is not None:
+        res.checks += compare_golden(golden, res.baseline, res.memascend, tol)
+    return res
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares ``y = slope * x + intercept``.
+
+    Used for peak host memory (bytes) against parameter count: ``slope`` is bytes per parameter,
+    ``intercept`` the model-independent bytes.
+
+    Raises:
+        ValueError: fewer than two points or all ``xs`` equal.
+    """
+    n = len(xs)
+    if n != len(ys) or n < 2:
+        raise ValueError("need at least two (x, y) points")
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        raise ValueError("all x values are equal")
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    return slope, my - slope * mx

@@ -1,0 +1,229 @@
+"""Named regression matrices: which configurations ``memascend regress`` runs, and their thresholds.
+
+A matrix is data: frozen dataclasses listing configurations (model x data x dtype x sequence length
+x micro-batch x ranks x offload targets) and, per configuration, the limits the memascend run must
+meet against the stock-DeepSpeed baseline measured in the same run. The thresholds come from the
+memory-core issue (issue 3): for SmolLM2-135M peak RSS <= 40 % of the baseline's, locked memory
+<= 25 %, step time <= 1.05x; for a ~1B Llama peak RSS <= 45 %; losses bit-for-bit equal in bf16 and
+fp32.
+
+Step time on a shared 2-core machine is noisy (other processes, page cache): the step-time check
+compares medians of the steady steps (the first step pays swap-file creation) and allows
+``step_time_noise`` on top of the ratio limit, stated separately in every report line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from memascend.errors import UserError
+
+
+@dataclass(frozen=True, kw_only=True)
+class Thresholds:
+    """Limits of memascend/baseline ratios measured in the same run.
+
+    Attributes:
+        max_peak_rss_ratio: memascend peak host RSS / baseline peak host RSS (sum over ranks).
+        max_peak_locked_ratio: memascend peak locked (VmLck) / baseline's (sum over ranks);
+            ``None``: not checked (e.g. a baseline that locks nothing).
+        max_step_time_ratio: memascend median steady step time / baseline's.
+        step_time_noise: absolute allowance added to ``max_step_time_ratio`` for a noisy host.
+        bitwise_losses: per-step losses must be bit-for-bit equal (else within ``loss_rtol``).
+        loss_rtol: relative tolerance of per-step losses when ``bitwise_losses`` is false.
+    """
+
+    max_peak_rss_ratio: float = 0.40
+    max_peak_locked_ratio: float | None = 0.25
+    max_step_time_ratio: float = 1.05
+    step_time_noise: float = 0.15
+    bitwise_losses: bool = True
+    loss_rtol: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_peak_rss_ratio", "max_step_time_ratio"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.step_time_noise < 0 or self.loss_rtol < 0:
+            raise ValueError("step_time_noise and loss_rtol must be >= 0")
+
+
+SMOLLM2_THRESHOLDS = Thresholds()
+"""Issue 3, SmolLM2-135M: RSS <= 40 %, locked <= 25 %, step time <= 1.05x (+ noise), bitwise losses."""
+
+LLAMA_1B_THRESHOLDS = Thresholds(max_peak_rss_ratio=0.45, max_peak_locked_ratio=0.25)
+"""Issue 3, ~1B from-scratch Llama: RSS <= 45 %, same loss per step."""
+
+SMALL_MODEL_THRESHOLDS = Thresholds(max_peak_rss_ratio=0.80, max_peak_locked_ratio=0.50)
+"""Models far below 135M parameters: the framework's fixed RSS dominates, so only a looser bound
+holds (no issue gives a number; these points are for the scaling fit, not the promise)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    """One configuration: run once with ``--engine baseline`` and once with ``--engine memascend``.
+
+    Attributes:
+        name: unique within its matrix; used for output folders and ``--only`` filters.
+        model: ``--model`` (built-in name, HF folder or GGUF).
+        from_scratch: ``--from-scratch`` preset (random-weight Llama) or ``None``.
+        data: ``--data`` (``shakespeare``, ``chitchat`` or a path).
+        dtype: ``bf16``, ``fp16`` or ``fp32``.
+        seq_len: tokens per sequence.
+        micro_batch: sequences per micro-batch per rank.
+        steps: optimizer steps (at least 3: the first is excluded from step-time medians).
+        nproc: ranks on this host.
+        offload_param / offload_optimizer: ``nvme``, ``cpu`` or ``none``.
+        activation_checkpointing: recompute activations in backward.
+        thresholds: limits of the memascend/baseline ratios.
+        seed: same for both engines (data order, from-scratch init).
+    """
+
+    name: str
+    model: str = "smollm2-135m"
+    from_scratch: str | None = None
+    data: str = "shakespeare"
+    dtype: str = "bf16"
+    seq_len: int = 256
+    micro_batch: int = 4
+    steps: int = 4
+    nproc: int = 1
+    offload_param: str = "nvme"
+    offload_optimizer: str = "nvme"
+    activation_checkpointing: bool = False
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        if self.steps < 3:
+            raise ValueError(f"{self.name}: steps must be >= 3 (first step is excluded from medians)")
+        if self.dtype not in ("bf16", "fp16", "fp32"):
+            raise ValueError(f"{self.name}: unknown dtype {self.dtype}")
+        if min(self.seq_len, self.micro_batch, self.nproc) < 1:
+            raise ValueError(f"{self.name}: seq_len, micro_batch and nproc must be >= 1")
+
+    def finetune_args(self, *, engine: str, output_dir: str, nvme_path: str) -> list[str]:
+        """Arguments after ``memascend finetune`` for one engine (identical except ``--engine``)."""
+        args = ["--engine", engine, "--output", output_dir, "--nvme-path", nvme_path,
+                "--data", self.data, "--dtype", self.dtype, "--seq-len", str(self.seq_len),
+                "--micro-batch", str(self.micro_batch), "--steps", str(self.steps), "--seed", str(self.seed),
+                "--offload-param", self.offload_param, "--offload-optimizer", self.offload_optimizer,
+                "--eval-blocks", "0", "--no-save-model"]
+        args += ["--from-scratch", self.from_scratch] if self.from_scratch else ["--model", self.model]
+        args += ["--activation-checkpointing"] if self.activation_checkpointing else []
+        if self.nproc > 1:
+            args += ["--nproc", str(self.nproc)]
+        return args
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Matrix:
+    """A named list of configurations.
+
+    Attributes:
+        name: ``smoke``, ``cpu-full`` or ``gpu``.
+        description: what it is for and roughly how long it takes.
+        configs: the configurations, run in this order.
+    """
+
+    name: str
+    description: str
+    configs: tuple[BenchConfig, ...]
+
+    def __post_init__(self) -> None:
+        names = [c.name for c in self.configs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"matrix {self.name}: duplicate config names")
+
+    def select(self, pattern: str | None) -> tuple[BenchConfig, ...]:
+        """Configurations whose name matches the shell-style ``pattern`` (all when ``None``).
+
+        Raises:
+            UserError: nothing matches.
+        """
+        import fnmatch
+
+        if not pattern:
+            return self.configs
+        chosen = tuple(c for c in self.configs if fnmatch.fnmatchcase(c.name, pattern) or pattern == c.name)
+        if not chosen:
+            raise UserError(f"--only {pattern!r} matches no config of matrix {self.name} "
+                            f"({', '.join(c.name for c in self.configs)})")
+        return chosen
+
+
+def _smoke() -> Matrix:
+    # Small seq-len/steps so the eight runs (4 configs x 2 engines) take minutes on 2 cores.
+    common = dict(seq_len=128, micro_batch=2, steps=3, thresholds=SMOLLM2_THRESHOLDS)
+    return Matrix(
+        name="smoke",
+        description="SmolLM2-135M (real weights) on Shakespeare and chitchat, 1 and 2 ranks, bf16, "
+                    "params+optimizer on NVMe; ~15 min on a 2-core CPU",
+        configs=(
+            BenchConfig(name="smollm2-shakespeare-r1", data="shakespeare", nproc=1, **common),
+            BenchConfig(name="smollm2-chitchat-r1", data="chitchat", nproc=1, **common),
+            BenchConfig(name="smollm2-shakespeare-r2", data="shakespeare", nproc=2, **common),
+            BenchConfig(name="smollm2-chitchat-r2", data="chitchat", nproc=2, **common),
+        ),
+    )
+
+
+def _cpu_full() -> Matrix:
+    configs = [
+        BenchConfig(name="smollm2-shakespeare-bf16-256x4", thresholds=SMOLLM2_THRESHOLDS),
+        BenchConfig(name="smollm2-shakespeare-fp32-256x4", dtype="fp32", thresholds=SMOLLM2_THRESHOLDS),
+        BenchConfig(name="smollm2-chitchat-bf16-256x4-r2", data="chitchat", nproc=2, thresholds=SMOLLM2_THRESHOLDS),
+        BenchConfig(name="llama-tiny-bf16-256x4", from_scratch="llama-tiny", thresholds=SMALL_MODEL_THRESHOLDS),
+    ]
+    for preset, th in (("llama-0.1b", SMOLLM2_THRESHOLDS), ("llama-0.3b", SMOLLM2_THRESHOLDS),
+                       ("llama-0.5b", SMOLLM2_THRESHOLDS), ("llama-1b", LLAMA_1B_THRESHOLDS),
+                       ("llama-2b", LLAMA_1B_THRESHOLDS), ("llama-3b", LLAMA_1B_THRESHOLDS)):
+        configs.append(BenchConfig(name=f"{preset}-bf16-256x1", from_scratch=preset, micro_batch=1, steps=3,
+                                   activation_checkpointing=True, thresholds=th))
+    for seq in (1024, 4096):
+        configs.append(BenchConfig(name=f"llama-0.1b-bf16-{seq}x1", from_scratch="llama-0.1b", seq_len=seq,
+                                   micro_batch=1, steps=3, activation_checkpointing=True,
+                                   thresholds=SMOLLM2_THRESHOLDS))
+    return Matrix(
+        name="cpu-full",
+        description="scaling story on the CPU: SmolLM2-135M (bf16, fp32, 2 ranks) and from-scratch Llama "
+                    "0.1B-3B, sequence lengths 256-4096; several hours on a 2-core CPU",
+        configs=tuple(configs),
+    )
+
+
+def _gpu() -> Matrix:
+    configs = []
+    for dtype in ("bf16", "fp16"):
+        configs.append(BenchConfig(name=f"smollm2-shakespeare-{dtype}-1024x8", dtype=dtype, seq_len=1024,
+                                   micro_batch=8, steps=10, thresholds=SMOLLM2_THRESHOLDS))
+        for preset in ("llama-1b", "llama-3b"):
+            configs.append(BenchConfig(name=f"{preset}-{dtype}-2048x4", from_scratch=preset, dtype=dtype,
+                                       seq_len=2048, micro_batch=4, steps=10, activation_checkpointing=True,
+                                       thresholds=LLAMA_1B_THRESHOLDS))
+    return Matrix(
+        name="gpu",
+        description="self-hosted GPU runner: GPU-resident compute with params+optimizer on NVMe, fp16 "
+                    "(dynamic loss scaling) and bf16, SmolLM2-135M and from-scratch Llama 1B/3B",
+        configs=tuple(configs),
+    )
+
+
+MATRICES: dict[str, Matrix] = {m.name: m for m in (_smoke(), _cpu_full(), _gpu())}
+"""Every named matrix, by name."""
+
+
+def get_matrix(name: str) -> Matrix:
+    """The matrix called ``name``.
+
+    Raises:
+        UserError: unknown name.
+    """
+    try:
+        return MATRICES[name]
+    except KeyError:
+        raise UserError(f"unknown matrix {name!r}; known: {', '.join(MATRICES)}") from None

@@ -1,0 +1,260 @@
+"""Memory planner: predict peak host RSS, locked memory and NVMe space of a run, without running it.
+
+The model adds up what DeepSpeed 0.19.8 (ZeRO-3, ``offload_param``/``offload_optimizer``) allocates
+on the host, per rank, from the run's rendered DeepSpeed config (the same
+:func:`memascend.train.ds_config.render_ds_config` that ``memascend finetune`` uses) and the
+model's parameter layout (a meta-device instance: no weights read):
+
+Locked (VmLck; aio ``new_cpu_locked_tensor``, exact size):
+  * parameter swapper slab: ``offload_param.buffer_count`` x aligned ``buffer_size`` elements of the
+    param dtype (``AsyncPartitionedParameterSwapper._configure_aio``);
+  * parameter write-back buffer: only when the partition exceeds ``max_in_cpu``
+    (``reserve_partitioned_swap_space``, sized from full ``ds_numel`` of the largest sub-group);
+  * optimizer swapper: ``offload_optimizer.buffer_count`` fp32 buffers of the largest sub-group
+    (``OptimizerSwapper.__init__`` -> ``SwapBufferManager``).
+Unlocked:
+  * fp16 flat param memory: ``min(partition, max_in_cpu)`` elements (``_create_param_groups_fp16_flat_cpu_memory``);
+  * ``grad_partitions_flat_buffer``: the whole gradient partition in the gradient-accumulation dtype;
+  * the optimizer step's fp32 gradient of the largest sub-group;
+  * activations (per micro-batch, Korthikanti et al. 2022's per-layer estimate, plus the fp32
+    logits/loss of the vocabulary projection);
+  * a fixed framework baseline (Python, torch, DeepSpeed, transformers, ops, tokenizer, data).
+
+memascend (``--engine memascend``, defaults of :class:`MemAscendSettings`) replaces the parameter
+slab with the adaptive pool (slots of the real partition sizes, the prefetch budget's largest
+partitions at most) and sizes the write-back buffer from partition sizes; its optimizer swap
+buffers are allocated on demand (Adam holds ``OPTIMIZER_BUFFERS_IN_USE`` at once).
+
+The two constants that are not read from the source (framework baseline, allocator overhead
+factor on activations) are calibrated against real runs' ``report.json`` on this project's CPU
+host (see ``baselines/``); the accuracy target is 15 % of the measured peak.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from memascend.config import RunConfig
+
+GIB = float(1 << 30)
+_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+_FP32 = 4
+AIO_ALIGN_BYTES = 1024
+"""``AIO_ALIGNED_BYTES`` of ``runtime/swap_tensor/utils.py``: swap buffers are whole multiples of it."""
+
+# --- DeepSpeed 0.19.8 defaults (runtime/zero/offload_config.py, runtime/zero/config.py) ----------
+DS_PARAM_BUFFER_COUNT = 5
+DS_PARAM_BUFFER_SIZE_NUMEL = 100_000_000
+DS_MAX_IN_CPU_NUMEL = 1_000_000_000
+DS_OPTIMIZER_BUFFER_COUNT = 4
+DS_SUB_GROUP_NUMEL = 1_000_000_000
+
+# --- calibrated on this project's CPU host (report.json of real runs; see module docstring) -------
+FRAMEWORK_RSS_BYTES = int(0.95 * GIB)
+"""RSS of a rank that is not any of the components below: interpreter, torch/DeepSpeed/transformers
+code and their allocator caches, loaded ops, tokenizer, token blocks, gloo, NVMe aio handles."""
+ACTIVATION_OVERHEAD = 1.0
+"""Allocator overhead on the activation estimate (freed blocks kept by glibc, temporaries)."""
+STOCK_STEP_TEMP_BYTES_PER_PARAM = 4
+"""Extra step-phase bytes per partition element of stock DeepSpeed over memascend (calibrated)."""
+OPTIMIZER_BUFFERS_IN_USE = 4
+"""Optimizer swap buffers Adam holds at once under memascend's on-demand manager (param, 2 moments, grad)."""
+
+
+@dataclass(frozen=True)
+class Component:
+    """One consumer of host memory (per host: summed over ranks).
+
+    Attributes:
+        name: what it is.
+        bytes: host bytes it holds at the peak.
+        locked: whether it is page-locked (counts towards VmLck).
+        source: the DeepSpeed/memascend allocation it models.
+    """
+
+    name: str
+    bytes: int
+    locked: bool
+    source: str
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """Prediction for one engine.
+
+    Attributes:
+        engine: ``baseline`` or ``memascend``.
+        components: every consumer, largest first.
+        nvme_bytes: bytes written to the swap folder (params + optimizer state).
+    """
+
+    engine: str
+    components: tuple[Component, ...]
+    nvme_bytes: int
+
+    @property
+    def peak_rss_bytes(self) -> int:
+        return sum(c.bytes for c in self.components)
+
+    @property
+    def peak_locked_bytes(self) -> int:
+        return sum(c.bytes for c in self.components if c.locked)
+
+    def biggest(self, n: int = 3) -> tuple[Component, ...]:
+        return tuple(sorted(self.components, key=lambda c: -c.bytes)[:n])
+
+    def to_dict(self) -> dict:
+        return {"engine": self.engine, "peak_rss_bytes": self.peak_rss_bytes,
+                "peak_locked_bytes": self.peak_locked_bytes, "nvme_bytes": self.nvme_bytes,
+                "components": [vars(c) for c in self.components]}
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """What the planner needs to know about the model.
+
+    Attributes:
+        total_numel: parameters (tied weights once).
+        param_numels: every parameter's element count, in registration order.
+        module_param_counts: per module, its direct trainable parameters.
+        hidden_size / num_layers / num_heads / vocab_size: architecture (activation estimate).
+    """
+
+    total_numel: int
+    param_numels: tuple[int, ...]
+    module_param_counts: tuple[int, ...]
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    vocab_size: int
+    extra: dict = field(default_factory=dict)
+
+
+def model_dims(cfg: RunConfig) -> ModelDims:
+    """Model layout from a meta-device instance (no weights read, no memory).
+
+    Raises:
+        UserError: the model cannot be resolved (as ``memascend finetune``).
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memascend.models.loading import llama_config, resolve_model
+    from memascend.train.ds_config import model_shape
+
+    if cfg.model.from_scratch:
+        hf_cfg = llama_config(cfg.model.from_scratch)
+    else:
+        hf_cfg = AutoConfig.from_pretrained(resolve_model(cfg.model).hf_dir)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(hf_cfg)
+    shape = model_shape(meta)
+    return ModelDims(shape.total_numel, shape.param_numels, shape.module_param_counts, hf_cfg.hidden_size,
+                     hf_cfg.num_hidden_layers, hf_cfg.num_attention_heads, hf_cfg.vocab_size)
+
+
+def _aligned(numel: int, elem_bytes: int) -> int:
+    per = max(1, AIO_ALIGN_BYTES // elem_bytes)
+    return -(-numel // per) * per
+
+
+def activation_bytes(dims: ModelDims, micro_batch: int, seq_len: int, dtype_bytes: int,
+                     checkpointing: bool) -> int:
+    """Activation memory of one micro-batch's forward+backward (bytes, per rank).
+
+    Per layer ``s*b*(34*h + 5*a*s)`` bytes in 16-bit (Korthikanti et al. 2022, no flash attention),
+    scaled by ``dtype_bytes / 2``; with checkpointing only each layer's input is kept (``2*s*b*h``)
+    plus one layer's full set. The vocabulary projection adds fp32 logits, their log-softmax and
+    gradient (3 x ``b*s*vocab`` x 4 bytes).
+    """
+    s, b, h, a = seq_len, micro_batch, dims.hidden_size, dims.num_heads
+    per_layer = s * b * (34 * h + 5 * a * s) * dtype_bytes / 2
+    layers = (dims.num_layers * 2 * s * b * h * dtype_bytes / 2 + per_layer) if checkpointing else dims.num_layers * per_layer
+    logits = 3 * b * s * dims.vocab_size * _FP32
+    return int((layers + logits) * ACTIVATION_OVERHEAD)
+
+
+def _sub_group_numel(ds_cfg: dict, partition_numel: int) -> int:
+    sub = int(ds_cfg.get("zero_optimization", {}).get("sub_group_size", DS_SUB_GROUP_NUMEL))
+    return min(partition_numel, sub)
+
+
+def plan_engine(engine: str, cfg: RunConfig, dims: ModelDims, ds_cfg: dict, world_size: int) -> EnginePlan:
+    """Predict one engine's host memory for ``cfg`` (components summed over ``world_size`` ranks)."""
+    e = _DTYPE_BYTES[cfg.train.dtype]
+    w = world_size
+    z = ds_cfg.get("zero_optimization", {})
+    op, oo = z.get("offload_param", {}), z.get("offload_optimizer", {})
+    part = math.ceil(dims.total_numel / w)
+    sub = _sub_group_numel(ds_cfg, part)
+    comps: list[Component] = []
+
+    def add(name: str, per_rank_bytes: float, locked: bool, source: str) -> None:
+        if per_rank_bytes > 0:
+            comps.append(Component(name, int(per_rank_bytes * w), locked, source))
+
+    add("framework baseline (interpreter, torch, DeepSpeed, ops, data)", FRAMEWORK_RSS_BYTES, False,
+        "calibrated constant")
+    if op.get("device") == "nvme":
+        max_in_cpu = int(op.get("max_in_cpu", DS_MAX_IN_CPU_NUMEL))
+        if engine == "baseline":
+            count = int(op.get("buffer_count", DS_PARAM_BUFFER_COUNT))
+            size = int(op.get("buffer_size", DS_PARAM_BUFFER_SIZE_NUMEL))
+            add(f"param swap slab ({count} x {size:,} elements)", count * _aligned(size, e) * e, True,
+                "AsyncPartitionedParameterSwapper._configure_aio")
+        else:
+            budget = int(op.get("buffer_count", DS_PARAM_BUFFER_COUNT))
+            parts = sorted((math.ceil(n / w) for n in dims.param_numels), reverse=True)
+            slots = sum(_aligned(n, e) for n in parts[:budget])
+            add(f"param pool (largest {budget} partitions)", slots * e, True, "memascend AdaptiveSwapPool")
+        in_cpu = min(part, max_in_cpu)
+        add("fp16 flat param memory (max_in_cpu)", in_cpu * e, False, "_create_param_groups_fp16_flat_cpu_memory")
+        if part > max_in_cpu:
+            wb_numel = min(dims.total_numel, sub * w) if engine == "baseline" else sub
+            add("param write-back buffer", _aligned(wb_numel, e) * e, True, "reserve_partitioned_swap_space")
+    elif op.get("device") == "cpu":
+        add("params in CPU memory", part * e, False, "offload_param device cpu")
+    add("grad_partitions_flat_buffer", part * e, False, "DeepSpeedZeroOptimizer_Stage3 gradient partition")
+    if oo.get("device") == "nvme":
+        count = int(oo.get("buffer_count", DS_OPTIMIZER_BUFFER_COUNT))
+        if engine == "memascend":
+            count = min(count, OPTIMIZER_BUFFERS_IN_USE)
+        add(f"optimizer swap buffers ({count} x {sub:,} fp32)", count * _aligned(sub, _FP32) * _FP32, True,
+            "OptimizerSwapper SwapBufferManager")
+        add("optimizer step fp32 gradient", sub * _FP32, False, "stage3 fp32 grad of the swapped-in sub-group")
+    elif oo.get("device") == "cpu":
+        add("optimizer state in CPU memory (fp32 master, 2 moments, grad)", part * 4 * _FP32, False,
+            "offload_optimizer device cpu")
+    if engine == "baseline":
+        # Measured: the stock step phase peaks ~4 bytes/param of the partition above memascend's,
+        # whose only step-phase change is the fused, allocation-free overflow/inf-nan check.
+        add("overflow-check temporaries", part * STOCK_STEP_TEMP_BYTES_PER_PARAM, False,
+            "DeepSpeedZeroOptimizer_Stage3.has_overflow / _has_inf_or_nan")
+    add("activations", activation_bytes(dims, cfg.train.micro_batch, cfg.data.seq_len, e,
+                                        cfg.train.activation_checkpointing), False, "forward/backward")
+    nvme = 0
+    if op.get("device") == "nvme":
+        nvme += dims.total_numel * e
+    if oo.get("device") == "nvme":
+        nvme += dims.total_numel * 4 * _FP32  # fp32 master, 2 Adam moments, fp32 gradient
+    return EnginePlan(engine, tuple(sorted(comps, key=lambda c: -c.bytes)), nvme)
+
+
+def plan_run(cfg: RunConfig, world_size: int = 1, dims: ModelDims | None = None) -> dict[str, EnginePlan]:
+    """Predict both engines for ``cfg`` on ``world_size`` ranks of one host.
+
+    Returns:
+        ``{"baseline": EnginePlan, "memascend": EnginePlan}``.
+    """
+    from memascend.train.ds_config import ModelShape, render_ds_config
+
+    dims = dims or model_dims(cfg)
+    shape = ModelShape(dims.total_numel, dims.param_numels, dims.module_param_counts)
+    user = None
+    if cfg.deepspeed_config:
+        from memascend.train.ds_config import load_user_ds_config
+
+        user = load_user_ds_config(cfg.deepspeed_config)
+    ds_cfg, _ = render_ds_config(cfg, shape, world_size, "/nonexistent-plan-only", user)
+    return {eng: plan_engine(eng, cfg, dims, ds_cfg, world_size) for eng in ("baseline", "memascend")}

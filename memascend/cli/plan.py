@@ -1,0 +1,74 @@
+"""``memascend plan``: predict a run's peak host RSS, locked memory and NVMe space, without running it."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from memascend.cli.finetune import finetune as _finetune_cmd
+
+# The run-shaping flags of `memascend finetune` (same names, defaults and help), minus those that
+# only matter when a run happens.
+_SKIP = {"output_dir", "engine", "eval_blocks", "save_model", "nproc", "launcher_local_rank", "epochs", "lr",
+         "nvme_path"}
+
+
+def _shared_params() -> list[click.Parameter]:
+    return [p for p in _finetune_cmd.params if p.name not in _SKIP]
+
+
+@click.command("plan", context_settings={"show_default": True})
+@click.option("--nproc", type=int, default=1, help="Ranks on this host (memory is summed over them)")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of a table")
+def plan(nproc: int, as_json: bool, **kw) -> None:
+    """Predict peak host RSS, locked memory (VmLck) and NVMe space of a fine-tuning run under stock
+    DeepSpeed (baseline) and under memascend, and name the biggest consumers. Nothing is run or loaded
+    (the model is laid out on the meta device). Takes the same model/data/offload flags as
+    `memascend finetune`. Sizes are GiB; memory is the sum over the host's ranks.
+    """
+    from memascend.bench.plan import GIB, plan_run
+    from memascend.config import build_run_config, load_toml
+    from memascend.errors import UserError
+
+    if nproc < 1:
+        raise UserError(f"--nproc must be at least 1, got {nproc}")
+    file_values = load_toml(kw.pop("config_file")) if kw.get("config_file") else {}
+    kw.pop("config_file", None)
+    overrides = {
+        "model": {"name_or_path": kw["model"], "from_scratch": kw["from_scratch"]},
+        "data": {"source": kw["data"], "seq_len": kw["seq_len"]},
+        "train": {k: kw[k] for k in ("micro_batch", "grad_accum", "steps", "seed", "dtype", "activation_checkpointing")},
+        "offload": {"param": kw["offload_param"], "optimizer": kw["offload_optimizer"]},
+        "deepspeed_config": kw["deepspeed_config"],
+    }
+    cfg = build_run_config(file_values, overrides)
+    plans = plan_run(cfg, world_size=nproc)
+    if as_json:
+        click.echo(json.dumps({k: p.to_dict() for k, p in plans.items()}, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    base, mine = plans["baseline"], plans["memascend"]
+    t = Table(title=f"memascend plan: {cfg.model.from_scratch and 'from-scratch' or cfg.model.name_or_path}, "
+                    f"{cfg.train.dtype}, {cfg.train.micro_batch} x {cfg.data.seq_len} tokens, {nproc} rank(s)",
+              title_justify="left")
+    for h in ("", "baseline GiB", "memascend GiB", "memascend / baseline"):
+        t.add_column(h, justify="left" if not h else "right")
+    for label, b, m in (("peak host RSS", base.peak_rss_bytes, mine.peak_rss_bytes),
+                        ("peak locked (VmLck)", base.peak_locked_bytes, mine.peak_locked_bytes),
+                        ("NVMe space", base.nvme_bytes, mine.nvme_bytes)):
+        t.add_row(label, f"{b / GIB:.2f}", f"{m / GIB:.2f}", f"{m / b:.2f}" if b else "-")
+    console.print(t)
+    for p in (base, mine):
+        c = Table(title=f"{p.engine}: consumers, largest first", title_justify="left")
+        for h in ("component", "GiB", "locked", "allocated by"):
+            c.add_column(h, justify="right" if h == "GiB" else "left")
+        for comp in p.components:
+            c.add_row(comp.name, f"{comp.bytes / GIB:.2f}", "yes" if comp.locked else "", comp.source)
+        console.print(c)
+
+
+plan.params[:0] = _shared_params()
