@@ -258,3 +258,14 @@ def plan_run(cfg: RunConfig, world_size: int = 1, dims: ModelDims | None = None)
         user = load_user_ds_config(cfg.deepspeed_config)
     ds_cfg, _ = render_ds_config(cfg, shape, world_size, "/nonexistent-plan-only", user)
     return {eng: plan_engine(eng, cfg, dims, ds_cfg, world_size) for eng in ("baseline", "memascend")}
+
+
+def plan_for_report(report: dict) -> EnginePlan:
+    """The plan of the engine, configuration and rank count recorded in a run's ``report.json``.
+
+    Used to check the planner against measured runs (``report["memory"]["sum_rank_peak_rss_bytes"]``).
+    """
+    from memascend.config import build_run_config
+
+    cfg = build_run_config(report["config"], {})
+    return plan_run(cfg, world_size=int(report["host"]["world_size"]))[report["engine"]]

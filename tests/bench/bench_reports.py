@@ -1,0 +1,27 @@
+"""Synthetic ``report.json`` documents for the comparison and CLI tests (shaped as memascend/train/report.py writes them)."""
+
+from __future__ import annotations
+
+GIB = 1 << 30
+
+
+def make_report(*, rss_gib: float, locked_gib: float, step_s: float, losses: list[float], ranks: int = 1,
+                param_numel: int = 134_515_008) -> dict:
+    """A report with the fields :class:`memascend.bench.compare.RunMetrics` reads (as runner.py writes them)."""
+    steps = [{"step": i + 1, "loss": loss, "time_s": step_s * (3 if i == 0 else 1), "tokens_per_s": 100.0}
+             for i, loss in enumerate(losses)]
+    per_rank = [{"rank": r, "peak_rss_bytes": int(rss_gib * GIB / ranks), "peak_locked_bytes": int(locked_gib * GIB / ranks)}
+                for r in range(ranks)]
+    return {
+        "steps": steps,
+        "median_step_s": step_s,
+        "median_tokens_per_s": 100.0,
+        "model": {"param_numel": param_numel},
+        "memory": {"peak_rss_bytes": per_rank[0]["peak_rss_bytes"], "peak_locked_bytes": per_rank[0]["peak_locked_bytes"],
+                   "ranks": per_rank, "sum_rank_peak_rss_bytes": sum(r["peak_rss_bytes"] for r in per_rank),
+                   "sum_rank_peak_locked_bytes": sum(r["peak_locked_bytes"] for r in per_rank)},
+        "nvme": {"read_bytes": 1, "write_bytes": 2, "swap_folder_bytes": 3},
+    }
+
+
+LOSSES = [4.059595584869385, 3.086005449295044, 3.2946417331695557]

@@ -1,0 +1,81 @@
+"""``memascend regress`` exit status and outputs, with the training runs replaced by synthetic reports."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from bench_reports import LOSSES, make_report
+
+from memascend.bench import runner as runner_mod
+from memascend.cli.main import cli
+
+ONLY = "smollm2-shakespeare-r1"
+
+
+def _fake_runs(monkeypatch, reports: dict[str, dict], calls: list):
+    def run_one(cfg, engine, out_root, nvme_path, timeout_s):
+        calls.append((cfg.name, engine))
+        out = Path(out_root) / cfg.name / engine
+        out.mkdir(parents=True, exist_ok=True)
+        rc = 0
+        if reports.get(engine) is None:
+            rc = 1
+        else:
+            (out / "report.json").write_text(json.dumps(reports[engine]))
+        log = Path(out_root) / cfg.name / f"{engine}.log"
+        log.write_text("fake run\n")
+        return runner_mod.RunOutcome(engine, rc, out, log, 0.1)
+
+    monkeypatch.setattr(runner_mod, "run_one", run_one)
+
+
+def _invoke(tmp_path, *extra):
+    return CliRunner().invoke(cli, ["regress", "--matrix", "smoke", "--only", ONLY, "--output", str(tmp_path / "out"),
+                                    "--baselines", str(tmp_path / "baselines"), "--profile", "test-host", *extra])
+
+
+def test_passing_run_exits_zero_and_writes_outputs(tmp_path, monkeypatch, good_pair):
+    calls = []
+    _fake_runs(monkeypatch, {"baseline": good_pair[0], "memascend": good_pair[1]}, calls)
+    res = _invoke(tmp_path)
+    assert res.exit_code == 0, res.output
+    assert calls == [(ONLY, "baseline"), (ONLY, "memascend")]  # baseline first, one process each
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert doc["ok"] and doc["configs"][0]["config"]["name"] == ONLY
+    assert "| smollm2-shakespeare-r1 |" in (tmp_path / "out" / "results.md").read_text()
+
+
+@pytest.mark.parametrize("broken", ["loss", "rss", "crash"])
+def test_regression_exits_one(tmp_path, monkeypatch, good_pair, broken):
+    base, mine = good_pair
+    if broken == "loss":
+        mine["steps"][2]["loss"] = LOSSES[2] + 1e-6
+    elif broken == "rss":
+        mine = make_report(rss_gib=5.0, locked_gib=0.6, step_s=7.0, losses=LOSSES)
+    else:
+        mine = None
+    _fake_runs(monkeypatch, {"baseline": base, "memascend": mine}, [])
+    res = _invoke(tmp_path)
+    assert res.exit_code == 1, res.output
+    assert "REGRESSION" in res.output or "ERROR" in res.output
+
+
+def test_update_golden_then_worse_than_golden_fails(tmp_path, monkeypatch, good_pair):
+    _fake_runs(monkeypatch, {"baseline": good_pair[0], "memascend": good_pair[1]}, [])
+    assert _invoke(tmp_path, "--update-golden").exit_code == 0
+    golden = tmp_path / "baselines" / "test-host" / "smoke.json"
+    assert ONLY in json.loads(golden.read_text())["configs"]
+    # 10 % more memascend RSS: within the 40 % threshold, but worse than golden beyond 5 %.
+    worse = make_report(rss_gib=2.4 * 1.10, locked_gib=0.6, step_s=7.1, losses=LOSSES)
+    _fake_runs(monkeypatch, {"baseline": good_pair[0], "memascend": worse}, [])
+    res = _invoke(tmp_path)
+    assert res.exit_code == 1, res.output
+    assert "golden.peak_rss_bytes" in res.output
+
+
+def test_unknown_only_pattern_is_a_user_error(tmp_path):
+    res = _invoke(tmp_path.joinpath("x"), "--only", "no-such-config")
+    assert res.exit_code == 2

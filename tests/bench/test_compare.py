@@ -1,0 +1,111 @@
+"""Comparison logic and thresholds on synthetic reports: every check can fail."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from bench_reports import LOSSES, make_report
+
+from memascend.bench.compare import GoldenTolerances, RunMetrics, check_losses, evaluate, fit_line, golden_entry
+from memascend.bench.matrix import MATRICES, BenchConfig, Thresholds
+
+CFG = MATRICES["smoke"].configs[0]
+TOL = GoldenTolerances()
+
+
+def _failed(res) -> set[str]:
+    return {c.name for c in res.checks if not c.ok}
+
+
+def test_good_pair_passes(good_pair):
+    res = evaluate(CFG, *good_pair, golden=None, tol=TOL)
+    assert res.ok, [c.detail for c in res.checks]
+    assert res.check("peak_rss_ratio").measured == pytest.approx(2.4 / 6.4, rel=1e-6)
+    assert res.check("peak_locked_ratio").measured == pytest.approx(0.6 / 2.9, rel=1e-6)
+
+
+def test_one_ulp_loss_difference_fails_bitwise(good_pair):
+    base, mine = good_pair
+    mine["steps"][1]["loss"] = math.nextafter(LOSSES[1], math.inf)
+    res = evaluate(CFG, base, mine, golden=None, tol=TOL)
+    assert _failed(res) == {"losses"}
+    assert not res.ok
+
+
+def test_loss_tolerance_when_not_bitwise():
+    th = Thresholds(bitwise_losses=False, loss_rtol=1e-6)
+    assert check_losses((1.0, 2.0), (1.0, 2.0 * (1 + 5e-7)), th).ok
+    assert not check_losses((1.0, 2.0), (1.0, 2.0 * (1 + 5e-6)), th).ok
+    assert not check_losses((1.0, 2.0), (1.0,), th).ok
+    assert not check_losses((1.0, float("nan")), (1.0, float("nan")), th).ok
+
+
+@pytest.mark.parametrize(("field", "value", "failing"), [
+    ("rss", 2.7, "peak_rss_ratio"),        # 2.7 / 6.4 = 0.42 > 0.40
+    ("locked", 0.8, "peak_locked_ratio"),  # 0.8 / 2.9 = 0.28 > 0.25
+    ("step", 8.5, "step_time_ratio"),      # 8.5 / 7.0 = 1.21 > 1.05 + 0.15
+])
+def test_each_ratio_over_threshold_fails(field, value, failing):
+    base = make_report(rss_gib=6.4, locked_gib=2.9, step_s=7.0, losses=LOSSES)
+    kw = {"rss_gib": 2.4, "locked_gib": 0.6, "step_s": 7.0, "losses": LOSSES}
+    kw[{"rss": "rss_gib", "locked": "locked_gib", "step": "step_s"}[field]] = value
+    res = evaluate(CFG, base, make_report(**kw), golden=None, tol=TOL)
+    assert _failed(res) == {failing}
+
+
+def test_step_time_noise_allowance_is_separate():
+    base = make_report(rss_gib=6.4, locked_gib=2.9, step_s=10.0, losses=LOSSES)
+    mine = make_report(rss_gib=2.4, locked_gib=0.6, step_s=11.5, losses=LOSSES)  # 1.15x
+    noisy = BenchConfig(name="x", thresholds=Thresholds(step_time_noise=0.15))
+    quiet = BenchConfig(name="x", thresholds=Thresholds(step_time_noise=0.0))
+    assert evaluate(noisy, base, mine, golden=None, tol=TOL).ok
+    assert _failed(evaluate(quiet, base, mine, golden=None, tol=TOL)) == {"step_time_ratio"}
+
+
+def test_two_ranks_use_summed_peaks():
+    base = make_report(rss_gib=12.0, locked_gib=6.0, step_s=7.0, losses=LOSSES, ranks=2)
+    m = RunMetrics.from_report(base)
+    assert m.peak_rss_bytes == pytest.approx(12 * 2**30, abs=2)
+    assert m.peak_locked_bytes == pytest.approx(6 * 2**30, abs=2)
+
+
+def test_failed_run_is_an_error(good_pair):
+    res = evaluate(CFG, good_pair[0], None, golden=None, tol=TOL, errors=["memascend: exit 1"])
+    assert not res.ok and res.errors
+
+
+def test_golden_within_tolerance_passes_and_beyond_fails():
+    base = make_report(rss_gib=6.4, locked_gib=2.9, step_s=7.0, losses=LOSSES)
+    mine = make_report(rss_gib=2.0, locked_gib=0.6, step_s=7.1, losses=LOSSES)
+    gold = golden_entry(RunMetrics.from_report(base), RunMetrics.from_report(mine))
+    assert evaluate(CFG, base, mine, golden=gold, tol=TOL).ok
+    # 4 % more RSS: inside memory_rel 5 % and the ratio grows by 0.0125 < 0.03: passes.
+    slightly = make_report(rss_gib=2.0 * 1.04, locked_gib=0.6, step_s=7.1, losses=LOSSES)
+    assert evaluate(CFG, base, slightly, golden=gold, tol=TOL).ok
+    # 8 % more RSS: still under the 40 % threshold, but worse than golden beyond 5 %.
+    worse = make_report(rss_gib=2.0 * 1.08, locked_gib=0.6, step_s=7.1, losses=LOSSES)
+    res = evaluate(CFG, base, worse, golden=gold, tol=TOL)
+    assert res.check("peak_rss_ratio").ok
+    assert "golden.peak_rss_bytes" in _failed(res)
+    slower = make_report(rss_gib=2.0, locked_gib=0.6, step_s=7.1 * 1.4, losses=LOSSES)
+    base_slow = make_report(rss_gib=6.4, locked_gib=2.9, step_s=7.0 * 1.4, losses=LOSSES)
+    assert _failed(evaluate(CFG, base_slow, slower, golden=gold, tol=TOL)) == {"golden.median_step_s"}
+    drift = [x * (1 + 1e-2) for x in LOSSES]
+    res = evaluate(CFG, make_report(rss_gib=6.4, locked_gib=2.9, step_s=7.0, losses=drift),
+                   make_report(rss_gib=2.0, locked_gib=0.6, step_s=7.1, losses=drift), golden=gold, tol=TOL)
+    assert _failed(res) == {"golden.losses"}
+
+
+def test_fit_line_recovers_slope_and_intercept():
+    rng = np.random.default_rng(0)
+    xs = rng.uniform(1e7, 3e9, size=8).tolist()
+    ys = [18.5 * x + 1.2e9 for x in xs]
+    slope, icept = fit_line(xs, ys)
+    assert slope == pytest.approx(18.5, rel=1e-9)
+    assert icept == pytest.approx(1.2e9, rel=1e-6)
+    with pytest.raises(ValueError):
+        fit_line([1.0], [2.0])
+    with pytest.raises(ValueError):
+        fit_line([1.0, 1.0], [2.0, 3.0])
