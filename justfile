@@ -42,3 +42,11 @@ lint:
     yamllint -c .yamllint --strict ansible
     cd ansible && ansible-lint --offline
     hadolint Dockerfile
+
+# Baseline-vs-memascend regression suite: MATRIX smoke, cpu-full or gpu; exits 1 on any regression (flags pass through, e.g. --only 'smollm2-*-r1' --update-golden)
+regress matrix="smoke" *ARGS:
+    {{python}} -m memascend regress --matrix {{matrix}} --output runs/regress-{{matrix}} {{ARGS}}
+
+# Predict peak host RSS, locked memory and NVMe space of a run under both engines, without running it (finetune's model/data/offload flags)
+plan *ARGS:
+    {{python}} -m memascend plan {{ARGS}}

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 from bench_reports import LOSSES, make_report
+from click.testing import CliRunner
 
 from memascend.bench import runner as runner_mod
 from memascend.cli.main import cli

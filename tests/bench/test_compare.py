@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 from bench_reports import LOSSES, make_report
 
-from memascend.bench.compare import GoldenTolerances, RunMetrics, check_losses, evaluate, fit_line, golden_entry
+from memascend.bench.compare import (
+    GoldenTolerances,
+    RunMetrics,
+    check_losses,
+    evaluate,
+    fit_line,
+    golden_entry,
+)
 from memascend.bench.matrix import MATRICES, BenchConfig, Thresholds
 
 CFG = MATRICES["smoke"].configs[0]
