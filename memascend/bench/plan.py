@@ -20,6 +20,10 @@ Unlocked:
     logits/loss of the vocabulary projection);
   * a fixed framework baseline (Python, torch, DeepSpeed, transformers, ops, tokenizer, data).
 
+Activations (forward/backward) are freed before the optimizer step, whose own transients (the fp32
+gradient of a sub-group, stock's overflow-check temporaries) take their place: the peak is the
+resident set plus the larger of the two phases.
+
 memascend (``--engine memascend``, defaults of :class:`MemAscendSettings`) replaces the parameter
 slab with the adaptive pool (slots of the real partition sizes, the prefetch budget's largest
 partitions at most) and sizes the write-back buffer from partition sizes; its optimizer swap
@@ -51,11 +55,13 @@ DS_OPTIMIZER_BUFFER_COUNT = 4
 DS_SUB_GROUP_NUMEL = 1_000_000_000
 
 # --- calibrated on this project's CPU host (report.json of real runs; see module docstring) -------
-FRAMEWORK_RSS_BYTES = int(0.95 * GIB)
+FRAMEWORK_RSS_BYTES = int(1.70 * GIB)
 """RSS of a rank that is not any of the components below: interpreter, torch/DeepSpeed/transformers
 code and their allocator caches, loaded ops, tokenizer, token blocks, gloo, NVMe aio handles."""
-ACTIVATION_OVERHEAD = 1.0
-"""Allocator overhead on the activation estimate (freed blocks kept by glibc, temporaries)."""
+ACTIVATION_OVERHEAD = 0.5
+"""Measured share of the activation estimate (SDPA attention keeps no ``a*s*s`` scores; bf16 CPU
+kernels free most intermediates early): backward-phase RSS above the resident set was 0.36-0.37
+GiB for SmolLM2 at 2 x 128 and 2 x 256 tokens."""
 STOCK_STEP_TEMP_BYTES_PER_PARAM = 4
 """Extra step-phase bytes per partition element of stock DeepSpeed over memascend (calibrated)."""
 OPTIMIZER_BUFFERS_IN_USE = 4
@@ -71,12 +77,15 @@ class Component:
         bytes: host bytes it holds at the peak.
         locked: whether it is page-locked (counts towards VmLck).
         source: the DeepSpeed/memascend allocation it models.
+        phase: ``resident`` (held for the whole run), ``backward`` (forward/backward transients)
+            or ``step`` (optimizer-step transients); the two transient phases do not overlap.
     """
 
     name: str
     bytes: int
     locked: bool
     source: str
+    phase: str = "resident"
 
 
 @dataclass(frozen=True)
@@ -93,9 +102,13 @@ class EnginePlan:
     components: tuple[Component, ...]
     nvme_bytes: int
 
+    def phase_bytes(self, phase: str) -> int:
+        return sum(c.bytes for c in self.components if c.phase == phase)
+
     @property
     def peak_rss_bytes(self) -> int:
-        return sum(c.bytes for c in self.components)
+        """Resident bytes plus the larger of the backward and the step transients."""
+        return self.phase_bytes("resident") + max(self.phase_bytes("backward"), self.phase_bytes("step"))
 
     @property
     def peak_locked_bytes(self) -> int:
@@ -190,9 +203,9 @@ def plan_engine(engine: str, cfg: RunConfig, dims: ModelDims, ds_cfg: dict, worl
     sub = _sub_group_numel(ds_cfg, part)
     comps: list[Component] = []
 
-    def add(name: str, per_rank_bytes: float, locked: bool, source: str) -> None:
+    def add(name: str, per_rank_bytes: float, locked: bool, source: str, phase: str = "resident") -> None:
         if per_rank_bytes > 0:
-            comps.append(Component(name, int(per_rank_bytes * w), locked, source))
+            comps.append(Component(name, int(per_rank_bytes * w), locked, source, phase))
 
     add("framework baseline (interpreter, torch, DeepSpeed, ops, data)", FRAMEWORK_RSS_BYTES, False,
         "calibrated constant")
@@ -222,7 +235,8 @@ def plan_engine(engine: str, cfg: RunConfig, dims: ModelDims, ds_cfg: dict, worl
             count = min(count, OPTIMIZER_BUFFERS_IN_USE)
         add(f"optimizer swap buffers ({count} x {sub:,} fp32)", count * _aligned(sub, _FP32) * _FP32, True,
             "OptimizerSwapper SwapBufferManager")
-        add("optimizer step fp32 gradient", sub * _FP32, False, "stage3 fp32 grad of the swapped-in sub-group")
+        add("optimizer step fp32 gradient", sub * _FP32, False, "stage3 fp32 grad of the swapped-in sub-group",
+            "step")
     elif oo.get("device") == "cpu":
         add("optimizer state in CPU memory (fp32 master, 2 moments, grad)", part * 4 * _FP32, False,
             "offload_optimizer device cpu")
@@ -230,9 +244,9 @@ def plan_engine(engine: str, cfg: RunConfig, dims: ModelDims, ds_cfg: dict, worl
         # Measured: the stock step phase peaks ~4 bytes/param of the partition above memascend's,
         # whose only step-phase change is the fused, allocation-free overflow/inf-nan check.
         add("overflow-check temporaries", part * STOCK_STEP_TEMP_BYTES_PER_PARAM, False,
-            "DeepSpeedZeroOptimizer_Stage3.has_overflow / _has_inf_or_nan")
+            "DeepSpeedZeroOptimizer_Stage3.has_overflow / _has_inf_or_nan", "step")
     add("activations", activation_bytes(dims, cfg.train.micro_batch, cfg.data.seq_len, e,
-                                        cfg.train.activation_checkpointing), False, "forward/backward")
+                                        cfg.train.activation_checkpointing), False, "forward/backward", "backward")
     nvme = 0
     if op.get("device") == "nvme":
         nvme += dims.total_numel * e

@@ -64,10 +64,10 @@ def plan(nproc: int, as_json: bool, **kw) -> None:
     console.print(t)
     for p in (base, mine):
         c = Table(title=f"{p.engine}: consumers, largest first", title_justify="left")
-        for h in ("component", "GiB", "locked", "allocated by"):
+        for h in ("component", "GiB", "locked", "phase", "allocated by"):
             c.add_column(h, justify="right" if h == "GiB" else "left")
         for comp in p.components:
-            c.add_row(comp.name, f"{comp.bytes / GIB:.2f}", "yes" if comp.locked else "", comp.source)
+            c.add_row(comp.name, f"{comp.bytes / GIB:.2f}", "yes" if comp.locked else "", comp.phase, comp.source)
         console.print(c)
 
 
