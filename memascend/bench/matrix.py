@@ -142,6 +142,8 @@ class Matrix:
     def select(self, pattern: str | None) -> tuple[BenchConfig, ...]:
         """Configurations whose name matches the shell-style ``pattern`` (all when ``None``).
 
+        ``pattern`` may list several patterns separated by commas (``llama-tiny*,llama-0.1b-bf16-256x1``).
+
         Raises:
             UserError: nothing matches.
         """
@@ -149,7 +151,8 @@ class Matrix:
 
         if not pattern:
             return self.configs
-        chosen = tuple(c for c in self.configs if fnmatch.fnmatchcase(c.name, pattern) or pattern == c.name)
+        pats = [p.strip() for p in pattern.split(",") if p.strip()]
+        chosen = tuple(c for c in self.configs if any(fnmatch.fnmatchcase(c.name, p) for p in pats))
         if not chosen:
             raise UserError(f"--only {pattern!r} matches no config of matrix {self.name} "
                             f"({', '.join(c.name for c in self.configs)})")

@@ -16,7 +16,7 @@ _DEFAULT_BASELINES = Path(__file__).resolve().parents[2] / "baselines"
               show_default=True, help="Named matrix of configurations (memascend/bench/matrix.py)")
 @click.option("--output", "output_dir", default="runs/regress", show_default=True,
               help="Folder for results.json, results.md, PNG plots and each run's output and log")
-@click.option("--only", "only", default=None, help="Run only configs whose name matches this shell pattern")
+@click.option("--only", "only", default=None, help="Run only configs whose name matches this shell pattern (several: comma-separated)")
 @click.option("--update-golden", is_flag=True, help="Record this run as the golden result of this hardware profile "
               "(configs not rerun keep theirs); pair checks still decide the exit status")
 @click.option("--baselines", "baselines_dir", default=str(_DEFAULT_BASELINES), show_default=True,

@@ -43,6 +43,9 @@ def test_engines_get_identical_arguments_except_engine_and_output():
 def test_select_and_errors():
     smoke = get_matrix("smoke")
     assert [c.name for c in smoke.select("*-r2")] == ["smollm2-shakespeare-r2", "smollm2-chitchat-r2"]
+    # several comma-separated patterns; the matrix's order is kept
+    assert [c.name for c in smoke.select("*shakespeare-r2, smollm2-chitchat-r1")] == [
+        "smollm2-chitchat-r1", "smollm2-shakespeare-r2"]
     with pytest.raises(UserError):
         smoke.select("nothing*")
     with pytest.raises(UserError):
