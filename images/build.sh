@@ -34,6 +34,11 @@ if ((local_base)); then
   fi
   args[BUILD_BASE]=$base
   args[RUNTIME_BASE]=$base
+  # A TLS-intercepting proxy's CA (if the host trusts one) must be trusted by pip in the build too.
+  if [[ -f /etc/ssl/certs/ca-certificates.crt ]]; then
+    extra+=(--volume /etc/ssl/certs/ca-certificates.crt:/etc/ssl/host-ca.crt:ro)
+    args[PIP_CERT]=/etc/ssl/host-ca.crt
+  fi
   wheels=${PIP_FIND_LINKS:-/opt/wheels}
   if [[ -d $wheels ]]; then
     # The wheelhouse holds torch==2.13.0+cpu: take it from there instead of the CPU index.
@@ -49,6 +54,6 @@ for key in "${!args[@]}"; do build_args+=(--build-arg "$key=${args[$key]}"); don
 if command -v docker >/dev/null && docker info >/dev/null 2>&1; then
   DOCKER_BUILDKIT=1 docker build "${build_args[@]}" -t "$tag" .
 else
-  buildah bud --isolation chroot --layers "${extra[@]}" "${build_args[@]}" -t "$tag" .
+  buildah bud --isolation chroot --format docker --layers "${extra[@]}" "${build_args[@]}" -t "$tag" .
 fi
 echo "build.sh: built $tag" >&2

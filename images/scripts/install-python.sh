@@ -4,6 +4,9 @@
 #   TORCH_INDEX_URL   index for torch==2.13.0 (CPU or CUDA wheels); empty: the default index
 #   DS_BUILD_FLAGS    DeepSpeed ops to prebuild, e.g. "DS_BUILD_AIO=1 DS_BUILD_CPU_ADAM=1"
 set -euo pipefail
+# Empty build arguments mean "not set" (pip would read an empty PIP_CERT as a path).
+[[ -n ${PIP_CERT:-} ]] || unset PIP_CERT
+[[ -n ${PIP_FIND_LINKS:-} ]] || unset PIP_FIND_LINKS
 src=${1:?usage: install-python.sh SRC}
 venv=/opt/memascend/venv
 python3 -m venv "$venv"
