@@ -206,10 +206,10 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
         import dataclasses
 
         from memascend.integrations import deepspeed as seam
-        from memascend.integrations.deepspeed.settings import MemAscendSettings, rewrite_ds_config
 
-        settings = MemAscendSettings.from_mapping((user_ds or {}).get("memascend", {}))
-        ds_cfg = rewrite_ds_config(ds_cfg, settings)
+        settings = seam.MemAscendSettings.from_mapping((user_ds or {}).get("memascend", {}))
+        ds_cfg, settings = seam.prepare_ds_config(ds_cfg, settings, param_numels=shape.param_numels,
+                                                  world_size=info.world_size)
         cleanup.revert = seam.revert
         seam.apply(settings)
         engine_settings = dataclasses.asdict(settings)
@@ -296,6 +296,9 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
 
     # ---- report ---------------------------------------------------------------------------------
     summary = sampler.summary()
+    from memascend.integrations.deepspeed.accounting import memory_breakdown
+
+    breakdown = memory_breakdown(engine, summary, sampler.samples)
     import torch.distributed as tdist
 
     rank_peaks = [None] * info.world_size
@@ -325,6 +328,7 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
         model_dir=str(model_dir) if model_dir else None,
         param_dtype=param_dtype,
     )
+    rep["memory_breakdown"] = breakdown
     sampler.write_csv(out_dir / "memory_timeline.csv")
     from memascend.telemetry.plot import plot_timelines
 

@@ -36,6 +36,9 @@ def _seam_objects():
         "accelerator.unpin_memory": (acc, "unpin_memory"),
         "stage3.has_overflow": (S3, "has_overflow"),
         "stage3._has_inf_or_nan": (S3, "_has_inf_or_nan"),
+        "stage3._get_norm_groups": (S3, "_get_norm_groups"),
+        "stage3.__init__": (S3, "__init__"),
+        "stage3._post_step": (S3, "_post_step"),
     }
 
 
@@ -44,9 +47,12 @@ def _snapshot():
     return {key: vars(owner).get(name, "<absent>") for key, (owner, name) in _seam_objects().items()}
 
 
+ALL_ON = ma_ds.MemAscendSettings(grad_norm_sub_group_numel=10**9)
+
+
 def test_revert_restores_identical_objects():
     before = _snapshot()
-    ma_ds.apply()
+    ma_ds.apply(ALL_ON)
     during = _snapshot()
     assert all(during[k] is not before[k] for k in before), "every seam must be patched"
     assert len(ma_ds.patch_records()) == len(before)
@@ -59,10 +65,24 @@ def test_revert_restores_identical_objects():
 def test_each_flag_patches_only_its_seams():
     before = _snapshot()
     ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=True, enable_optimizer_pool=False,
-                                        enable_arena_pinning=False, enable_fused_overflow_check=False))
+                                        enable_arena_pinning=False, enable_fused_overflow_check=False,
+                                        enable_malloc_policy=False, enable_grad_buffer_release=False))
     during = _snapshot()
     changed = {k for k in before if during[k] is not before[k]}
     assert changed == {"partition_parameters.AsyncPartitionedParameterSwapper"}
+    ma_ds.revert()
+    ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=False, enable_optimizer_pool=False,
+                                        enable_arena_pinning=False, enable_fused_overflow_check=False,
+                                        enable_malloc_policy=False, enable_grad_buffer_release=True))
+    during = _snapshot()
+    assert {k for k in before if during[k] is not before[k]} == {"stage3.__init__", "stage3._post_step"}
+    ma_ds.revert()
+    ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=False, enable_optimizer_pool=False,
+                                        enable_arena_pinning=False, enable_fused_overflow_check=False,
+                                        enable_malloc_policy=False, enable_grad_buffer_release=False,
+                                        grad_norm_sub_group_numel=1 << 20))
+    during = _snapshot()
+    assert {k for k in before if during[k] is not before[k]} == {"stage3._get_norm_groups"}
 
 
 def test_apply_twice_same_settings_is_noop_other_settings_is_error():
@@ -121,6 +141,9 @@ def test_apply_from_config_reads_the_memascend_section(tmp_path):
     ({"enable_param_pool": "yes"}, "true or false"),
     ({"param_prefetch_slots": 0}, ">= 1"),
     ({"optimizer_sub_group_numel": -5}, ">= 1"),
+    ({"optimizer_sub_group_numel": "big"}, "auto"),
+    ({"grad_norm_sub_group_numel": -1}, ">= 0"),
+    ({"param_dram_numel": 1.5}, ">= 0"),
     ([1, 2], "must be an object"),
 ])
 def test_bad_sections_are_user_errors(section, match):
@@ -142,4 +165,34 @@ def test_rewrite_ds_config_sets_sub_group_size_without_mutating_input():
     out = ma_ds.rewrite_ds_config(cfg, ma_ds.MemAscendSettings(optimizer_sub_group_numel=1 << 20))
     assert out["zero_optimization"] == {"stage": 3, "sub_group_size": 1 << 20}
     assert cfg["zero_optimization"]["sub_group_size"] == 10**9
+    # "auto" needs the model's shapes (prepare_ds_config); without them the config is kept.
     assert ma_ds.rewrite_ds_config(cfg, ma_ds.MemAscendSettings()) == cfg
+
+
+def test_rewrite_ds_config_moves_nvme_params_out_of_dram_only_when_offloaded_to_nvme():
+    nvme = {"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/x"}}}
+    out = ma_ds.rewrite_ds_config(nvme, ma_ds.MemAscendSettings())
+    assert out["zero_optimization"]["offload_param"] == {"device": "nvme", "nvme_path": "/x", "max_in_cpu": 0}
+    assert "max_in_cpu" not in nvme["zero_optimization"]["offload_param"]
+    kept = ma_ds.rewrite_ds_config(nvme, ma_ds.MemAscendSettings(param_dram_numel=None))
+    assert kept == nvme
+    cpu = {"zero_optimization": {"offload_param": {"device": "cpu"}}}
+    assert ma_ds.rewrite_ds_config(cpu, ma_ds.MemAscendSettings()) == cpu
+
+
+def test_prepare_ds_config_resolves_auto_sub_group_and_stock_norm_grouping():
+    cfg = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}}
+    numels = [28_311_552, 331_776, 110_592, 884_736]
+    out, settings = ma_ds.prepare_ds_config(cfg, ma_ds.MemAscendSettings(), param_numels=numels, world_size=2)
+    assert settings.optimizer_sub_group_numel == 14_155_776 == out["zero_optimization"]["sub_group_size"]
+    assert settings.grad_norm_sub_group_numel == 10**9  # DeepSpeed's default, what stock would group by
+    # Optimizer state not on NVMe, or no shapes: the sub-group size stays the config's.
+    cpu = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}, "sub_group_size": 7}}
+    out, settings = ma_ds.prepare_ds_config(cpu, ma_ds.MemAscendSettings(), param_numels=numels)
+    assert out == cpu and settings.optimizer_sub_group_numel is None and settings.grad_norm_sub_group_numel is None
+    out, settings = ma_ds.prepare_ds_config(cfg, ma_ds.MemAscendSettings())
+    assert "sub_group_size" not in out["zero_optimization"] and settings.grad_norm_sub_group_numel is None
+    # An explicit size equal to the config's needs no norm regrouping.
+    same = {"zero_optimization": {"offload_optimizer": {"device": "nvme"}, "sub_group_size": 5}}
+    _, settings = ma_ds.prepare_ds_config(same, ma_ds.MemAscendSettings(optimizer_sub_group_numel=5))
+    assert settings.grad_norm_sub_group_numel is None

@@ -37,6 +37,14 @@ What each flag patches (DeepSpeed 0.19.8 names):
   when that accelerator page-locks.
 * ``enable_fused_overflow_check``: ``DeepSpeedZeroOptimizer_Stage3.has_overflow`` and
   ``._has_inf_or_nan``.
+* ``grad_norm_sub_group_numel`` (set): ``DeepSpeedZeroOptimizer_Stage3._get_norm_groups`` computes
+  the per-group norms over the stock sub-groups (:mod:`.grad_norm`).
+* ``enable_malloc_policy``, ``enable_grad_buffer_release``, ``enable_optimizer_pool``:
+  glibc ``mallopt`` thresholds when applied (:mod:`.host_allocator`), and
+  ``DeepSpeedZeroOptimizer_Stage3.__init__`` / ``._post_step`` followed by handing memory back
+  (:mod:`.step_memory`: gradient-buffer pages, unused optimizer swap buffers, ``malloc_trim``).
+* ``optimizer_sub_group_numel`` / ``param_dram_numel`` live in DeepSpeed's own config:
+  :func:`prepare_ds_config` (model-dependent ``"auto"``) or :func:`rewrite_ds_config` write them.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ from typing import Any
 from memascend.errors import UserError
 from memascend.integrations.deepspeed.accounting import swap_buffer_breakdown
 from memascend.integrations.deepspeed.patches import PatchRecord, PatchRegistry
+from memascend.integrations.deepspeed.plan import prepare_ds_config
 from memascend.integrations.deepspeed.settings import DS_CONFIG_SECTION, MemAscendSettings, rewrite_ds_config
 
 __all__ = [
@@ -58,6 +67,7 @@ __all__ = [
     "apply_from_config",
     "applied_settings",
     "patch_records",
+    "prepare_ds_config",
     "revert",
     "rewrite_ds_config",
     "swap_buffer_breakdown",
@@ -154,6 +164,29 @@ def _patch_all(settings: MemAscendSettings) -> None:
         accelerator_cls = type(get_accelerator())
         _registry.patch(accelerator_cls, "pin_memory", make_arena_pin_memory(accelerator_cls.pin_memory))
         _registry.patch(accelerator_cls, "unpin_memory", make_arena_unpin_memory(accelerator_cls.unpin_memory))
+
+    if settings.grad_norm_sub_group_numel is not None:
+        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+        from memascend.integrations.deepspeed.grad_norm import make_get_norm_groups
+
+        stage3 = DeepSpeedZeroOptimizer_Stage3
+        _registry.patch(stage3, "_get_norm_groups",
+                        make_get_norm_groups(stage3._get_norm_groups, settings.grad_norm_sub_group_numel))
+
+    if settings.enable_malloc_policy:
+        from memascend.integrations.deepspeed import host_allocator
+
+        host_allocator.set_malloc_policy()
+
+    if settings.enable_malloc_policy or settings.enable_grad_buffer_release or settings.enable_optimizer_pool:
+        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+        from memascend.integrations.deepspeed import step_memory
+
+        stage3 = DeepSpeedZeroOptimizer_Stage3
+        _registry.patch(stage3, "__init__", step_memory.make_init(stage3.__init__, settings))
+        _registry.patch(stage3, "_post_step", step_memory.make_post_step(stage3._post_step, settings))
 
     if settings.enable_fused_overflow_check:
         from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3

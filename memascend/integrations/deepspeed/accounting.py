@@ -7,6 +7,7 @@ report the same components side by side.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
@@ -41,3 +42,73 @@ def swap_buffer_breakdown(engine: Any) -> dict[str, int]:
         out["optimizer_swap_buffers_bytes"] = sum(_nbytes(b) for b in manager.all_buffers)
         out["optimizer_swap_buffers"] = len(manager.all_buffers)
     return out
+
+
+def _tensor_list_bytes(tensors: Any) -> int:
+    return sum(_nbytes(t) for t in tensors or () if t is not None and t.numel() > 1)
+
+
+def step_transient_bytes(samples: Sequence[Any]) -> int:
+    """Largest RSS rise within one forward+backward over the RSS when that forward began.
+
+    That rise is what a training step holds only while it runs: activations, their gradients and
+    the gradient partitions' temporaries (stage 3 frees or reuses them by the next step).
+
+    Args:
+        samples: the run's memory samples in time order, each with ``phase`` and ``rss_bytes``
+            (``memascend.telemetry.MemorySampler.samples``).
+    """
+    best = 0
+    start = None
+    prev_phase = None
+    for sample in samples:
+        if sample.phase == "forward" and prev_phase != "forward":
+            start = sample.rss_bytes
+        if start is not None and sample.phase in ("forward", "backward"):
+            best = max(best, sample.rss_bytes - start)
+        prev_phase = sample.phase
+    return int(best)
+
+
+def memory_breakdown(engine: Any, summary: Mapping[str, Any], samples: Sequence[Any]) -> dict[str, Any]:
+    """Per-component host memory of a ZeRO-3 run, the same keys for stock and memascend.
+
+    Args:
+        engine: the ``DeepSpeedEngine`` after training.
+        summary: ``MemorySampler.summary()`` (peaks, per-phase peaks).
+        samples: ``MemorySampler.samples``.
+
+    Returns:
+        Bytes per component: ``locked`` (VmLck peak and the swap buffers of
+        :func:`swap_buffer_breakdown`), ``gradient_buffers`` (stage 3's flat 16-bit gradient
+        partition buffer and the reduce buckets), ``param_dram_copy_bytes`` (16-bit partitions
+        kept in DRAM, ``offload_param.max_in_cpu``), ``runtime_after_load_bytes`` (RSS when the
+        load phase ended: interpreter, libraries, tokenizer, data), ``step_transient_bytes``
+        (:func:`step_transient_bytes`: activations and their gradients), ``malloc`` (glibc arena
+        state at the end of the run: heap held, of it free, i.e. allocator overhead and
+        fragmentation) and ``unattributed_bytes`` (peak RSS minus the attributed parts).
+    """
+    from memascend.integrations.deepspeed.host_allocator import malloc_stats
+
+    optimizer = getattr(engine, "optimizer", None)
+    swap = swap_buffer_breakdown(engine)
+    grad_flat = _nbytes(getattr(optimizer, "grad_partitions_flat_buffer", None))
+    buckets = sum(_nbytes(getattr(b, "buffer", None)) for b in (getattr(optimizer, "ipg_buckets", {}) or {}).values())
+    param_dram = _tensor_list_bytes(getattr(optimizer, "param_groups_fp16_flat_cpu_memory", None))
+    phase_rss = summary.get("phase_peak_rss_bytes", {}) or {}
+    runtime = int(phase_rss.get("load", 0))
+    transient = step_transient_bytes(samples)
+    swap_locked = swap["param_swap_buffers_bytes"] + swap["param_writeback_buffer_bytes"] \
+        + swap["optimizer_swap_buffers_bytes"]
+    malloc = malloc_stats()
+    attributed = runtime + swap_locked + grad_flat + buckets + param_dram + transient
+    return {
+        "peak_rss_bytes": int(summary.get("peak_rss_bytes", 0)),
+        "locked": {"peak_locked_bytes": int(summary.get("peak_locked_bytes", 0)), **swap},
+        "gradient_buffers": {"grad_partitions_flat_bytes": grad_flat, "reduce_bucket_bytes": buckets},
+        "param_dram_copy_bytes": param_dram,
+        "runtime_after_load_bytes": runtime,
+        "step_transient_bytes": transient,
+        "malloc": malloc,
+        "unattributed_bytes": int(summary.get("peak_rss_bytes", 0)) - attributed,
+    }

@@ -109,6 +109,22 @@ class OnDemandSwapBufferManager(SwapBufferManager):
         for key in keys:
             self.free_buffer_index.append(self.used_buffer_index.pop(key))
 
+    def release_free_buffers(self) -> int:
+        """Unlock and free every buffer when none is handed out (between optimizer steps).
+
+        The next :meth:`allocate` locks new ones, so the peak stays ``states + 1`` buffers while
+        the forward and backward run without them. Returns the bytes released (0 while any
+        buffer is in use).
+        """
+        if self.used_buffer_index or not self.all_buffers:
+            return 0
+        released = self.locked_bytes()
+        for buffer in self.all_buffers:
+            self.allocator.free(buffer)
+        self.all_buffers, self.free_buffer_index = [], []
+        self.gigabytes = 0.0
+        return released
+
     def locked_bytes(self) -> int:
         """Bytes locked by this manager's buffers."""
         return sum(b.numel() * b.element_size() for b in self.all_buffers)

@@ -11,7 +11,7 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from memascend.errors import UserError
 
@@ -46,13 +46,28 @@ class MemAscendSettings:
         param_prefetch_slots: slot budget the parameter prefetcher may use; ``None`` means the
             config's ``offload_param.buffer_count`` (the stock prefetch schedule).
         optimizer_sub_group_numel: elements per optimizer sub-group written into
-            ``zero_optimization.sub_group_size`` by :func:`rewrite_ds_config` (``None``: keep the
-            config's). The optimizer swapper locks ``states + 1`` fp32 buffers of the largest
-            sub-group, so this bounds its locked memory; pick it with
-            ``optimizer_swapper.plan_sub_group_numel``. Adam's update is elementwise, so the
-            losses stay bit-identical (verified in bf16 and fp32 without gradient clipping; with
-            ``gradient_clipping`` the per-sub-group norm partial sums regroup, which can change
-            the last bit of the clip coefficient).
+            ``zero_optimization.sub_group_size`` (``None``: keep the config's; ``"auto"``: the
+            largest parameter partition, resolved by :func:`memascend.integrations.deepspeed.plan.prepare_ds_config`
+            from the model's shapes and left unresolved by :func:`rewrite_ds_config`). The
+            optimizer swapper locks ``states + 1`` fp32 buffers of the largest sub-group, so this
+            bounds its locked memory (``optimizer_swapper.plan_sub_group_numel`` picks one from a
+            budget). Adam's update is elementwise, so the step does not depend on the grouping;
+            the clipping norm does, which ``grad_norm_sub_group_numel`` takes care of.
+        grad_norm_sub_group_numel: the ``sub_group_size`` whose grouping the global gradient norm
+            reproduces (the stock config's), so that ``gradient_clipping`` is bit-identical to
+            stock whatever ``optimizer_sub_group_numel`` is (:mod:`.grad_norm`); ``None``: the
+            optimizer's own sub-groups, as stock. Set by ``prepare_ds_config``.
+        param_dram_numel: ``offload_param.max_in_cpu`` (elements of the 16-bit parameter
+            partitions stock ZeRO-3 keeps in a DRAM copy while "offloading" them to NVMe;
+            stock default 1e9, i.e. the whole model); ``None`` keeps the config's. With 0 every
+            partition lives on NVMe and is read into the adaptive pool when used.
+        enable_malloc_policy: fixed glibc mmap/trim thresholds, two arenas and ``malloc_trim``
+            after each optimizer step (:mod:`.host_allocator`): freed host memory goes back to
+            the OS instead of staying resident.
+        enable_grad_buffer_release: return the pages of stage 3's whole-model 16-bit gradient
+            buffer to the OS after construction and after each step (its contents are dead
+            there with the optimizer offloaded; :mod:`.step_memory`), so it is resident only
+            while backward fills it.
     """
 
     enable_param_pool: bool = True
@@ -60,7 +75,11 @@ class MemAscendSettings:
     enable_arena_pinning: bool = True
     enable_fused_overflow_check: bool = True
     param_prefetch_slots: int | None = None
-    optimizer_sub_group_numel: int | None = None
+    optimizer_sub_group_numel: int | Literal["auto"] | None = "auto"
+    grad_norm_sub_group_numel: int | None = None
+    param_dram_numel: int | None = 0
+    enable_malloc_policy: bool = True
+    enable_grad_buffer_release: bool = True
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -71,8 +90,14 @@ class MemAscendSettings:
         if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
             raise UserError(f"memascend setting param_prefetch_slots must be an integer >= 1, got {slots!r}")
         sub = self.optimizer_sub_group_numel
-        if sub is not None and (isinstance(sub, bool) or not isinstance(sub, int) or sub < 1):
-            raise UserError(f"memascend setting optimizer_sub_group_numel must be an integer >= 1, got {sub!r}")
+        if sub is not None and sub != "auto" and (isinstance(sub, bool) or not isinstance(sub, int) or sub < 1):
+            raise UserError(f'memascend setting optimizer_sub_group_numel must be an integer >= 1 or "auto", got {sub!r}')
+        norm_sub = self.grad_norm_sub_group_numel
+        if norm_sub is not None and (isinstance(norm_sub, bool) or not isinstance(norm_sub, int) or norm_sub < 0):
+            raise UserError(f"memascend setting grad_norm_sub_group_numel must be an integer >= 0, got {norm_sub!r}")
+        dram = self.param_dram_numel
+        if dram is not None and (isinstance(dram, bool) or not isinstance(dram, int) or dram < 0):
+            raise UserError(f"memascend setting param_dram_numel must be an integer >= 0, got {dram!r}")
 
     @classmethod
     def from_mapping(cls, section: Mapping[str, Any]) -> MemAscendSettings:
@@ -129,7 +154,9 @@ def load_ds_config(ds_config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
 def rewrite_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings) -> dict[str, Any]:
     """Return a copy of ``ds_config`` with the settings that live in DeepSpeed's own config applied.
 
-    Today that is ``optimizer_sub_group_numel`` -> ``zero_optimization.sub_group_size``. The
+    ``optimizer_sub_group_numel`` (an integer; ``"auto"`` needs the model's shapes and is resolved
+    by ``plan.prepare_ds_config``) -> ``zero_optimization.sub_group_size``; ``param_dram_numel``
+    -> ``zero_optimization.offload_param.max_in_cpu`` where parameters are offloaded to NVMe. The
     ``"memascend"`` section itself is kept (DeepSpeed ignores it).
 
     Args:
@@ -140,8 +167,13 @@ def rewrite_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings)
         A new dict (nested ``zero_optimization`` copied, other values shared).
     """
     out = dict(ds_config)
-    if settings.optimizer_sub_group_numel is not None:
-        zero = dict(out.get("zero_optimization", {}))
+    zero = dict(out.get("zero_optimization", {}))
+    if isinstance(settings.optimizer_sub_group_numel, int):
         zero["sub_group_size"] = settings.optimizer_sub_group_numel
+    offload_param = zero.get("offload_param")
+    if settings.param_dram_numel is not None and isinstance(offload_param, Mapping) \
+            and offload_param.get("device") == "nvme":
+        zero["offload_param"] = {**offload_param, "max_in_cpu": settings.param_dram_numel}
+    if zero or "zero_optimization" in out:
         out["zero_optimization"] = zero
     return out

@@ -1,0 +1,74 @@
+"""Resolve the memascend settings that depend on the model into a DeepSpeed config.
+
+:func:`prepare_ds_config` is what ``memascend finetune --engine memascend`` calls before
+:func:`memascend.integrations.deepspeed.apply`; code that drives DeepSpeed itself can call it the
+same way with its model's parameter sizes::
+
+    cfg, settings = prepare_ds_config(cfg, MemAscendSettings.from_ds_config(cfg),
+                                      param_numels=[p.numel() for p in meta_model.parameters()])
+    ma_ds.apply(settings)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from memascend.integrations.deepspeed.settings import MemAscendSettings, rewrite_ds_config
+
+DS_DEFAULT_SUB_GROUP_NUMEL = 1_000_000_000
+"""``zero_optimization.sub_group_size`` when a config leaves it out (DeepSpeed 0.19.8 zero/config.py)."""
+
+
+def auto_sub_group_numel(param_numels: Iterable[int], world_size: int = 1) -> int:
+    """Sub-group size for ``optimizer_sub_group_numel="auto"``: the largest parameter partition.
+
+    ZeRO-3 never splits a parameter across sub-groups, so no sub-group can be smaller than the
+    largest partition; at that size the optimizer's ``states + 1`` locked fp32 buffers are as small
+    as they can get and every sub-group is still at least one whole parameter (large I/O).
+
+    Args:
+        param_numels: elements of every parameter (tied weights once).
+        world_size: ranks that partition each parameter.
+
+    Returns:
+        ``max(ceil(numel / world_size))``, at least 1.
+    """
+    return max([math.ceil(int(n) / max(1, world_size)) for n in param_numels] or [1])
+
+
+def prepare_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings, *,
+                      param_numels: Iterable[int] | None = None,
+                      world_size: int = 1) -> tuple[dict[str, Any], MemAscendSettings]:
+    """Resolve ``settings`` against the model and return (DeepSpeed config, settings to apply).
+
+    * ``optimizer_sub_group_numel="auto"`` becomes :func:`auto_sub_group_numel` when the optimizer
+      state is swapped to NVMe and ``param_numels`` are given (else the config's size is kept);
+    * when the sub-group size changes, ``grad_norm_sub_group_numel`` is set to the config's
+      original size (so clipping sees the stock norm, :mod:`.grad_norm`), unless already set;
+    * :func:`rewrite_ds_config` writes the DeepSpeed-side values.
+
+    Args:
+        ds_config: the DeepSpeed config (not modified).
+        settings: the requested settings.
+        param_numels: elements of every model parameter, or ``None`` if unknown.
+        world_size: ranks that partition the parameters.
+
+    Returns:
+        The rewritten config and the resolved settings (pass those to ``apply``).
+    """
+    zero = ds_config.get("zero_optimization", {}) or {}
+    stock_sub_group = int(zero.get("sub_group_size", DS_DEFAULT_SUB_GROUP_NUMEL))
+    optimizer_on_nvme = (zero.get("offload_optimizer") or {}).get("device") == "nvme"
+    sub_group = settings.optimizer_sub_group_numel
+    if sub_group == "auto":
+        sub_group = (auto_sub_group_numel(param_numels, world_size)
+                     if optimizer_on_nvme and param_numels is not None else None)
+    norm_sub_group = settings.grad_norm_sub_group_numel
+    if norm_sub_group is None and sub_group is not None and sub_group != stock_sub_group:
+        norm_sub_group = stock_sub_group
+    resolved = dataclasses.replace(settings, optimizer_sub_group_numel=sub_group,
+                                   grad_norm_sub_group_numel=norm_sub_group)
+    return rewrite_ds_config(ds_config, resolved), resolved

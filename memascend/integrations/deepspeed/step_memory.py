@@ -1,0 +1,83 @@
+"""Host memory handed back between optimizer steps (stage 3 ``__init__`` / ``_post_step`` hooks).
+
+Stock ZeRO-3 (DeepSpeed 0.19.8) keeps, from one step to the next, memory that the next forward and
+backward do not use:
+
+* ``grad_partitions_flat_buffer``: the 16-bit gradient partitions of the whole model
+  (``torch.zeros``, every page resident from construction). With the optimizer offloaded, each
+  partition is written at backward (micro step 0 *copies* into it), converted to fp32 and swapped
+  out at once; the buffer's contents are dead after the step. :func:`release_grad_buffer_pages`
+  returns its pages to the OS after construction (where it holds zeros, so nothing changes) and
+  after every optimizer step, so it becomes resident again only as backward fills it. Not done for
+  fp16 (stage 3's fp16 ``has_overflow`` reads the whole buffer) nor for device/pinned buffers.
+* the optimizer swapper's locked buffers (``states + 1`` largest sub-groups): needed only inside
+  ``step``. With the on-demand manager they are freed after the step and locked again at the
+  next (:meth:`OnDemandSwapBufferManager.release_free_buffers`): same peak locked memory, but the
+  forward and backward run without them.
+* free heap memory of glibc's arenas (:func:`host_allocator.trim`).
+
+None of this changes a computed value: only when pages are resident.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from memascend.integrations.deepspeed import host_allocator
+from memascend.integrations.deepspeed.settings import MemAscendSettings
+
+
+def release_grad_buffer_pages(optimizer: Any) -> int:
+    """Release the pages of stage 3's ``grad_partitions_flat_buffer`` (see module doc).
+
+    Only with the optimizer offloaded, a non-fp16 run and a plain CPU buffer.
+
+    Returns:
+        Bytes released.
+    """
+    if not getattr(optimizer, "offload_optimizer", False) or getattr(optimizer, "dtype", None) == torch.float16:
+        return 0
+    buffer = getattr(optimizer, "grad_partitions_flat_buffer", None)
+    if buffer is None:
+        return 0
+    return host_allocator.release_pages(buffer)
+
+
+def release_optimizer_swap_buffers(optimizer: Any) -> int:
+    """Free the optimizer swapper's unused locked buffers when it is memascend's on-demand manager."""
+    manager = getattr(getattr(optimizer, "optimizer_swapper", None), "swap_buffer_manager", None)
+    release = getattr(manager, "release_free_buffers", None)
+    return int(release()) if release is not None else 0
+
+
+def make_init(original: Any, settings: MemAscendSettings) -> Any:
+    """Wrap ``DeepSpeedZeroOptimizer_Stage3.__init__``: release the zeroed gradient buffer's pages."""
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        if settings.enable_grad_buffer_release:
+            release_grad_buffer_pages(self)
+        if settings.enable_malloc_policy:
+            host_allocator.trim()
+
+    __init__.__wrapped__ = original  # type: ignore[attr-defined]
+    return __init__
+
+
+def make_post_step(original: Any, settings: MemAscendSettings) -> Any:
+    """Wrap ``DeepSpeedZeroOptimizer_Stage3._post_step`` (runs after every applied step)."""
+
+    def _post_step(self: Any, timer_names: Any) -> Any:
+        result = original(self, timer_names)
+        if settings.enable_optimizer_pool:
+            release_optimizer_swap_buffers(self)
+        if settings.enable_grad_buffer_release:
+            release_grad_buffer_pages(self)
+        if settings.enable_malloc_policy:
+            host_allocator.trim()
+        return result
+
+    _post_step.__wrapped__ = original  # type: ignore[attr-defined]
+    return _post_step
