@@ -283,3 +283,23 @@ def plan_for_report(report: dict) -> EnginePlan:
 
     cfg = build_run_config(report["config"], {})
     return plan_run(cfg, world_size=int(report["host"]["world_size"]))[report["engine"]]
+
+
+def largest_preset_under_cap(cfg: RunConfig, cap_bytes: int, world_size: int = 1) -> dict[str, tuple[str, int] | None]:
+    """The largest from-scratch preset (``memascend.config.FROM_SCRATCH_PRESETS``) whose planned peak
+    host RSS fits under ``cap_bytes``, per engine, with everything else as in ``cfg``.
+
+    Returns:
+        ``{engine: (preset name, planned peak bytes) or None}``.
+    """
+    import dataclasses
+
+    from memascend.config import FROM_SCRATCH_PRESETS
+
+    best: dict[str, tuple[str, int] | None] = {"baseline": None, "memascend": None}
+    for name, preset in sorted(FROM_SCRATCH_PRESETS.items(), key=lambda kv: kv[1].param_numel):
+        sized = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, from_scratch=preset))
+        for engine, p in plan_run(sized, world_size).items():
+            if p.peak_rss_bytes <= cap_bytes:
+                best[engine] = (name, p.peak_rss_bytes)
+    return best

@@ -21,18 +21,22 @@ def _shared_params() -> list[click.Parameter]:
 @click.command("plan", context_settings={"show_default": True})
 @click.option("--nproc", type=int, default=1, help="Ranks on this host (memory is summed over them)")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of a table")
-def plan(nproc: int, as_json: bool, **kw) -> None:
+@click.option("--cap-gib", type=float, default=None,
+              help="Also name the largest from-scratch preset each engine fits under this host-memory cap (GiB)")
+def plan(nproc: int, as_json: bool, cap_gib: float | None, **kw) -> None:
     """Predict peak host RSS, locked memory (VmLck) and NVMe space of a fine-tuning run under stock
     DeepSpeed (baseline) and under memascend, and name the biggest consumers. Nothing is run or loaded
     (the model is laid out on the meta device). Takes the same model/data/offload flags as
     `memascend finetune`. Sizes are GiB; memory is the sum over the host's ranks.
     """
-    from memascend.bench.plan import GIB, plan_run
+    from memascend.bench.plan import GIB, largest_preset_under_cap, plan_run
     from memascend.config import build_run_config, load_toml
     from memascend.errors import UserError
 
     if nproc < 1:
         raise UserError(f"--nproc must be at least 1, got {nproc}")
+    if cap_gib is not None and cap_gib <= 0:
+        raise UserError(f"--cap-gib must be positive, got {cap_gib}")
     file_values = load_toml(kw.pop("config_file")) if kw.get("config_file") else {}
     kw.pop("config_file", None)
     overrides = {
@@ -44,8 +48,12 @@ def plan(nproc: int, as_json: bool, **kw) -> None:
     }
     cfg = build_run_config(file_values, overrides)
     plans = plan_run(cfg, world_size=nproc)
+    fits = largest_preset_under_cap(cfg, int(cap_gib * GIB), nproc) if cap_gib else None
     if as_json:
-        click.echo(json.dumps({k: p.to_dict() for k, p in plans.items()}, indent=2))
+        doc = {k: p.to_dict() for k, p in plans.items()}
+        if fits is not None:
+            doc["largest_preset_under_cap"] = {"cap_gib": cap_gib, **{k: v and v[0] for k, v in fits.items()}}
+        click.echo(json.dumps(doc, indent=2))
         return
     from rich.console import Console
     from rich.table import Table
@@ -69,6 +77,10 @@ def plan(nproc: int, as_json: bool, **kw) -> None:
         for comp in p.components:
             c.add_row(comp.name, f"{comp.bytes / GIB:.2f}", "yes" if comp.locked else "", comp.phase, comp.source)
         console.print(c)
+    if fits is not None:
+        for engine, fit in fits.items():
+            what = f"{fit[0]} (planned peak {fit[1] / GIB:.2f} GiB)" if fit else "no preset"
+            console.print(f"largest from-scratch preset under {cap_gib:g} GiB, {engine}: {what}")
 
 
 plan.params[:0] = _shared_params()

@@ -79,3 +79,19 @@ def test_plan_within_15_percent_on_smoke_matrix(tmp_path, request):
         for engine, outcome in run_pair(cfg, tmp_path, tmp_path / "swap", 3600).items():
             assert outcome.ok, outcome.log_tail()
             _assert_close(outcome.report(), f"{cfg.name}/{engine}")
+
+
+def test_largest_preset_under_cap():
+    from memascend.bench.plan import largest_preset_under_cap, plan_run
+    from memascend.config import build_run_config
+
+    cfg = build_run_config({}, {"model": {"from_scratch": "llama-tiny"}, "data": {"seq_len": 64},
+                                "train": {"micro_batch": 1}})
+    plans = plan_run(cfg)
+    base, mine = plans["baseline"].peak_rss_bytes, plans["memascend"].peak_rss_bytes
+    assert mine < base
+    fits = largest_preset_under_cap(cfg, (base + mine) // 2)
+    assert fits["baseline"] is None
+    assert fits["memascend"][0] == "llama-tiny"
+    big = largest_preset_under_cap(cfg, 1 << 50)
+    assert big["baseline"][0] == big["memascend"][0] == "llama-3b"
