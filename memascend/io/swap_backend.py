@@ -1,0 +1,155 @@
+"""An aio-handle-shaped adapter over :class:`~memascend.io.store.TensorStore` for DeepSpeed's swappers.
+
+DeepSpeed 0.19.8's swappers (``AsyncPartitionedParameterSwapper``, ``PartitionedOptimizerSwapper``,
+``PipelinedOptimizerSwapper``, ``runtime/swap_tensor/utils.py`` ``swap_in_tensors`` /
+``swap_out_tensors``) talk to ``AsyncIOBuilder().load().aio_handle(...)`` through a small surface:
+``async_pwrite(buffer, path, 0)`` / ``async_pread(buffer, path, 0)`` (each returns 0), ``wait()``
+(returns how many operations completed), ``sync_pwrite`` / ``sync_pread``,
+``new_cpu_locked_tensor`` / ``free_cpu_locked_tensor`` and a few getters. :class:`StoreSwapHandle`
+offers that surface with the swap-file path used as the tensor key, so the DeepSpeed seam
+(``memascend/integrations/deepspeed``) can substitute it for the aio handle and drop the folder of
+``.swp`` files. Unlike the stock handle, reading works on a raw block device, and every read is
+checked against the CRC32C recorded at write time.
+
+Source: MemAscend (arXiv 2505.23254), direct NVMe engine; replaces DeepSpeed's
+``deepspeed_aio_handle_t`` (csrc/aio/py_lib) for swapping.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from memascend.io.errors import StoreError
+from memascend.io.store import Ticket, TensorStore
+from memascend.ops import nvme_io as _op
+
+
+class StoreSwapHandle:
+    """DeepSpeed aio-handle look-alike; several handles may share one store (e.g. a read and a
+    write handle, as ``AsyncPartitionedParameterSwapper`` creates).
+
+    Args:
+        store: the rank's device store.
+        block_size: reported by :meth:`get_block_size` (bytes); the store's ``request_bytes``
+            governs the real request size.
+        queue_depth: reported by :meth:`get_queue_depth`; the store's engine governs the real one.
+    """
+
+    def __init__(self, store: TensorStore, *, block_size: int | None = None, queue_depth: int | None = None) -> None:
+        self.store = store
+        self._block_size = block_size or store.engine.request_bytes
+        self._queue_depth = queue_depth or store.engine.queue_depth
+        self._lock = threading.Lock()
+        self._pending: list[Ticket] = []
+
+    # -- transfers ---------------------------------------------------------------------------
+    def async_pwrite(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
+        """Queue a write of the whole (contiguous, CPU) ``buffer`` under key ``filename``.
+
+        Returns:
+            0, as the stock handle (the swappers assert it).
+
+        Raises:
+            ValueError: ``file_offset`` != 0 (the swappers always write whole tensors at 0).
+            memascend.io.errors.StoreFullError: no room on the device.
+        """
+        self._check_offset(file_offset)
+        t = self.store.submit_write(str(filename), buffer)
+        with self._lock:
+            self._pending.append(t)
+        return 0
+
+    def async_pread(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
+        """Queue a read of key ``filename`` into the start of ``buffer`` (which may be larger than
+        what was written, as the swappers' aligned buffers are). Returns 0.
+
+        Raises:
+            KeyError: nothing was written under ``filename``.
+            ValueError: ``file_offset`` != 0, or ``buffer`` too small.
+        """
+        self._check_offset(file_offset)
+        t = self.store.submit_read(str(filename), buffer)
+        with self._lock:
+            self._pending.append(t)
+        return 0
+
+    def wait(self) -> int:
+        """Wait for every operation queued on this handle.
+
+        Returns:
+            The number of operations completed (what the swappers compare with what they queued).
+
+        Raises:
+            memascend.io.errors.StoreIOError / ChecksumError: the first failure (after all have
+                finished), naming the key (swap path) and the device offset.
+        """
+        with self._lock:
+            pending, self._pending = self._pending, []
+        first: StoreError | None = None
+        for t in pending:
+            try:
+                self.store.wait(t)
+            except StoreError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
+        return len(pending)
+
+    def sync_pwrite(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
+        """Write and wait; returns 1 (one operation)."""
+        self._check_offset(file_offset)
+        self.store.write(str(filename), buffer)
+        return 1
+
+    def sync_pread(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
+        """Read and wait; returns 1 (one operation)."""
+        self._check_offset(file_offset)
+        self.store.read(str(filename), buffer)
+        return 1
+
+    def free(self, filename: str) -> None:
+        """Release the extent of key ``filename`` (stock swappers leave dead files behind instead).
+
+        Raises:
+            KeyError: unknown key. ValueError: a transfer of it is still queued.
+        """
+        self.store.free(str(filename))
+
+    # -- buffers -----------------------------------------------------------------------------
+    @staticmethod
+    def new_cpu_locked_tensor(num_elem: int, example_tensor: torch.Tensor) -> torch.Tensor:
+        """A 4 KiB-aligned CPU tensor of ``num_elem`` elements of ``example_tensor.dtype``, which
+        the engine transfers in place (no bounce buffer). Not mlocked: pass tensors from the
+        pinned arena (:mod:`memascend.memory.arena`) where locking is wanted."""
+        nbytes = int(num_elem) * example_tensor.element_size()
+        return _op.load().aligned_empty(nbytes).view(example_tensor.dtype)
+
+    @staticmethod
+    def free_cpu_locked_tensor(tensor: torch.Tensor) -> None:
+        """Nothing to do: the memory returns when the last reference to ``tensor`` goes."""
+
+    # -- getters the swappers and DeepSpeed's config checks call -----------------------------
+    def get_block_size(self) -> int:
+        return self._block_size
+
+    def get_queue_depth(self) -> int:
+        return self._queue_depth
+
+    def get_single_submit(self) -> bool:
+        return False
+
+    def get_overlap_events(self) -> bool:
+        return True
+
+    def get_intra_op_parallelism(self) -> int:
+        return 1
+
+    def get_alignment(self) -> int:
+        return self.store.align_bytes
+
+    @staticmethod
+    def _check_offset(file_offset: int) -> None:
+        if file_offset != 0:
+            raise ValueError(f"StoreSwapHandle stores whole tensors: file_offset must be 0, got {file_offset}")
