@@ -111,12 +111,22 @@ def fio_mib_s(target: str, case: Case) -> float:
     """Bandwidth of ``fio --ioengine=io_uring --direct=1`` with the same offsets, block, depth."""
     rw = case.op if case.pattern == "seq" else f"{case.op}:{case.block_bytes}"
     cmd = [
-        "fio", "--name=memascend", f"--filename={target}", f"--rw={rw}", f"--bs={case.block_bytes}",
-        f"--iodepth={case.queue_depth}", "--direct=1", "--ioengine=io_uring", f"--size={case.span_bytes}",
-        f"--io_size={case.total_bytes}", "--offset=0", "--thread", "--output-format=json",
+        "fio",
+        "--name=memascend",
+        f"--filename={target}",
+        f"--rw={rw}",
+        f"--bs={case.block_bytes}",
+        f"--iodepth={case.queue_depth}",
+        "--direct=1",
+        "--ioengine=io_uring",
+        f"--size={case.span_bytes}",
+        f"--io_size={case.total_bytes}",
+        "--offset=0",
+        "--thread",
+        "--output-format=json",
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    job = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0][case.op]
+    job = json.loads(out.stdout[out.stdout.index("{") :])["jobs"][0][case.op]
     return job["bw_bytes"] / MiB
 
 
@@ -124,7 +134,10 @@ def deepspeed_mib_s(folder: Path, case: Case, handle) -> float:
     """Bandwidth of DeepSpeed's aio handle writing/reading ``total/block`` tensors of ``block``
     bytes, one file each (``{folder}/{i}.tensor.swp``, as the stock swappers name them)."""
     n = case.total_bytes // case.block_bytes
-    bufs = [handle.new_cpu_locked_tensor(case.block_bytes, torch.empty(0, dtype=torch.uint8)) for _ in range(min(n, case.queue_depth))]
+    bufs = [
+        handle.new_cpu_locked_tensor(case.block_bytes, torch.empty(0, dtype=torch.uint8))
+        for _ in range(min(n, case.queue_depth))
+    ]
     try:
         for b in bufs:
             b.random_(0, 256)
@@ -162,22 +175,33 @@ def warm_up(target: str, span_bytes: int) -> None:
     try:
         buf = op.aligned_empty(8 * MiB)
         buf.zero_()
-        for j in [e.submit_write(buf, off, min(8 * MiB, span_bytes - off)) for off in range(0, span_bytes, 8 * MiB)]:
+        for j in [
+            e.submit_write(buf, off, min(8 * MiB, span_bytes - off)) for off in range(0, span_bytes, 8 * MiB)
+        ]:
             e.wait(j)
     finally:
         e.close()
 
 
-def run(target: str, *, total_bytes: int, block_sizes: list[int], queue_depths: list[int], patterns: list[str],
-        deepspeed_folder: Path | None, repeats: int = 3, enable_crc: bool = False) -> list[Row]:
+def run(
+    target: str,
+    *,
+    total_bytes: int,
+    block_sizes: list[int],
+    queue_depths: list[int],
+    patterns: list[str],
+    deepspeed_folder: Path | None,
+    repeats: int = 3,
+    enable_crc: bool = False,
+) -> list[Row]:
     """Measure every case on ``target`` (created and preallocated when missing); best of ``repeats``.
 
     Raises:
         memascend.errors.UserError: the target is unusable.
         subprocess.CalledProcessError: fio failed.
     """
-    if not os.path.exists(target):
-        preallocate_file(target, 2 * total_bytes + MiB)
+    if not os.path.exists(target) or not probe_info(target).is_block_device:
+        preallocate_file(target, 2 * total_bytes + MiB)  # creates, or grows a smaller file
     size = probe_info(target).size_bytes
     if size < 2 * total_bytes:
         raise ValueError(f"target {target} holds {size} bytes, the strided pattern needs {2 * total_bytes}")
@@ -187,23 +211,40 @@ def run(target: str, *, total_bytes: int, block_sizes: list[int], queue_depths: 
     for pattern in patterns:
         for bs in block_sizes:
             for qd in queue_depths:
-                handle = load_deepspeed_handle(bs, qd) if deepspeed_folder is not None and pattern == "seq" else None
+                handle = (
+                    load_deepspeed_handle(bs, qd)
+                    if deepspeed_folder is not None and pattern == "seq"
+                    else None
+                )
                 best: dict[tuple[str, str], float] = {}
                 for _ in range(repeats):
                     for op in ("write", "read"):
-                        case = Case(pattern=pattern, op=op, block_bytes=bs, queue_depth=qd, total_bytes=total_bytes)
+                        case = Case(
+                            pattern=pattern, op=op, block_bytes=bs, queue_depth=qd, total_bytes=total_bytes
+                        )
                         measures = {"engine": lambda c=case: engine_mib_s(target, c, enable_crc=enable_crc)}
                         if have_fio:
                             measures["fio"] = lambda c=case: fio_mib_s(target, c)
                         if handle is not None:
                             deepspeed_folder.mkdir(parents=True, exist_ok=True)
-                            measures["deepspeed"] = lambda c=case: deepspeed_mib_s(deepspeed_folder, c, handle)
+                            measures["deepspeed"] = lambda c=case, h=handle: deepspeed_mib_s(
+                                deepspeed_folder, c, h
+                            )
                         for tool, fn in measures.items():
                             best[(tool, op)] = max(best.get((tool, op), 0.0), fn())
                 for op in ("write", "read"):
-                    rows.append(Row(pattern=pattern, op=op, block_bytes=bs, queue_depth=qd, total_bytes=total_bytes,
-                                    engine_mib_s=best[("engine", op)], fio_mib_s=best.get(("fio", op)),
-                                    deepspeed_mib_s=best.get(("deepspeed", op))))
+                    rows.append(
+                        Row(
+                            pattern=pattern,
+                            op=op,
+                            block_bytes=bs,
+                            queue_depth=qd,
+                            total_bytes=total_bytes,
+                            engine_mib_s=best[("engine", op)],
+                            fio_mib_s=best.get(("fio", op)),
+                            deepspeed_mib_s=best.get(("deepspeed", op)),
+                        )
+                    )
                 if deepspeed_folder is not None:
                     for f in deepspeed_folder.glob("*.tensor.swp"):
                         f.unlink()
@@ -212,40 +253,71 @@ def run(target: str, *, total_bytes: int, block_sizes: list[int], queue_depths: 
 
 def format_table(rows: list[Row]) -> str:
     """Markdown table of the rows."""
+
     def f(x, spec):
         return "-" if x is None else format(x, spec)
 
-    lines = ["| pattern | op | block KiB | qd | engine MiB/s | fio MiB/s | DeepSpeed MiB/s | engine/fio | engine/DeepSpeed |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| pattern | op | block KiB | qd | engine MiB/s | fio MiB/s | DeepSpeed MiB/s | engine/fio | engine/DeepSpeed |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r.pattern} | {r.op} | {r.block_bytes >> 10} | {r.queue_depth} | {r.engine_mib_s:.0f} | "
-                     f"{f(r.fio_mib_s, '.0f')} | {f(r.deepspeed_mib_s, '.0f')} | {f(r.ratio_fio, '.3f')} | {f(r.ratio_deepspeed, '.3f')} |")
+        lines.append(
+            f"| {r.pattern} | {r.op} | {r.block_bytes >> 10} | {r.queue_depth} | {r.engine_mib_s:.0f} | "
+            f"{f(r.fio_mib_s, '.0f')} | {f(r.deepspeed_mib_s, '.0f')} | {f(r.ratio_fio, '.3f')} | {f(r.ratio_deepspeed, '.3f')} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", help="block device or file (created when missing); default: a file in --workdir")
-    p.add_argument("--workdir", default=None, help="folder for the default target and DeepSpeed's files (default: a temp dir)")
+    p.add_argument(
+        "--target", help="block device or file (created when missing); default: a file in --workdir"
+    )
+    p.add_argument(
+        "--workdir",
+        default=None,
+        help="folder for the default target and DeepSpeed's files (default: a temp dir)",
+    )
     p.add_argument("--total-mib", type=int, default=64, help="MiB moved per measurement (default 64)")
-    p.add_argument("--block-kib", default="1024,16384", help="request sizes in KiB, comma-separated (default 1024,16384)")
+    p.add_argument(
+        "--block-kib", default="1024,16384", help="request sizes in KiB, comma-separated (default 1024,16384)"
+    )
     p.add_argument("--queue-depth", default="8,32", help="queue depths, comma-separated (default 8,32)")
     p.add_argument("--patterns", default="seq,strided", help="seq and/or strided (default both)")
-    p.add_argument("--deepspeed-folder", default=None, help="folder for DeepSpeed's per-tensor files (default: WORKDIR/ds_swap; 'none' skips)")
+    p.add_argument(
+        "--deepspeed-folder",
+        default=None,
+        help="folder for DeepSpeed's per-tensor files (default: WORKDIR/ds_swap; 'none' skips)",
+    )
     p.add_argument("--repeats", type=int, default=3, help="runs per measurement, best kept (default 3)")
-    p.add_argument("--crc", action="store_true", help="have the engine compute CRC32C per request (the store's default)")
+    p.add_argument(
+        "--crc", action="store_true", help="have the engine compute CRC32C per request (the store's default)"
+    )
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     a = p.parse_args(argv)
     work = Path(a.workdir or tempfile.mkdtemp(prefix="memascend_io_bench_", dir="/var/tmp"))
     work.mkdir(parents=True, exist_ok=True)
     target = a.target or str(work / "engine_target.bin")
     ds = None if a.deepspeed_folder == "none" else Path(a.deepspeed_folder or work / "ds_swap")
-    rows = run(target, total_bytes=a.total_mib * MiB, block_sizes=[int(x) << 10 for x in a.block_kib.split(",")],
-               queue_depths=[int(x) for x in a.queue_depth.split(",")], patterns=a.patterns.split(","),
-               deepspeed_folder=ds, repeats=a.repeats, enable_crc=a.crc)
+    rows = run(
+        target,
+        total_bytes=a.total_mib * MiB,
+        block_sizes=[int(x) << 10 for x in a.block_kib.split(",")],
+        queue_depths=[int(x) for x in a.queue_depth.split(",")],
+        patterns=a.patterns.split(","),
+        deepspeed_folder=ds,
+        repeats=a.repeats,
+        enable_crc=a.crc,
+    )
     print(format_table(rows))
     if a.json:
-        Path(a.json).write_text(json.dumps([asdict(r) | {"ratio_fio": r.ratio_fio, "ratio_deepspeed": r.ratio_deepspeed} for r in rows], indent=1))
+        Path(a.json).write_text(
+            json.dumps(
+                [asdict(r) | {"ratio_fio": r.ratio_fio, "ratio_deepspeed": r.ratio_deepspeed} for r in rows],
+                indent=1,
+            )
+        )
     if not a.target and not a.workdir:
         shutil.rmtree(work, ignore_errors=True)
     return 0

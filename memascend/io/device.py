@@ -92,9 +92,21 @@ def probe_info(path: str | os.PathLike) -> DeviceInfo:
             lbs = struct.unpack("i", fcntl.ioctl(fd, BLKSSZGET, b"\0" * 4))[0]
         finally:
             os.close(fd)
-        return DeviceInfo(path=p, real_path=Path(os.path.realpath(p)), is_block_device=True, size_bytes=size, logical_block_bytes=lbs)
+        return DeviceInfo(
+            path=p,
+            real_path=Path(os.path.realpath(p)),
+            is_block_device=True,
+            size_bytes=size,
+            logical_block_bytes=lbs,
+        )
     if stat.S_ISREG(st.st_mode):
-        return DeviceInfo(path=p, real_path=Path(os.path.realpath(p)), is_block_device=False, size_bytes=st.st_size, logical_block_bytes=512)
+        return DeviceInfo(
+            path=p,
+            real_path=Path(os.path.realpath(p)),
+            is_block_device=False,
+            size_bytes=st.st_size,
+            logical_block_bytes=512,
+        )
     raise UserError(f"nvme path {p} is neither a block device nor a regular file")
 
 
@@ -139,7 +151,9 @@ def blkid_signature(path: str | os.PathLike) -> str | None:
     if exe is None:
         return None
     try:
-        out = subprocess.run([exe, "-p", "-o", "export", str(path)], capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            [exe, "-p", "-o", "export", str(path)], capture_output=True, text=True, timeout=30
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     if out.returncode != 0:
@@ -156,7 +170,9 @@ def _sys_block_dir(st: os.stat_result, sys_root: Path) -> Path:
     return sys_root / "dev" / "block" / f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
 
 
-def in_use_reason(path: str | os.PathLike, *, proc_root: Path = Path("/proc"), sys_root: Path = Path("/sys")) -> str | None:
+def in_use_reason(
+    path: str | os.PathLike, *, proc_root: Path = Path("/proc"), sys_root: Path = Path("/sys")
+) -> str | None:
     """Why ``path`` is in use by something else, or ``None``.
 
     Block devices: mounted (``/proc/self/mountinfo``, by device number and by source), used as
@@ -215,7 +231,9 @@ def check_target(path: str | os.PathLike, *, allow_overwrite: bool = False, own_
     """
     reason = in_use_reason(path)
     if reason:
-        raise DeviceRefusedError(f"nvme path {path} is {reason}: unmount/detach it first, memascend needs it to itself")
+        raise DeviceRefusedError(
+            f"nvme path {path} is {reason}: unmount/detach it first, memascend needs it to itself"
+        )
     if allow_overwrite:
         return
     sig = find_signature(read_head(path))
@@ -265,7 +283,14 @@ def cached_bytes(path: str | os.PathLike) -> int:
     page = os.sysconf("SC_PAGE_SIZE")
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)

@@ -47,7 +47,9 @@ class ChecksumError(StoreError):
         actual_crc32c: the CRC of the bytes read.
     """
 
-    def __init__(self, message: str, *, key: str, offset_bytes: int, expected_crc32c: int, actual_crc32c: int) -> None:
+    def __init__(
+        self, message: str, *, key: str, offset_bytes: int, expected_crc32c: int, actual_crc32c: int
+    ) -> None:
         super().__init__(message)
         self.key = key
         self.offset_bytes = offset_bytes

@@ -101,9 +101,13 @@ class StoreHeader:
         (stored_crc,) = _CRC.unpack_from(block, _FIXED_BYTES)
         if crc32c(fixed) != stored_crc:
             raise StoreFormatError("the store header at offset 0 is damaged (checksum mismatch)")
-        (_, version, header_bytes, owner, device_bytes, align, slot, data_offset, gen, active, tlen, tcrc) = struct.unpack(_FMT, fixed)
+        (_, version, header_bytes, owner, device_bytes, align, slot, data_offset, gen, active, tlen, tcrc) = (
+            struct.unpack(_FMT, fixed)
+        )
         if version != FORMAT_VERSION:
-            raise StoreFormatError(f"store format version {version} is not supported (this build reads {FORMAT_VERSION})")
+            raise StoreFormatError(
+                f"store format version {version} is not supported (this build reads {FORMAT_VERSION})"
+            )
         hdr = cls(
             owner_uuid=uuid.UUID(bytes=owner),
             device_bytes=device_bytes,

@@ -22,7 +22,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import threading
 import uuid
@@ -66,11 +65,26 @@ class ExtentRecord:
         return getattr(torch, self.dtype.removeprefix("torch."))
 
     def to_json(self) -> dict:
-        return {"o": self.offset_bytes, "n": self.nbytes, "a": self.alloc_bytes, "c": self.crc32c, "d": self.dtype, "s": list(self.shape)}
+        return {
+            "o": self.offset_bytes,
+            "n": self.nbytes,
+            "a": self.alloc_bytes,
+            "c": self.crc32c,
+            "d": self.dtype,
+            "s": list(self.shape),
+        }
 
     @classmethod
     def from_json(cls, key: str, d: dict) -> ExtentRecord:
-        return cls(key=key, offset_bytes=d["o"], nbytes=d["n"], alloc_bytes=d["a"], crc32c=d["c"], dtype=d["d"], shape=tuple(d["s"]))
+        return cls(
+            key=key,
+            offset_bytes=d["o"],
+            nbytes=d["n"],
+            alloc_bytes=d["a"],
+            crc32c=d["c"],
+            dtype=d["d"],
+            shape=tuple(d["s"]),
+        )
 
 
 @dataclass(eq=False)
@@ -93,7 +107,15 @@ class TensorStore:
     transfer or free of that key until it is waited for; reads of one key may overlap.
     """
 
-    def __init__(self, *, engine, info: _device.DeviceInfo, header: StoreHeader, records: dict[str, ExtentRecord], enable_crc: bool) -> None:
+    def __init__(
+        self,
+        *,
+        engine,
+        info: _device.DeviceInfo,
+        header: StoreHeader,
+        records: dict[str, ExtentRecord],
+        enable_crc: bool,
+    ) -> None:
         self._engine = engine
         self.info = info
         self.header = header
@@ -166,9 +188,13 @@ class TensorStore:
         try:
             align = engine.align_bytes
             slot = -(-table_slot_bytes // align) * align
-            header = StoreHeader(owner_uuid=owner, device_bytes=engine.size_bytes, align_bytes=align, table_slot_bytes=slot)
+            header = StoreHeader(
+                owner_uuid=owner, device_bytes=engine.size_bytes, align_bytes=align, table_slot_bytes=slot
+            )
             if header.data_offset + align > engine.size_bytes:
-                raise UserError(f"nvme path {p} holds {engine.size_bytes} bytes: too small for a store (needs > {header.data_offset + align})")
+                raise UserError(
+                    f"nvme path {p} holds {engine.size_bytes} bytes: too small for a store (needs > {header.data_offset + align})"
+                )
             store = cls(engine=engine, info=info, header=header, records={}, enable_crc=enable_crc)
             store._write_raw(0, header.pack(_crc_bytes), "<store header>")
             return store
@@ -207,7 +233,9 @@ class TensorStore:
             _check_job(engine, engine.wait(engine.submit_read(block, 0)), "<store header>", 0, p)
             header = StoreHeader.unpack(block.numpy().tobytes(), _crc_bytes)
             if owner_uuid is not None and header.owner_uuid != owner_uuid:
-                raise DeviceRefusedError(f"nvme path {p} holds the store of owner {header.owner_uuid}, not {owner_uuid}: {_device.FIX_OVERWRITE}")
+                raise DeviceRefusedError(
+                    f"nvme path {p} holds the store of owner {header.owner_uuid}, not {owner_uuid}: {_device.FIX_OVERWRITE}"
+                )
             records: dict[str, ExtentRecord] = {}
             if header.table_length:
                 off = header.slot_offset(header.active_slot)
@@ -217,7 +245,10 @@ class TensorStore:
                 if _crc_bytes(data) != header.table_crc32c:
                     raise ChecksumError(
                         f"extent table of {p} at offset {off} is damaged (checksum mismatch)",
-                        key="<extent table>", offset_bytes=off, expected_crc32c=header.table_crc32c, actual_crc32c=_crc_bytes(data),
+                        key="<extent table>",
+                        offset_bytes=off,
+                        expected_crc32c=header.table_crc32c,
+                        actual_crc32c=_crc_bytes(data),
                     )
                 records = {k: ExtentRecord.from_json(k, v) for k, v in decode_table(data).items()}
             return cls(engine=engine, info=info, header=header, records=records, enable_crc=enable_crc)
@@ -312,8 +343,15 @@ class TensorStore:
                 offset = old.offset_bytes
             else:
                 offset = self._allocate(key, nbytes, old) if nbytes else 0
-            rec = ExtentRecord(key=key, offset_bytes=offset, nbytes=nbytes, alloc_bytes=need, crc32c=0 if nbytes == 0 else None,
-                               dtype=str(tensor.dtype), shape=tuple(tensor.shape))
+            rec = ExtentRecord(
+                key=key,
+                offset_bytes=offset,
+                nbytes=nbytes,
+                alloc_bytes=need,
+                crc32c=0 if nbytes == 0 else None,
+                dtype=str(tensor.dtype),
+                shape=tuple(tensor.shape),
+            )
             self._records[key] = rec
             self._writes.add(key)
         job = None
@@ -350,12 +388,16 @@ class TensorStore:
                 raise ValueError(f"tensor '{key}' has a write in flight; wait for it before reading")
             have = out.numel() * out.element_size()
             if have < rec.nbytes:
-                raise ValueError(f"tensor '{key}' holds {rec.nbytes} bytes; the output tensor has only {have}")
+                raise ValueError(
+                    f"tensor '{key}' holds {rec.nbytes} bytes; the output tensor has only {have}"
+                )
             self._reads[key] = self._reads.get(key, 0) + 1
         job = None
         if rec.nbytes:
             try:
-                job = self._engine.submit_read(out, rec.offset_bytes, rec.nbytes, self.enable_crc and rec.crc32c is not None)
+                job = self._engine.submit_read(
+                    out, rec.offset_bytes, rec.nbytes, self.enable_crc and rec.crc32c is not None
+                )
             except BaseException:
                 with self._lock:
                     self._reads[key] -= 1
@@ -403,7 +445,10 @@ class TensorStore:
             raise ChecksumError(
                 f"checksum mismatch reading tensor '{ticket.key}' at device offset {rec.offset_bytes} "
                 f"({rec.nbytes} bytes) of {self.path}: expected crc32c 0x{rec.crc32c:08x}, read 0x{result.crc32c:08x}",
-                key=ticket.key, offset_bytes=rec.offset_bytes, expected_crc32c=rec.crc32c, actual_crc32c=result.crc32c,
+                key=ticket.key,
+                offset_bytes=rec.offset_bytes,
+                expected_crc32c=rec.crc32c,
+                actual_crc32c=result.crc32c,
             )
         return rec
 
@@ -447,9 +492,17 @@ class TensorStore:
             data = encode_table({k: r.to_json() for k, r in self._records.items() if k not in self._writes})
             hdr = self.header
             if len(data) > hdr.table_slot_bytes:
-                raise StoreFullError(f"extent table of {self.path} needs {len(data)} bytes, the slot holds {hdr.table_slot_bytes}: create the store with a larger table_slot_bytes")
+                raise StoreFullError(
+                    f"extent table of {self.path} needs {len(data)} bytes, the slot holds {hdr.table_slot_bytes}: create the store with a larger table_slot_bytes"
+                )
             slot = 1 - hdr.active_slot if hdr.table_length else hdr.active_slot
-            new = dataclasses.replace(hdr, generation=hdr.generation + 1, active_slot=slot, table_length=len(data), table_crc32c=_crc_bytes(data))
+            new = dataclasses.replace(
+                hdr,
+                generation=hdr.generation + 1,
+                active_slot=slot,
+                table_length=len(data),
+                table_crc32c=_crc_bytes(data),
+            )
         self._write_raw(hdr.slot_offset(slot), data, "<extent table>")
         self._write_raw(0, new.pack(_crc_bytes), "<store header>")
         self.header = new
@@ -472,108 +525,16 @@ class TensorStore:
         self.close()
 
     def export_files(self, folder: str | os.PathLike, *, chunk_bytes: int = EXPORT_CHUNK_BYTES) -> Path:
-        """Copy every tensor to ordinary files in ``folder`` (one ``.bin`` per tensor plus
-        ``manifest.json`` with key, dtype, shape, bytes, CRC32C): the checkpoint of a raw store,
-        in place of DeepSpeed's ``shutil.copytree`` of the swap folder. Host memory used: one
-        staging buffer of ``chunk_bytes``. Every tensor is verified against its CRC32C.
+        """Copy every tensor to ordinary files in ``folder``; see :func:`memascend.io.checkpoint.export_files`."""
+        from memascend.io.checkpoint import export_files
 
-        Returns:
-            Path of the manifest.
-
-        Raises:
-            ChecksumError, StoreIOError: a tensor cannot be read back intact.
-        """
-        out = Path(folder)
-        out.mkdir(parents=True, exist_ok=True)
-        self.wait_all()
-        with self._lock:
-            records = sorted(self._records.values(), key=lambda r: r.key)
-        op = _op.load()
-        chunk = max(self.align_bytes, chunk_bytes // self.align_bytes * self.align_bytes)
-        staging = op.aligned_empty(chunk)
-        view = staging.numpy()
-        manifest = []
-        for i, rec in enumerate(records):
-            name = f"tensor_{i:06d}.bin"
-            crc = 0
-            with open(out / name, "wb") as f:
-                for pos in range(0, rec.nbytes, chunk):
-                    n = min(chunk, rec.nbytes - pos)
-                    res = self._engine.wait(self._engine.submit_read(staging, rec.offset_bytes + pos, n))
-                    _check_job(self._engine, res, rec.key, rec.offset_bytes + pos, self.path)
-                    crc = op.crc32c(staging, n, crc)
-                    f.write(view[:n].data)
-                f.flush()
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-            if rec.crc32c is not None and crc != rec.crc32c:
-                raise ChecksumError(
-                    f"checksum mismatch exporting tensor '{rec.key}' at device offset {rec.offset_bytes} of {self.path}",
-                    key=rec.key, offset_bytes=rec.offset_bytes, expected_crc32c=rec.crc32c, actual_crc32c=crc,
-                )
-            manifest.append({"key": rec.key, "file": name, "nbytes": rec.nbytes, "dtype": rec.dtype, "shape": list(rec.shape), "crc32c": crc})
-        path = out / MANIFEST_NAME
-        path.write_text(json.dumps({"format": 1, "tensors": manifest}, indent=1))
-        return path
+        return export_files(self, folder, chunk_bytes=chunk_bytes)
 
     def import_files(self, folder: str | os.PathLike, *, chunk_bytes: int = EXPORT_CHUNK_BYTES) -> list[str]:
-        """Load tensors exported by :meth:`export_files` (replacing keys that exist).
+        """Load tensors exported by :meth:`export_files`; see :func:`memascend.io.checkpoint.import_files`."""
+        from memascend.io.checkpoint import import_files
 
-        Returns:
-            The keys imported.
-
-        Raises:
-            UserError: no manifest, or a file of the wrong size.
-            ChecksumError: a file's CRC32C differs from the manifest's (names the key and file).
-            StoreFullError: no room.
-        """
-        src = Path(folder)
-        try:
-            manifest = json.loads((src / MANIFEST_NAME).read_text())["tensors"]
-        except (OSError, ValueError, KeyError) as exc:
-            raise UserError(f"no readable {MANIFEST_NAME} in {src}: {exc}") from exc
-        op = _op.load()
-        chunk = max(self.align_bytes, chunk_bytes // self.align_bytes * self.align_bytes)
-        staging = op.aligned_empty(chunk)
-        view = staging.numpy()
-        keys = []
-        for entry in manifest:
-            key, nbytes, file = entry["key"], int(entry["nbytes"]), src / entry["file"]
-            if not file.is_file() or file.stat().st_size != nbytes:
-                raise UserError(f"checkpoint file {file} of tensor '{key}' is missing or not {nbytes} bytes")
-            with self._lock:
-                self._check_open()
-                if key in self._writes or self._reads.get(key):
-                    raise ValueError(f"tensor '{key}' has a transfer in flight")
-                old = self._records.get(key)
-                offset = self._allocate(key, nbytes, old) if nbytes else 0
-                self._writes.add(key)
-            crc = 0
-            try:
-                with open(file, "rb") as f:
-                    for pos in range(0, nbytes, chunk):
-                        n = f.readinto(view[: min(chunk, nbytes - pos)].data)
-                        crc = op.crc32c(staging, n, crc)
-                        res = self._engine.wait(self._engine.submit_write(staging, offset + pos, n))
-                        _check_job(self._engine, res, key, offset + pos, self.path, op="write")
-                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-                if entry.get("crc32c") is not None and crc != entry["crc32c"]:
-                    raise ChecksumError(
-                        f"checksum mismatch importing tensor '{key}' from {file}: the checkpoint file is corrupt",
-                        key=key, offset_bytes=offset, expected_crc32c=entry["crc32c"], actual_crc32c=crc,
-                    )
-            except BaseException:
-                with self._lock:
-                    self._writes.discard(key)
-                    if nbytes:
-                        self._alloc.free(Extent(offset, self._alloc.aligned_size(nbytes)))
-                raise
-            rec = ExtentRecord(key=key, offset_bytes=offset, nbytes=nbytes, alloc_bytes=self._alloc.aligned_size(nbytes) if nbytes else 0,
-                               crc32c=crc if self.enable_crc or nbytes == 0 else None, dtype=entry["dtype"], shape=tuple(entry["shape"]))
-            with self._lock:
-                self._writes.discard(key)
-                self._records[key] = rec
-            keys.append(key)
-        return keys
+        return import_files(self, folder, chunk_bytes=chunk_bytes)
 
     # ------------------------------------------------------------------ internals
     def _allocate(self, key: str, nbytes: int, old: ExtentRecord | None) -> int:
@@ -608,7 +569,14 @@ class TensorStore:
     def _write_raw(self, offset: int, data: bytes, what: str) -> None:
         buf = _op.load().aligned_empty(len(data))
         buf.numpy()[:] = memoryview(data)
-        _check_job(self._engine, self._engine.wait(self._engine.submit_write(buf, offset)), what, offset, self.path, op="write")
+        _check_job(
+            self._engine,
+            self._engine.wait(self._engine.submit_write(buf, offset)),
+            what,
+            offset,
+            self.path,
+            op="write",
+        )
 
     def _check_open(self) -> None:
         if self._closed:
@@ -628,10 +596,14 @@ def _crc_bytes(data: bytes) -> int:
 
 def _open_engine(path: Path, queue_depth: int, request_bytes: int, enable_direct: bool):
     try:
-        return _op.load().Engine(str(path), queue_depth=queue_depth, request_bytes=request_bytes, enable_direct=enable_direct)
+        return _op.load().Engine(
+            str(path), queue_depth=queue_depth, request_bytes=request_bytes, enable_direct=enable_direct
+        )
     except OSError as exc:
         if exc.errno == 16:  # EBUSY: the kernel refused the exclusive open
-            raise DeviceRefusedError(f"nvme path {path} is in use (mounted, held by RAID/LVM/dm or opened exclusively)") from exc
+            raise DeviceRefusedError(
+                f"nvme path {path} is in use (mounted, held by RAID/LVM/dm or opened exclusively)"
+            ) from exc
         raise UserError(f"nvme path {path}: {exc.strerror or exc}") from exc
 
 
@@ -643,10 +615,14 @@ def _check_job(engine, result, key: str, offset_bytes: int, path, *, op: str = "
     if result.short_transfer:
         raise StoreIOError(
             f"short {op} of tensor '{key}' at device offset {where} of {path} (extent at {offset_bytes}): end of device reached",
-            key=key, offset_bytes=where, errno=None,
+            key=key,
+            offset_bytes=where,
+            errno=None,
         )
     raise StoreIOError(
         f"{op} of tensor '{key}' failed at device offset {where} of {path} (extent at {offset_bytes}): "
         f"{os.strerror(result.error)} (errno {result.error})",
-        key=key, offset_bytes=where, errno=result.error,
+        key=key,
+        offset_bytes=where,
+        errno=result.error,
     )

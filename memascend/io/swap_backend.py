@@ -22,7 +22,7 @@ import threading
 import torch
 
 from memascend.io.errors import StoreError
-from memascend.io.store import Ticket, TensorStore
+from memascend.io.store import TensorStore, Ticket
 from memascend.ops import nvme_io as _op
 
 
@@ -37,7 +37,9 @@ class StoreSwapHandle:
         queue_depth: reported by :meth:`get_queue_depth`; the store's engine governs the real one.
     """
 
-    def __init__(self, store: TensorStore, *, block_size: int | None = None, queue_depth: int | None = None) -> None:
+    def __init__(
+        self, store: TensorStore, *, block_size: int | None = None, queue_depth: int | None = None
+    ) -> None:
         self.store = store
         self._block_size = block_size or store.engine.request_bytes
         self._queue_depth = queue_depth or store.engine.queue_depth
@@ -152,4 +154,6 @@ class StoreSwapHandle:
     @staticmethod
     def _check_offset(file_offset: int) -> None:
         if file_offset != 0:
-            raise ValueError(f"StoreSwapHandle stores whole tensors: file_offset must be 0, got {file_offset}")
+            raise ValueError(
+                f"StoreSwapHandle stores whole tensors: file_offset must be 0, got {file_offset}"
+            )

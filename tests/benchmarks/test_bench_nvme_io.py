@@ -26,10 +26,19 @@ def workdir(tmp_path_factory):
 def test_engine_moves_bytes_and_keeps_up_with_fio_and_deepspeed(workdir):
     if shutil.which("fio") is None:
         pytest.skip("needs fio (apt install fio)")
-    rows = run(str(workdir / "target.bin"), total_bytes=16 * MiB, block_sizes=[1 * MiB], queue_depths=[8],
-               patterns=["seq", "strided"], deepspeed_folder=workdir / "ds", repeats=2)
+    rows = run(
+        str(workdir / "target.bin"),
+        total_bytes=16 * MiB,
+        block_sizes=[1 * MiB],
+        queue_depths=[8],
+        patterns=["seq", "strided"],
+        deepspeed_folder=workdir / "ds",
+        repeats=2,
+    )
     print("\n" + format_table(rows))
-    assert {(r.pattern, r.op) for r in rows} == {(p, o) for p in ("seq", "strided") for o in ("write", "read")}
+    assert {(r.pattern, r.op) for r in rows} == {
+        (p, o) for p in ("seq", "strided") for o in ("write", "read")
+    }
     for r in rows:
         assert r.engine_mib_s > 0 and r.fio_mib_s > 0
         assert r.ratio_fio > 0.5, f"engine far below fio: {r}"  # loose: 16 MiB on a shared virtual disk
@@ -55,8 +64,15 @@ def test_issue_targets_at_swap_sized_requests(request, workdir, block_mib):
         pytest.skip("long benchmark (256 MiB x 3 tools x repeats): select with -m slow")
     if shutil.which("fio") is None:
         pytest.skip("needs fio (apt install fio)")
-    rows = run(str(workdir / "target.bin"), total_bytes=256 * MiB, block_sizes=[block_mib * MiB], queue_depths=[8, 32],
-               patterns=["seq", "strided"], deepspeed_folder=workdir / "ds", repeats=3)
+    rows = run(
+        str(workdir / "target.bin"),
+        total_bytes=256 * MiB,
+        block_sizes=[block_mib * MiB],
+        queue_depths=[8, 32],
+        patterns=["seq", "strided"],
+        deepspeed_folder=workdir / "ds",
+        repeats=3,
+    )
     print("\n" + format_table(rows))
     for r in rows:
         assert r.ratio_fio >= 0.95, r

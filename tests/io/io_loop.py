@@ -21,7 +21,9 @@ def loop_device(backing: Path, size_bytes: int) -> Iterator[Path]:
         pytest.skip("needs losetup (util-linux)")
     with open(backing, "wb") as f:
         os.posix_fallocate(f.fileno(), 0, size_bytes)
-    proc = subprocess.run(["losetup", "-f", "--show", "--direct-io=on", str(backing)], capture_output=True, text=True)
+    proc = subprocess.run(
+        ["losetup", "-f", "--show", "--direct-io=on", str(backing)], capture_output=True, text=True
+    )
     if proc.returncode != 0:
         pytest.skip(f"losetup failed: {proc.stderr.strip()}")
     dev = Path(proc.stdout.strip())

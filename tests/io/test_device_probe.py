@@ -94,7 +94,9 @@ def test_in_use_reason_reads_mountinfo_and_holders(tmp_path):
         pytest.skip("no block device node to stat")
     st = os.stat(dev)
     devno = f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
-    (proc / "self" / "mountinfo").write_text(f"36 25 {devno} / /mnt/data rw,relatime shared:1 - ext4 /dev/other rw\n")
+    (proc / "self" / "mountinfo").write_text(
+        f"36 25 {devno} / /mnt/data rw,relatime shared:1 - ext4 /dev/other rw\n"
+    )
     assert device.in_use_reason(dev, proc_root=proc, sys_root=sys_root) == "mounted on /mnt/data"
     (proc / "self" / "mountinfo").write_text("")
     holders = sys_root / "dev" / "block" / devno / "holders"

@@ -26,8 +26,16 @@ def crc(data: bytes) -> int:
     tlen=st.integers(0, 4096),
 )
 def test_header_round_trip(align, slot, gen, active, tlen):
-    h = StoreHeader(owner_uuid=uuid.uuid4(), device_bytes=1 << 30, align_bytes=align, table_slot_bytes=slot * align,
-                    generation=gen, active_slot=active, table_length=tlen, table_crc32c=12345)
+    h = StoreHeader(
+        owner_uuid=uuid.uuid4(),
+        device_bytes=1 << 30,
+        align_bytes=align,
+        table_slot_bytes=slot * align,
+        generation=gen,
+        active_slot=active,
+        table_length=tlen,
+        table_crc32c=12345,
+    )
     block = h.pack(crc)
     assert len(block) == align and block[:8] == STORE_MAGIC
     assert StoreHeader.unpack(block, crc) == h
@@ -45,7 +53,10 @@ def test_damaged_header_is_refused():
 
 
 def test_table_round_trip_and_damage():
-    table = {f"layer{i}.weight": {"o": i * 4096, "n": 100, "a": 4096, "c": i, "d": "torch.bfloat16", "s": [10, 5]} for i in range(300)}
+    table = {
+        f"layer{i}.weight": {"o": i * 4096, "n": 100, "a": 4096, "c": i, "d": "torch.bfloat16", "s": [10, 5]}
+        for i in range(300)
+    }
     data = encode_table(table)
     assert decode_table(data) == table
     assert len(data) < 300 * 40  # compressed

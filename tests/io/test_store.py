@@ -17,7 +17,17 @@ from memascend.io.store import TensorStore
 from memascend.ops import nvme_io
 
 MiB = 1 << 20
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.int32, torch.int64, torch.uint8, torch.bool]
+DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int8,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+]
 
 
 def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -27,14 +37,21 @@ def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torc
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=g).bool()
     info = torch.iinfo(dtype)
-    return torch.randint(max(info.min, -(2**31)), min(info.max, 2**31 - 1), shape, generator=g, dtype=torch.int64).to(dtype)
+    return torch.randint(
+        max(info.min, -(2**31)), min(info.max, 2**31 - 1), shape, generator=g, dtype=torch.int64
+    ).to(dtype)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     items=st.lists(
-        st.tuples(st.sampled_from(DTYPES), st.lists(st.integers(0, 50), min_size=0, max_size=3), st.integers(0, 2**31)),
-        min_size=1, max_size=12,
+        st.tuples(
+            st.sampled_from(DTYPES),
+            st.lists(st.integers(0, 50), min_size=0, max_size=3),
+            st.integers(0, 2**31),
+        ),
+        min_size=1,
+        max_size=12,
     ),
     aligned=st.booleans(),
     enable_crc=st.booleans(),
@@ -42,7 +59,9 @@ def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torc
 def test_round_trip_random_tensors(tmp_path_factory, items, aligned, enable_crc):
     path = tmp_path_factory.mktemp("store") / "s.bin"
     tensors = {f"t{i}": random_tensor(d, tuple(s), seed) for i, (d, s, seed) in enumerate(items)}
-    with TensorStore.create(path, size_bytes=32 * MiB, queue_depth=4, request_bytes=64 << 10, enable_crc=enable_crc) as store:
+    with TensorStore.create(
+        path, size_bytes=32 * MiB, queue_depth=4, request_bytes=64 << 10, enable_crc=enable_crc
+    ) as store:
         for k, t in tensors.items():
             if aligned and t.nbytes:  # pinned-arena-like memory: transferred in place
                 buf = nvme_io.load().aligned_empty(t.nbytes).view(t.dtype).view(t.shape)
@@ -62,11 +81,19 @@ def test_round_trip_random_tensors(tmp_path_factory, items, aligned, enable_crc)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=st.lists(st.tuples(st.sampled_from(["write", "free", "read"]), st.integers(0, 7), st.integers(1, 200_000)), min_size=1, max_size=40))
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["write", "free", "read"]), st.integers(0, 7), st.integers(1, 200_000)),
+        min_size=1,
+        max_size=40,
+    )
+)
 def test_interleaved_write_free_read_against_dict(tmp_path_factory, ops):
     path = tmp_path_factory.mktemp("store") / "s.bin"
     model: dict[str, torch.Tensor] = {}
-    with TensorStore.create(path, size_bytes=2 * MiB, queue_depth=8, request_bytes=32 << 10, table_slot_bytes=64 << 10) as store:
+    with TensorStore.create(
+        path, size_bytes=2 * MiB, queue_depth=8, request_bytes=32 << 10, table_slot_bytes=64 << 10
+    ) as store:
         for i, (op, k, n) in enumerate(ops):
             key = f"k{k}"
             if op == "write":
@@ -154,7 +181,9 @@ def test_corrupted_extent_raises_checksum_error_naming_key_and_offset(store_path
         finally:
             os.close(fd)
         out = torch.empty_like(t)
-        with pytest.raises(ChecksumError, match=rf"tensor 'layer.weight' at device offset {rec.offset_bytes} ") as info:
+        with pytest.raises(
+            ChecksumError, match=rf"tensor 'layer.weight' at device offset {rec.offset_bytes} "
+        ) as info:
             store.read("layer.weight", out)
         assert (info.value.key, info.value.offset_bytes) == ("layer.weight", rec.offset_bytes)
         store.enable_crc = False  # the speed-run flag skips the check
@@ -166,7 +195,9 @@ def test_short_read_raises_io_error_naming_key_and_offset(store_path):
     with TensorStore.create(store_path, size_bytes=8 * MiB) as store:
         rec = store.write("x", torch.randn(300_000))
         os.truncate(store_path, rec.offset_bytes + 8192)
-        with pytest.raises(StoreIOError, match=rf"short read of tensor 'x' at device offset {rec.offset_bytes + 8192}") as info:
+        with pytest.raises(
+            StoreIOError, match=rf"short read of tensor 'x' at device offset {rec.offset_bytes + 8192}"
+        ) as info:
             store.read("x", torch.empty(300_000))
         assert info.value.key == "x" and info.value.errno is None
         store._closed = True  # the truncated file cannot take the table any more
@@ -194,7 +225,11 @@ def test_refuses_foreign_store_and_signatures(store_path, tmp_path):
 
 
 def test_export_import_round_trip_and_corrupt_checkpoint(store_path, tmp_path):
-    tensors = {"p.0": torch.randn(123_457), "p.1": torch.arange(10, dtype=torch.int64).view(2, 5), "empty": torch.empty(0, 3)}
+    tensors = {
+        "p.0": torch.randn(123_457),
+        "p.1": torch.arange(10, dtype=torch.int64).view(2, 5),
+        "empty": torch.empty(0, 3),
+    }
     with TensorStore.create(store_path, size_bytes=8 * MiB) as store:
         for k, t in tensors.items():
             store.write(k, t)

@@ -21,8 +21,13 @@ pytestmark = [pytest.mark.nvme, pytest.mark.root]
 def test_round_trip_full_and_page_cache_on_block_device(tmp_path):
     with loop_device(tmp_path / "disk.img", 24 * MiB) as dev:
         info = device.probe_info(dev)
-        assert info.is_block_device and info.size_bytes == 24 * MiB and info.logical_block_bytes in (512, 4096)
-        tensors = {f"t{i}": torch.randn(100_000 + 4099 * i).to(torch.bfloat16 if i % 2 else torch.float32) for i in range(10)}
+        assert (
+            info.is_block_device and info.size_bytes == 24 * MiB and info.logical_block_bytes in (512, 4096)
+        )
+        tensors = {
+            f"t{i}": torch.randn(100_000 + 4099 * i).to(torch.bfloat16 if i % 2 else torch.float32)
+            for i in range(10)
+        }
         with TensorStore.create(dev, request_bytes=256 << 10, queue_depth=8) as store:
             assert store.engine.is_block_device and store.engine.size_bytes == 24 * MiB
             tickets = [store.submit_write(k, t) for k, t in tensors.items()]

@@ -15,7 +15,12 @@ MiB = 1 << 20
 def test_swap_out_and_in_like_deepspeed(store_path):
     with TensorStore.create(store_path, size_bytes=16 * MiB, request_bytes=256 << 10) as store:
         write_h, read_h = StoreSwapHandle(store), StoreSwapHandle(store)
-        params = {f"/nvme/zero_stage_3/bfloat16params/rank0/{i}_param.tensor.swp": torch.randn(1000 + 37 * i).bfloat16() for i in range(12)}
+        params = {
+            f"/nvme/zero_stage_3/bfloat16params/rank0/{i}_param.tensor.swp": torch.randn(
+                1000 + 37 * i
+            ).bfloat16()
+            for i in range(12)
+        }
         for path, t in params.items():
             assert write_h.async_pwrite(t, path, 0) == 0  # swap_out_tensors asserts this
         assert write_h.wait() == len(params)

@@ -83,7 +83,11 @@ def test_write_read_round_trip(op, tmp_path_factory, nbytes, block, shift, qd, r
         src.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
         r = e.wait(e.submit_write(src, offset, -1, True))
         assert (r.error, r.short_transfer, r.bytes_done, r.has_crc) == (0, False, nbytes, True)
-        assert r.crc32c == crc32c_reference(src.numpy().tobytes()) if nbytes < 10000 else r.crc32c == op.crc32c(src)
+        assert (
+            r.crc32c == crc32c_reference(src.numpy().tobytes())
+            if nbytes < 10000
+            else r.crc32c == op.crc32c(src)
+        )
         out = torch.full((nbytes + 3,), 7, dtype=torch.uint8)[3:]
         r2 = e.wait(e.submit_read(out, offset, -1, True))
         assert r2.error == 0 and r2.bytes_done == nbytes and r2.crc32c == r.crc32c
