@@ -63,11 +63,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def ds_config(dtype: str, nvme: str, sub_group_size: int, param_buffer_count: int) -> dict:
+def ds_config(dtype: str, nvme: str, sub_group_size: int, param_buffer_count: int, clip: float) -> dict:
     """DeepSpeed config of the run: ZeRO-3, params and optimizer on NVMe, tight stock buffers."""
     cfg = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
+        "gradient_clipping": clip,
         "steps_per_print": 10_000,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
         "zero_optimization": {
@@ -94,8 +95,10 @@ def main() -> None:
     parser.add_argument("--sub-group-size", type=int, default=1_000_000_000)
     parser.add_argument("--param-buffer-count", type=int, default=8,
                         help="offload_param.buffer_count (stock needs 8 for this model, fails with 5)")
-    parser.add_argument("--ma-sub-group-numel", type=int, default=None,
-                        help="memascend only: optimizer_sub_group_numel (rewrites sub_group_size)")
+    parser.add_argument("--ma-sub-group-numel", type=lambda v: v if v == "auto" else int(v), default=None,
+                        help="memascend only: optimizer_sub_group_numel (rewrites sub_group_size); "
+                             "default: keep the config's")
+    parser.add_argument("--clip", type=float, default=0.0, help="gradient_clipping (0: off)")
     args = parser.parse_args()
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
@@ -106,19 +109,22 @@ def main() -> None:
     from transformers.integrations import HfDeepSpeedConfig
 
     with PeakSampler() as sampler:
-        cfg = ds_config(args.dtype, args.nvme, args.sub_group_size, args.param_buffer_count)
+        cfg = ds_config(args.dtype, args.nvme, args.sub_group_size, args.param_buffer_count, args.clip)
+        model_cfg = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=2048, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+                                tie_word_embeddings=False)
         applied = None
         if args.engine == "memascend":
             import memascend.integrations.deepspeed as ma_ds
 
-            applied = ma_ds.apply(ma_ds.MemAscendSettings(optimizer_sub_group_numel=args.ma_sub_group_numel))
-            cfg = ma_ds.rewrite_ds_config(cfg, applied)
+            with torch.device("meta"):
+                numels = [p.numel() for p in LlamaForCausalLM(model_cfg).parameters()]
+            cfg, applied = ma_ds.prepare_ds_config(
+                cfg, ma_ds.MemAscendSettings(optimizer_sub_group_numel=args.ma_sub_group_numel), param_numels=numels)
+            ma_ds.apply(applied)
         deepspeed.init_distributed(dist_backend="gloo")
         hf_ds = HfDeepSpeedConfig(cfg)  # noqa: F841 - keeps transformers' zero-3 awareness alive (fp32 route)
         torch.manual_seed(0)
-        model_cfg = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=2048, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
-                                tie_word_embeddings=False)
         with deepspeed.zero.Init(config_dict_or_path=cfg):
             model = LlamaForCausalLM(model_cfg)
         sampler.sample()
@@ -145,10 +151,11 @@ def main() -> None:
             pool = {"param_pool_reserved_bytes": stats.reserved_bytes,
                     "param_pool_classes": {str(k): [c.slots, c.peak_in_use] for k, c in stats.classes.items()},
                     "param_locked_bytes": swapper.locked_bytes(),
-                    "optimizer_buffers": len(opt_mgr.all_buffers),
-                    "optimizer_locked_bytes": opt_mgr.locked_bytes(),
+                    "optimizer_buffers": opt_mgr.peak_buffers_in_use,
+                    "optimizer_locked_bytes": opt_mgr.peak_locked_bytes,
                     "allocator": swapper.locked_allocator.source}
     report = {"engine": args.engine, "dtype": args.dtype, "losses_hex": [x.hex() for x in losses],
+              "sub_group_numels": [int(n) for n in engine.optimizer.fp16_partitioned_groups_flat_numel],
               "losses": losses, "peak_vmlck_kib": sampler.peak_vmlck_kib, "peak_rss_kib": sampler.peak_rss_kib,
               "vmhwm_kib": _status_kib("VmHWM"), "pool": pool, "swap_buffers": breakdown}
     print("EQUAL_LOSS_REPORT " + json.dumps(report), flush=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -23,8 +24,7 @@ WORKER = Path(__file__).with_name("equal_loss_worker.py")
 
 
 def run_worker(tmp_path: Path, engine: str, dtype: str, *extra: str) -> dict:
-    nvme = tmp_path / f"nvme-{engine}-{dtype}-{len(extra)}"
-    nvme.mkdir()
+    nvme = Path(tempfile.mkdtemp(prefix=f"nvme-{engine}-{dtype}-", dir=tmp_path))
     proc = subprocess.run([sys.executable, str(WORKER), "--engine", engine, "--dtype", dtype, "--nvme", str(nvme),
                            "--steps", "3", *extra], capture_output=True, text=True, timeout=900)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("EQUAL_LOSS_REPORT ")]
@@ -65,3 +65,21 @@ def test_losses_bit_identical_and_less_locked_memory(tmp_path, aio_available, dt
     # Smaller optimizer sub-groups cut the 4 largest-sub-group fp32 buffers.
     assert small_groups["pool"]["optimizer_locked_bytes"] < pooled["pool"]["optimizer_locked_bytes"] / 3
     assert small_groups["peak_vmlck_kib"] < baseline["peak_vmlck_kib"] / 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_clipped_losses_bit_identical_with_smaller_sub_groups(tmp_path, aio_available, dtype):
+    """gradient_clipping on: the norm is taken over the stock grouping (one group), not memascend's."""
+    baseline = run_worker(tmp_path, "baseline", dtype, "--clip", "1.0")
+    auto = run_worker(tmp_path, "memascend", dtype, "--clip", "1.0", "--ma-sub-group-numel", "auto")
+    tiny = run_worker(tmp_path, "memascend", dtype, "--clip", "1.0", "--ma-sub-group-numel", str(1 << 18))
+    print(json.dumps({"baseline": baseline, "auto": auto, "tiny": tiny}))
+
+    assert len(baseline["sub_group_numels"]) == 1
+    # "auto" = the largest parameter (the 4096 x 256 embedding / lm_head): several sub-groups.
+    assert max(auto["sub_group_numels"]) < sum(baseline["sub_group_numels"]) / 2
+    assert len(tiny["sub_group_numels"]) > len(auto["sub_group_numels"]) > 1
+    assert auto["losses_hex"] == baseline["losses_hex"]
+    assert tiny["losses_hex"] == baseline["losses_hex"]
+    assert auto["pool"]["optimizer_locked_bytes"] < baseline["swap_buffers"]["optimizer_swap_buffers_bytes"] / 2

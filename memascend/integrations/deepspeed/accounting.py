@@ -23,8 +23,8 @@ def swap_buffer_breakdown(engine: Any) -> dict[str, int]:
         ``buffer_count`` x ``buffer_size`` slab; memascend: the pool's slots);
         ``param_writeback_buffer_bytes``: the fp32->fp16 write-back buffer
         (``reserve_partitioned_swap_space``);
-        ``optimizer_swap_buffers_bytes``: the optimizer swapper's buffers;
-        ``optimizer_swap_buffers``: how many of them. Components absent in this run are 0.
+        ``optimizer_swap_buffers_bytes``: the optimizer swapper's buffers (memascend: at their
+        peak; they are freed between steps); ``optimizer_swap_buffers``: how many of them. Components absent in this run are 0.
     """
     out = {"param_swap_buffers_bytes": 0, "param_writeback_buffer_bytes": 0,
            "optimizer_swap_buffers_bytes": 0, "optimizer_swap_buffers": 0}
@@ -39,8 +39,10 @@ def swap_buffer_breakdown(engine: Any) -> dict[str, int]:
     opt_swapper = getattr(getattr(engine, "optimizer", None), "optimizer_swapper", None)
     manager = getattr(opt_swapper, "swap_buffer_manager", None)
     if manager is not None:
-        out["optimizer_swap_buffers_bytes"] = sum(_nbytes(b) for b in manager.all_buffers)
-        out["optimizer_swap_buffers"] = len(manager.all_buffers)
+        # memascend's on-demand manager frees its buffers between steps: report its peak.
+        out["optimizer_swap_buffers_bytes"] = max(sum(_nbytes(b) for b in manager.all_buffers),
+                                                  int(getattr(manager, "peak_locked_bytes", 0)))
+        out["optimizer_swap_buffers"] = max(len(manager.all_buffers), int(getattr(manager, "peak_buffers_in_use", 0)))
     return out
 
 

@@ -60,6 +60,7 @@ class OnDemandSwapBufferManager(SwapBufferManager):
         self.free_buffer_index: list[int] = []
         self.used_buffer_index: dict[int, int] = {}
         self.peak_buffers_in_use = 0
+        self.peak_locked_bytes = 0
         self.gigabytes = 0.0
 
     def _grow(self, how_many: int) -> None:
@@ -67,6 +68,7 @@ class OnDemandSwapBufferManager(SwapBufferManager):
             # Zeroed like the stock buffers: optimizer state may start from them.
             self.all_buffers.append(self.allocator.allocate(self.num_elems, self.dtype).zero_())
             self.free_buffer_index.append(len(self.all_buffers) - 1)
+        self.peak_locked_bytes = max(self.peak_locked_bytes, self.locked_bytes())
         self.gigabytes = self.locked_bytes() / 1024**3
 
     def allocate(self, num_elems: int, count: int, dtype: torch.dtype) -> list[torch.Tensor]:

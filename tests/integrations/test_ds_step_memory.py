@@ -1,0 +1,168 @@
+"""Stock-grouped gradient norm, page release, freeing optimizer buffers between steps, breakdown."""
+
+from __future__ import annotations
+
+import types
+
+import psutil
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memascend.integrations.deepspeed import grad_norm, host_allocator, step_memory
+from memascend.integrations.deepspeed.accounting import memory_breakdown, step_transient_bytes
+from memascend.integrations.deepspeed.optimizer_swapper import OnDemandSwapBufferManager
+
+
+class _P:
+    def __init__(self, numel: int, pg: object = None) -> None:
+        self.n = numel
+        self.pg = pg
+
+    def partition_numel(self) -> int:
+        return self.n
+
+
+@settings(max_examples=200, deadline=None)
+@given(numels=st.lists(st.integers(1, 50), min_size=1, max_size=30),
+       size=st.one_of(st.none(), st.integers(1, 2000)))
+def test_stock_sub_groups_match_deepspeed(numels, size):
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    params = [_P(n) for n in numels]
+    fake = types.SimpleNamespace(sub_group_size=size)
+    expected = DeepSpeedZeroOptimizer_Stage3._create_fp16_sub_groups(fake, params)
+    assert grad_norm.stock_sub_groups(params, size, lambda p: p.n) == expected
+
+
+class _FakeStage3:
+    """Enough of a stage-3 optimizer for _get_norm_groups: sub-groups and the per-group norm."""
+
+    offload_optimizer = True
+    use_muon = False
+
+    def __init__(self, groups: list[list[_P]], group_ids: list[int]) -> None:
+        self.fp16_groups = groups
+        self.sub_group_to_group_id = dict(enumerate(group_ids))
+        self.calls: list[list[int]] = []
+
+    def _get_param_partition_group(self, p: _P) -> object:
+        return p.pg
+
+    def complete_grad_norm_calculation_for_cpu_offload(self, params: list[_P]) -> torch.Tensor:
+        self.calls.append([p.n for p in params])
+        return torch.tensor(float(sum(p.n for p in params)))
+
+
+def test_norm_groups_follow_the_stock_grouping_per_param_group():
+    a = [_P(n) for n in (5, 1, 1, 5)]
+    b = [_P(n) for n in (3, 3)]
+    opt = _FakeStage3([a[:1], a[1:3], a[3:], b[:1], b[1:]], [0, 0, 0, 1, 1])
+    original_called = []
+    patched = grad_norm.make_get_norm_groups(lambda self: original_called.append(1) or [], 10**9)
+    norms = patched(opt)
+    assert opt.calls == [[5, 1, 1, 5], [3, 3]] and [float(n) for n in norms] == [12.0, 6.0]
+    assert not original_called
+    # With a stock size of 6 the first param group splits after 5+1 (>= 6), as DeepSpeed would.
+    opt.calls.clear()
+    grad_norm.make_get_norm_groups(lambda self: [], 6)(opt)
+    assert opt.calls == [[5, 1], [1, 5], [3, 3]]
+
+
+def test_norm_groups_fall_back_to_stock_when_not_applicable():
+    mixed = [_P(1, pg="a"), _P(1, pg="b")]
+    opt = _FakeStage3([mixed[:1], mixed[1:]], [0, 0])
+    sentinel = [torch.tensor(1.0)]
+    patched = grad_norm.make_get_norm_groups(lambda self: sentinel, 10**9)
+    assert patched(opt) is sentinel  # would mix partition groups
+    opt = _FakeStage3([[_P(1)]], [0])
+    opt.offload_optimizer = False
+    assert patched(opt) is sentinel
+
+
+def test_release_pages_drops_rss_and_reads_zero_inside():
+    proc = psutil.Process()
+    t = torch.full((64 << 20,), 7, dtype=torch.uint8)  # 64 MiB, touched
+    before = proc.memory_info().rss
+    released = host_allocator.release_pages(t)
+    assert released > 60 << 20
+    assert proc.memory_info().rss < before - (48 << 20)
+    start = -(-t.data_ptr() // 4096) * 4096 - t.data_ptr()
+    assert int(t[start:start + released].sum()) == 0
+    assert int(t[:start].sum()) == 7 * start  # partial head page kept
+    assert host_allocator.release_pages(torch.ones(10)) == 0  # under two pages: left alone
+
+
+def test_grad_buffer_release_only_for_offloaded_non_fp16():
+    buf = torch.ones(4 << 20)
+    opt = types.SimpleNamespace(offload_optimizer=True, dtype=torch.bfloat16, grad_partitions_flat_buffer=buf)
+    assert step_memory.release_grad_buffer_pages(opt) > 0
+    buf2 = torch.ones(4 << 20)
+    assert step_memory.release_grad_buffer_pages(
+        types.SimpleNamespace(offload_optimizer=True, dtype=torch.float16, grad_partitions_flat_buffer=buf2)) == 0
+    assert step_memory.release_grad_buffer_pages(
+        types.SimpleNamespace(offload_optimizer=False, dtype=torch.bfloat16, grad_partitions_flat_buffer=buf2)) == 0
+    assert bool((buf2 == 1).all())
+
+
+class _Handle:
+    def __init__(self) -> None:
+        self.live = 0
+
+    def new_cpu_locked_tensor(self, numel, like):
+        self.live += 1
+        return torch.empty(numel, dtype=like.dtype)
+
+    def free_cpu_locked_tensor(self, tensor):
+        self.live -= 1
+
+    def is_pinned(self, tensor):
+        return True
+
+
+def test_optimizer_buffers_are_freed_between_steps_and_peak_is_kept():
+    handle = _Handle()
+    manager = OnDemandSwapBufferManager(1024, 4, torch.float32, handle)
+    bufs = manager.allocate(1000, 4, torch.float32)
+    assert manager.release_free_buffers() == 0  # in use: nothing freed
+    manager.free(bufs)
+    assert manager.release_free_buffers() == 4 * 1024 * 4
+    assert handle.live == 0 and manager.all_buffers == [] and manager.locked_bytes() == 0
+    assert manager.peak_locked_bytes == 4 * 1024 * 4 and manager.peak_buffers_in_use == 4
+    again = manager.allocate(1024, 2, torch.float32)  # next step locks new ones
+    assert len(again) == 2 and handle.live == 2 and bool((again[0] == 0).all())
+
+
+def test_post_step_hook_runs_stock_then_releases():
+    order = []
+    settings_ = step_memory.MemAscendSettings()
+    manager = types.SimpleNamespace(release_free_buffers=lambda: order.append("buffers") or 0)
+    opt = types.SimpleNamespace(offload_optimizer=True, dtype=torch.bfloat16, grad_partitions_flat_buffer=None,
+                                optimizer_swapper=types.SimpleNamespace(swap_buffer_manager=manager))
+    hook = step_memory.make_post_step(lambda self, names: order.append("stock") or "ok", settings_)
+    assert hook(opt, set()) == "ok" and order == ["stock", "buffers"]
+
+
+def test_step_transient_and_breakdown_keys():
+    S = types.SimpleNamespace
+    samples = [S(phase="load", rss_bytes=100), S(phase="forward", rss_bytes=200), S(phase="forward", rss_bytes=260),
+               S(phase="backward", rss_bytes=300), S(phase="step", rss_bytes=900), S(phase="forward", rss_bytes=250),
+               S(phase="backward", rss_bytes=420)]
+    assert step_transient_bytes(samples) == 170
+    engine = S(module=None, optimizer=S(grad_partitions_flat_buffer=torch.empty(10, dtype=torch.bfloat16),
+                                        ipg_buckets={}, param_groups_fp16_flat_cpu_memory=[torch.empty(1)]))
+    out = memory_breakdown(engine, {"peak_rss_bytes": 1000, "peak_locked_bytes": 5,
+                                    "phase_peak_rss_bytes": {"load": 100}}, samples)
+    assert out["gradient_buffers"]["grad_partitions_flat_bytes"] == 20
+    assert out["param_dram_copy_bytes"] == 0  # the 1-element placeholder stock uses when params are on NVMe
+    assert out["unattributed_bytes"] == 1000 - 100 - 20 - 170
+    if out["malloc"] is not None:
+        assert out["malloc"]["heap_bytes"] >= out["malloc"]["free_held_bytes"] >= 0
+
+
+@pytest.mark.skipif(host_allocator.malloc_stats() is None, reason="needs glibc >= 2.33 (mallinfo2)")
+def test_malloc_policy_and_trim_run():
+    assert host_allocator.set_malloc_policy() is True
+    host_allocator.trim()
+    assert host_allocator.malloc_stats()["heap_bytes"] > 0
