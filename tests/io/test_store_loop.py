@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import tempfile
@@ -11,7 +12,7 @@ import torch
 from io_loop import loop_device
 
 from memascend.io import device
-from memascend.io.errors import ChecksumError, DeviceRefusedError, StoreFullError
+from memascend.io.errors import ChecksumError, DeviceRefusedError, StoreFullError, StoreIOError
 from memascend.io.store import TensorStore
 
 MiB = 1 << 20
@@ -81,3 +82,28 @@ def test_backing_file_of_a_loop_device_is_refused(tmp_path):
         assert device.in_use_reason(backing) == f"the backing file of {dev}"
         with pytest.raises(DeviceRefusedError, match="backing file"):
             TensorStore.create(backing, allow_overwrite=True)
+
+
+def test_eio_names_key_and_offset(tmp_path):
+    """A device-mapper device whose second half is an ``error`` target: EIO from the kernel."""
+    if shutil.which("dmsetup") is None or not os.path.exists("/dev/mapper/control"):
+        pytest.skip("needs device-mapper (dmsetup and /dev/mapper/control)")
+    with loop_device(tmp_path / "disk.img", 16 * MiB) as dev:
+        half = 8 * MiB // 512
+        table = f"0 {half} linear {dev} 0\n{half} {half} error\n"
+        name = f"memascend_test_{os.getpid()}"
+        made = subprocess.run(["dmsetup", "create", name], input=table, capture_output=True, text=True)
+        if made.returncode != 0:
+            pytest.skip(f"dmsetup create failed: {made.stderr.strip()}")
+        try:
+            store = TensorStore.create(f"/dev/mapper/{name}", table_slot_bytes=64 << 10)
+            store.write("head", torch.zeros(7 * MiB, dtype=torch.uint8))  # the tail extent then crosses 8 MiB
+            with pytest.raises(
+                StoreIOError, match=r"write of tensor 'tail' failed at device offset \d+ .*errno 5"
+            ) as info:
+                store.write("tail", torch.ones(2 * MiB, dtype=torch.uint8))
+            assert info.value.key == "tail" and info.value.errno == 5 and info.value.offset_bytes >= 8 * MiB
+            assert "tail" not in store  # a failed write drops the key
+            store.close()
+        finally:
+            subprocess.run(["dmsetup", "remove", name], check=False)
