@@ -55,13 +55,26 @@ DS_OPTIMIZER_BUFFER_COUNT = 4
 DS_SUB_GROUP_NUMEL = 1_000_000_000
 
 # --- calibrated on this project's CPU host (report.json of real runs; see module docstring) -------
-FRAMEWORK_RSS_BYTES = int(1.70 * GIB)
+FRAMEWORK_RSS_BYTES = int(0.71 * GIB)
 """RSS of a rank that is not any of the components below: interpreter, torch/DeepSpeed/transformers
 code and their allocator caches, loaded ops, tokenizer, token blocks, gloo, NVMe aio handles."""
 ACTIVATION_OVERHEAD = 0.5
 """Measured share of the activation estimate (SDPA attention keeps no ``a*s*s`` scores; bf16 CPU
 kernels free most intermediates early): backward-phase RSS above the resident set was 0.36-0.37
 GiB for SmolLM2 at 2 x 128 and 2 x 256 tokens."""
+MEMASCEND_FRAMEWORK_RSS_BYTES = int(0.57 * GIB)
+"""The same under memascend's malloc policy (fixed mmap/trim thresholds, ``malloc_trim`` per step)."""
+CORPUS_BYTES_PER_TOKEN = 130
+"""Per rank, resident bytes per corpus token after reading and tokenizing (documents, Python token
+lists, blocks): measured as the load-phase RSS of chitchat (3.80M tokens) over Shakespeare (1.70M)."""
+BUILTIN_CORPUS_TOKENS = {"shakespeare": 1_702_472, "chitchat": 3_802_092}
+"""Tokens of the built-in corpora with the SmolLM2 tokenizer (report.json ``data.tokens``)."""
+PRETRAINED_LOAD_BYTES_PER_PARAM = 6.0
+"""Per rank, loading pretrained weights (every rank reads the whole checkpoint: fp32 tensors, then
+16-bit copies partitioned by ``zero.Init``) leaves this many bytes per parameter resident in
+glibc's heap (measured: SmolLM2-135M vs a from-scratch model)."""
+MEMASCEND_PRETRAINED_LOAD_BYTES_PER_PARAM = 3.0
+"""The same under memascend's malloc policy (part of it is trimmed)."""
 STOCK_STEP_TEMP_BYTES_PER_PARAM = 4
 """Extra step-phase bytes per partition element of stock DeepSpeed over memascend (calibrated)."""
 OPTIMIZER_BUFFERS_IN_USE = 4
@@ -110,9 +123,13 @@ class EnginePlan:
         """Resident bytes plus the larger of the backward and the step transients."""
         return self.phase_bytes("resident") + max(self.phase_bytes("backward"), self.phase_bytes("step"))
 
+    def _locked(self, phase: str) -> int:
+        return sum(c.bytes for c in self.components if c.locked and c.phase == phase)
+
     @property
     def peak_locked_bytes(self) -> int:
-        return sum(c.bytes for c in self.components if c.locked)
+        """Resident locked bytes plus the larger locked transient phase."""
+        return self._locked("resident") + max(self._locked("backward"), self._locked("step"))
 
     def biggest(self, n: int = 3) -> tuple[Component, ...]:
         return tuple(sorted(self.components, key=lambda c: -c.bytes)[:n])
@@ -188,13 +205,34 @@ def activation_bytes(dims: ModelDims, micro_batch: int, seq_len: int, dtype_byte
     return int((layers + logits) * ACTIVATION_OVERHEAD)
 
 
+def corpus_tokens(source: str) -> int:
+    """Tokens of ``--data``: known for the built-in corpora, else file bytes / 4 (a typical BPE rate)."""
+    if source in BUILTIN_CORPUS_TOKENS:
+        return BUILTIN_CORPUS_TOKENS[source]
+    from pathlib import Path
+
+    path = Path(source)
+    files = [path] if path.is_file() else (list(path.rglob("*")) if path.is_dir() else [])
+    return sum(f.stat().st_size for f in files if f.is_file()) // 4
+
+
 def _sub_group_numel(ds_cfg: dict, partition_numel: int) -> int:
     sub = int(ds_cfg.get("zero_optimization", {}).get("sub_group_size", DS_SUB_GROUP_NUMEL))
     return min(partition_numel, sub)
 
 
-def plan_engine(engine: str, cfg: RunConfig, dims: ModelDims, ds_cfg: dict, world_size: int) -> EnginePlan:
-    """Predict one engine's host memory for ``cfg`` (components summed over ``world_size`` ranks)."""
+def plan_engine(engine: str, cfg: RunConfig, dims: ModelDims, ds_cfg: dict, world_size: int,
+                settings=None) -> EnginePlan:
+    """Predict one engine's host memory for ``cfg`` (components summed over ``world_size`` ranks).
+
+    Args:
+        engine: ``baseline`` or ``memascend``.
+        ds_cfg: the DeepSpeed config that engine runs with (for memascend: after
+            ``memascend.integrations.deepspeed.prepare_ds_config``).
+        settings: memascend's resolved ``MemAscendSettings`` (``None`` for the baseline).
+    """
+    ma = engine == "memascend" and settings is not None
+    release_grads = ma and settings.enable_grad_buffer_release and cfg.train.dtype != "fp16"
     e = _DTYPE_BYTES[cfg.train.dtype]
     w = world_size
     z = ds_cfg.get("zero_optimization", {})
@@ -207,11 +245,18 @@ def plan_engine(engine: str, cfg: RunConfig, dims: ModelDims, ds_cfg: dict, worl
         if per_rank_bytes > 0:
             comps.append(Component(name, int(per_rank_bytes * w), locked, source, phase))
 
-    add("framework baseline (interpreter, torch, DeepSpeed, ops, data)", FRAMEWORK_RSS_BYTES, False,
-        "calibrated constant")
+    trimmed = ma and settings.enable_malloc_policy
+    add("framework baseline (interpreter, torch, DeepSpeed, ops, data)",
+        MEMASCEND_FRAMEWORK_RSS_BYTES if trimmed else FRAMEWORK_RSS_BYTES, False, "calibrated constant")
+    add("corpus and token blocks", corpus_tokens(cfg.data.source) * CORPUS_BYTES_PER_TOKEN, False,
+        "memascend.data readers (calibrated)")
+    if not cfg.model.from_scratch:
+        per = MEMASCEND_PRETRAINED_LOAD_BYTES_PER_PARAM if trimmed else PRETRAINED_LOAD_BYTES_PER_PARAM
+        add("pretrained-weight loading left in the heap", dims.total_numel * per, False,
+            "from_pretrained under zero.Init (calibrated)")
     if op.get("device") == "nvme":
         max_in_cpu = int(op.get("max_in_cpu", DS_MAX_IN_CPU_NUMEL))
-        if engine == "baseline":
+        if not (ma and settings.enable_param_pool):
             count = int(op.get("buffer_count", DS_PARAM_BUFFER_COUNT))
             size = int(op.get("buffer_size", DS_PARAM_BUFFER_SIZE_NUMEL))
             add(f"param swap slab ({count} x {size:,} elements)", count * _aligned(size, e) * e, True,
@@ -224,23 +269,29 @@ def plan_engine(engine: str, cfg: RunConfig, dims: ModelDims, ds_cfg: dict, worl
         in_cpu = min(part, max_in_cpu)
         add("fp16 flat param memory (max_in_cpu)", in_cpu * e, False, "_create_param_groups_fp16_flat_cpu_memory")
         if part > max_in_cpu:
-            wb_numel = min(dims.total_numel, sub * w) if engine == "baseline" else sub
+            wb_numel = sub if ma and settings.enable_param_pool else min(dims.total_numel, sub * w)
             add("param write-back buffer", _aligned(wb_numel, e) * e, True, "reserve_partitioned_swap_space")
     elif op.get("device") == "cpu":
         add("params in CPU memory", part * e, False, "offload_param device cpu")
-    add("grad_partitions_flat_buffer", part * e, False, "DeepSpeedZeroOptimizer_Stage3 gradient partition")
+    if release_grads:
+        # Pages returned after construction and after each step: resident from backward to step.
+        for phase in ("backward", "step"):
+            add("grad_partitions_flat_buffer", part * e, False, "stage3 gradient partition (released)", phase)
+    else:
+        add("grad_partitions_flat_buffer", part * e, False, "DeepSpeedZeroOptimizer_Stage3 gradient partition")
     if oo.get("device") == "nvme":
         count = int(oo.get("buffer_count", DS_OPTIMIZER_BUFFER_COUNT))
-        if engine == "memascend":
+        if ma and settings.enable_optimizer_pool:
             count = min(count, OPTIMIZER_BUFFERS_IN_USE)
         add(f"optimizer swap buffers ({count} x {sub:,} fp32)", count * _aligned(sub, _FP32) * _FP32, True,
-            "OptimizerSwapper SwapBufferManager")
+            "OptimizerSwapper SwapBufferManager",
+            "step" if ma and settings.enable_optimizer_pool else "resident")
         add("optimizer step fp32 gradient", sub * _FP32, False, "stage3 fp32 grad of the swapped-in sub-group",
             "step")
     elif oo.get("device") == "cpu":
         add("optimizer state in CPU memory (fp32 master, 2 moments, grad)", part * 4 * _FP32, False,
             "offload_optimizer device cpu")
-    if engine == "baseline":
+    if not (ma and settings.enable_fused_overflow_check):
         # Measured: the stock step phase peaks ~4 bytes/param of the partition above memascend's,
         # whose only step-phase change is the fused, allocation-free overflow/inf-nan check.
         add("overflow-check temporaries", part * STOCK_STEP_TEMP_BYTES_PER_PARAM, False,
@@ -255,8 +306,13 @@ def plan_engine(engine: str, cfg: RunConfig, dims: ModelDims, ds_cfg: dict, worl
     return EnginePlan(engine, tuple(sorted(comps, key=lambda c: -c.bytes)), nvme)
 
 
-def plan_run(cfg: RunConfig, world_size: int = 1, dims: ModelDims | None = None) -> dict[str, EnginePlan]:
+def plan_run(cfg: RunConfig, world_size: int = 1, dims: ModelDims | None = None,
+             memascend_settings: dict | None = None) -> dict[str, EnginePlan]:
     """Predict both engines for ``cfg`` on ``world_size`` ranks of one host.
+
+    Args:
+        memascend_settings: the ``"memascend"`` section to plan memascend with (default: the one of
+            ``cfg.deepspeed_config``, else the defaults).
 
     Returns:
         ``{"baseline": EnginePlan, "memascend": EnginePlan}``.
@@ -271,7 +327,14 @@ def plan_run(cfg: RunConfig, world_size: int = 1, dims: ModelDims | None = None)
 
         user = load_user_ds_config(cfg.deepspeed_config)
     ds_cfg, _ = render_ds_config(cfg, shape, world_size, "/nonexistent-plan-only", user)
-    return {eng: plan_engine(eng, cfg, dims, ds_cfg, world_size) for eng in ("baseline", "memascend")}
+    from memascend.integrations import deepspeed as seam
+
+    section = memascend_settings if memascend_settings is not None else (user or {}).get("memascend", {})
+    settings = seam.MemAscendSettings.from_mapping(section)
+    ma_cfg, settings = seam.prepare_ds_config(ds_cfg, settings, param_numels=dims.param_numels,
+                                              world_size=world_size)
+    return {"baseline": plan_engine("baseline", cfg, dims, ds_cfg, world_size),
+            "memascend": plan_engine("memascend", cfg, dims, ma_cfg, world_size, settings)}
 
 
 def plan_for_report(report: dict) -> EnginePlan:
@@ -282,7 +345,8 @@ def plan_for_report(report: dict) -> EnginePlan:
     from memascend.config import build_run_config
 
     cfg = build_run_config(report["config"], {})
-    return plan_run(cfg, world_size=int(report["host"]["world_size"]))[report["engine"]]
+    return plan_run(cfg, world_size=int(report["host"]["world_size"]),
+                    memascend_settings=report.get("memascend_settings"))[report["engine"]]
 
 
 def largest_preset_under_cap(cfg: RunConfig, cap_bytes: int, world_size: int = 1) -> dict[str, tuple[str, int] | None]:

@@ -44,7 +44,8 @@ def regress(matrix_name, output_dir, only, update_golden, baselines_dir, profile
     from memascend.bench.output import rich_table, write_outputs
     from memascend.bench.runner import finetune_command, run_matrix
 
-    console = Console(stderr=False)
+    # A log (CI, a file) gets the full table instead of one squeezed to 80 columns.
+    console = Console(width=None if sys.stdout.isatty() else 180)
     matrix = get_matrix(matrix_name)
     configs = matrix.select(only)
     out_root = Path(output_dir)
