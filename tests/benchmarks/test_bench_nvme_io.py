@@ -8,6 +8,7 @@ The full table: ``python -m memascend.bench.io_bench --total-mib 256``.
 
 from __future__ import annotations
 
+import math
 import shutil
 
 import pytest
@@ -16,6 +17,10 @@ from memascend.bench.io_bench import Case, engine_mib_s, format_table, run
 from memascend.io.device import preallocate_file
 
 MiB = 1 << 20
+
+
+def geomean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
 @pytest.fixture()
@@ -41,10 +46,11 @@ def test_engine_moves_bytes_and_keeps_up_with_fio_and_deepspeed(workdir):
     }
     for r in rows:
         assert r.engine_mib_s > 0 and r.fio_mib_s > 0
-        assert r.ratio_fio > 0.5, f"engine far below fio: {r}"  # loose: 16 MiB on a shared virtual disk
-    ds = [r for r in rows if r.deepspeed_mib_s is not None]
+    # Loose floor on the geometric mean: single 16 MiB points swing 2x on this shared virtual disk.
+    assert geomean([r.ratio_fio for r in rows]) > 0.6, rows
+    ds = [r.ratio_deepspeed for r in rows if r.deepspeed_mib_s is not None]
     if ds:
-        assert all(r.ratio_deepspeed > 0.5 for r in ds), ds
+        assert geomean(ds) > 0.6, rows
 
 
 def test_engine_with_crc_costs_little(workdir):
