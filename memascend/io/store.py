@@ -341,8 +341,12 @@ class TensorStore:
             need = self._alloc.aligned_size(nbytes) if nbytes else 0
             if old is not None and old.alloc_bytes == need:
                 offset = old.offset_bytes
-            else:
-                offset = self._allocate(key, nbytes, old) if nbytes else 0
+            elif nbytes:
+                offset = self._allocate(key, nbytes, old)
+            else:  # an empty tensor needs no extent; give back the old one
+                offset = 0
+                if old is not None and old.alloc_bytes:
+                    self._alloc.free(Extent(old.offset_bytes, old.alloc_bytes))
             rec = ExtentRecord(
                 key=key,
                 offset_bytes=offset,

@@ -158,6 +158,17 @@ def test_many_transfers_in_flight_from_threads(store_path):
         assert all(torch.equal(o, tensors["w0"]) for o in outs) and tickets
 
 
+def test_overwrite_reuses_or_replaces_the_extent(store_path):
+    with TensorStore.create(store_path, size_bytes=8 * MiB) as store:
+        first = store.write("k", torch.randn(1000))
+        same = store.write("k", torch.randn(1000))
+        assert same.offset_bytes == first.offset_bytes and store.used_bytes == 4096
+        bigger = store.write("k", torch.randn(5000))
+        assert bigger.alloc_bytes == 20480 and store.used_bytes == 20480
+        store.write("k", torch.empty(0))
+        assert store.used_bytes == 0 and store.read_tensor("k").numel() == 0
+
+
 def test_full_store_raises_clear_error(store_path):
     with TensorStore.create(store_path, size_bytes=8 * MiB) as store:
         free = store.free_bytes
