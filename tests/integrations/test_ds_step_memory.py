@@ -150,13 +150,18 @@ def test_step_transient_and_breakdown_keys():
                S(phase="backward", rss_bytes=300), S(phase="step", rss_bytes=900), S(phase="forward", rss_bytes=250),
                S(phase="backward", rss_bytes=420)]
     assert step_transient_bytes(samples) == 170
-    engine = S(module=None, optimizer=S(grad_partitions_flat_buffer=torch.empty(10, dtype=torch.bfloat16),
-                                        ipg_buckets={}, param_groups_fp16_flat_cpu_memory=[torch.empty(1)]))
-    out = memory_breakdown(engine, {"peak_rss_bytes": 1000, "peak_locked_bytes": 5,
+    grad = torch.zeros(1 << 20, dtype=torch.bfloat16)  # 2 MiB, every page written
+    engine = S(module=None, optimizer=S(grad_partitions_flat_buffer=grad, ipg_buckets={},
+                                        param_groups_fp16_flat_cpu_memory=[torch.empty(1)]))
+    out = memory_breakdown(engine, {"peak_rss_bytes": 10 << 20, "peak_locked_bytes": 5,
                                     "phase_peak_rss_bytes": {"load": 100}}, samples)
-    assert out["gradient_buffers"]["grad_partitions_flat_bytes"] == 20
-    assert out["param_dram_copy_bytes"] == 0  # the 1-element placeholder stock uses when params are on NVMe
-    assert out["unattributed_bytes"] == 1000 - 100 - 20 - 170
+    flat = out["gradient_buffers"]["grad_partitions_flat"]
+    assert flat["allocated_bytes"] == 2 << 20 and flat["resident_at_end_bytes"] >= (2 << 20) - 8192
+    assert out["param_dram_copy"]["allocated_bytes"] == 0  # stock's 1-element placeholder (params on NVMe)
+    assert out["unattributed_bytes"] == (10 << 20) - 100 - flat["resident_at_end_bytes"] - 170
+    host_allocator.release_pages(grad)
+    out = memory_breakdown(engine, {"peak_rss_bytes": 10 << 20, "phase_peak_rss_bytes": {}}, samples)
+    assert out["gradient_buffers"]["grad_partitions_flat"]["resident_at_end_bytes"] <= 8192
     if out["malloc"] is not None:
         assert out["malloc"]["heap_bytes"] >= out["malloc"]["free_held_bytes"] >= 0
 

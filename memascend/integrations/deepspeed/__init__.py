@@ -20,9 +20,10 @@ Three ways in:
 * ``apply(MemAscendSettings(...))`` directly.
 
 Settings that live in DeepSpeed's own config (``optimizer_sub_group_numel`` ->
-``zero_optimization.sub_group_size``) are written by :func:`rewrite_ds_config`; pass its result to
-``deepspeed.initialize``/``zero.Init`` (a user with their own JSON can equally set
-``sub_group_size`` there).
+``zero_optimization.sub_group_size``, ``param_dram_numel`` -> ``offload_param.max_in_cpu``) are
+written by :func:`prepare_ds_config` (which also resolves ``"auto"`` from the model's parameter
+sizes and records the stock grouping for the gradient norm) or :func:`rewrite_ds_config`; pass its
+result to ``deepspeed.initialize``/``zero.Init`` and apply the settings it returns.
 
 What each flag patches (DeepSpeed 0.19.8 names):
 

@@ -72,6 +72,15 @@ def step_transient_bytes(samples: Sequence[Any]) -> int:
     return int(best)
 
 
+def _buffer_bytes(tensors: Any) -> dict[str, int]:
+    from memascend.integrations.deepspeed.host_allocator import resident_bytes
+
+    live = [t for t in tensors if t is not None and t.numel() > 1]
+    resident = [resident_bytes(t) for t in live]
+    return {"allocated_bytes": sum(_nbytes(t) for t in live),
+            "resident_at_end_bytes": sum(r if r is not None else _nbytes(t) for r, t in zip(resident, live))}
+
+
 def memory_breakdown(engine: Any, summary: Mapping[str, Any], samples: Sequence[Any]) -> dict[str, Any]:
     """Per-component host memory of a ZeRO-3 run, the same keys for stock and memascend.
 
@@ -81,36 +90,41 @@ def memory_breakdown(engine: Any, summary: Mapping[str, Any], samples: Sequence[
         samples: ``MemorySampler.samples``.
 
     Returns:
-        Bytes per component: ``locked`` (VmLck peak and the swap buffers of
-        :func:`swap_buffer_breakdown`), ``gradient_buffers`` (stage 3's flat 16-bit gradient
-        partition buffer and the reduce buckets), ``param_dram_copy_bytes`` (16-bit partitions
-        kept in DRAM, ``offload_param.max_in_cpu``), ``runtime_after_load_bytes`` (RSS when the
-        load phase ended: interpreter, libraries, tokenizer, data), ``step_transient_bytes``
-        (:func:`step_transient_bytes`: activations and their gradients), ``malloc`` (glibc arena
-        state at the end of the run: heap held, of it free, i.e. allocator overhead and
-        fragmentation) and ``unattributed_bytes`` (peak RSS minus the attributed parts).
+        ``peak_rss_bytes``; ``locked`` (VmLck peak and the swap buffers of
+        :func:`swap_buffer_breakdown`); DRAM buffers of stage 3, each as ``allocated_bytes`` and
+        ``resident_at_end_bytes`` (``mincore``: pages never written or released cost no RSS):
+        ``gradient_buffers.grad_partitions_flat`` (the flat 16-bit gradient partitions),
+        ``gradient_buffers.reduce_buckets`` and ``param_dram_copy`` (16-bit partitions kept in DRAM,
+        ``offload_param.max_in_cpu``); ``runtime_after_load_bytes`` (RSS when the load phase ended:
+        interpreter, libraries, tokenizer, data); ``step_transient_bytes``
+        (:func:`step_transient_bytes`: activations and their gradients); ``malloc`` (glibc arena
+        state at the end of the run: heap held and, of it, free = allocator overhead and
+        fragmentation); ``unattributed_bytes``: peak RSS minus runtime, swap buffers, resident
+        stage-3 buffers and the step transient. The parts are measured at different moments
+        (peaks, end of run), so that rest is an estimate and may be negative.
     """
     from memascend.integrations.deepspeed.host_allocator import malloc_stats
 
     optimizer = getattr(engine, "optimizer", None)
     swap = swap_buffer_breakdown(engine)
-    grad_flat = _nbytes(getattr(optimizer, "grad_partitions_flat_buffer", None))
-    buckets = sum(_nbytes(getattr(b, "buffer", None)) for b in (getattr(optimizer, "ipg_buckets", {}) or {}).values())
-    param_dram = _tensor_list_bytes(getattr(optimizer, "param_groups_fp16_flat_cpu_memory", None))
+    grad_flat = _buffer_bytes([getattr(optimizer, "grad_partitions_flat_buffer", None)])
+    buckets = _buffer_bytes([getattr(b, "buffer", None)
+                             for b in (getattr(optimizer, "ipg_buckets", {}) or {}).values()])
+    param_dram = _buffer_bytes(getattr(optimizer, "param_groups_fp16_flat_cpu_memory", None) or [])
     phase_rss = summary.get("phase_peak_rss_bytes", {}) or {}
     runtime = int(phase_rss.get("load", 0))
     transient = step_transient_bytes(samples)
     swap_locked = swap["param_swap_buffers_bytes"] + swap["param_writeback_buffer_bytes"] \
         + swap["optimizer_swap_buffers_bytes"]
-    malloc = malloc_stats()
-    attributed = runtime + swap_locked + grad_flat + buckets + param_dram + transient
+    resident = sum(b["resident_at_end_bytes"] for b in (grad_flat, buckets, param_dram))
+    peak = int(summary.get("peak_rss_bytes", 0))
     return {
-        "peak_rss_bytes": int(summary.get("peak_rss_bytes", 0)),
+        "peak_rss_bytes": peak,
         "locked": {"peak_locked_bytes": int(summary.get("peak_locked_bytes", 0)), **swap},
-        "gradient_buffers": {"grad_partitions_flat_bytes": grad_flat, "reduce_bucket_bytes": buckets},
-        "param_dram_copy_bytes": param_dram,
+        "gradient_buffers": {"grad_partitions_flat": grad_flat, "reduce_buckets": buckets},
+        "param_dram_copy": param_dram,
         "runtime_after_load_bytes": runtime,
         "step_transient_bytes": transient,
-        "malloc": malloc,
-        "unattributed_bytes": int(summary.get("peak_rss_bytes", 0)) - attributed,
+        "malloc": malloc_stats(),
+        "unattributed_bytes": peak - runtime - swap_locked - resident - transient,
     }

@@ -143,3 +143,29 @@ def release_pages(tensor: Any) -> int:
     if libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED) != 0:
         return 0
     return last - first
+
+
+def resident_bytes(tensor: Any) -> int | None:
+    """Bytes of a CPU tensor's whole pages that are resident in RAM now (``mincore``).
+
+    A buffer that was allocated but never written (``torch.empty`` of a large size, released
+    pages) occupies address space, not memory; this is what it costs in RSS.
+
+    Returns:
+        Resident bytes, or ``None`` when it cannot be told (not a CPU tensor, no libc).
+    """
+    libc = _libc()
+    if libc is None or tensor is None or tensor.device.type != "cpu":
+        return None
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return 0
+    start = tensor.data_ptr() // _PAGE_BYTES * _PAGE_BYTES
+    end = tensor.data_ptr() + nbytes
+    pages = -(-(end - start) // _PAGE_BYTES)
+    vec = (ctypes.c_ubyte * pages)()
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.mincore.restype = ctypes.c_int
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), vec) != 0:
+        return None
+    return min(nbytes, sum(v & 1 for v in vec) * _PAGE_BYTES)
