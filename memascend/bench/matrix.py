@@ -78,6 +78,7 @@ class BenchConfig:
         activation_checkpointing: recompute activations in backward.
         thresholds: limits of the memascend/baseline ratios.
         seed: same for both engines (data order, from-scratch init).
+        scaling: a point of the peak-memory-vs-parameters fit (same shape as the other points).
     """
 
     name: str
@@ -94,6 +95,7 @@ class BenchConfig:
     activation_checkpointing: bool = False
     thresholds: Thresholds = field(default_factory=Thresholds)
     seed: int = 1234
+    scaling: bool = False
 
     def __post_init__(self) -> None:
         if self.steps < 3:
@@ -180,13 +182,13 @@ def _cpu_full() -> Matrix:
         BenchConfig(name="smollm2-shakespeare-bf16-256x4", thresholds=SMOLLM2_THRESHOLDS),
         BenchConfig(name="smollm2-shakespeare-fp32-256x4", dtype="fp32", thresholds=SMOLLM2_THRESHOLDS),
         BenchConfig(name="smollm2-chitchat-bf16-256x4-r2", data="chitchat", nproc=2, thresholds=SMOLLM2_THRESHOLDS),
-        BenchConfig(name="llama-tiny-bf16-256x4", from_scratch="llama-tiny", thresholds=SMALL_MODEL_THRESHOLDS),
     ]
-    for preset, th in (("llama-0.1b", SMOLLM2_THRESHOLDS), ("llama-0.3b", SMOLLM2_THRESHOLDS),
+    # The scaling series: one shape (1 x 256 tokens, activation checkpointing), model size varies.
+    for preset, th in (("llama-tiny", SMALL_MODEL_THRESHOLDS), ("llama-0.1b", SMOLLM2_THRESHOLDS), ("llama-0.3b", SMOLLM2_THRESHOLDS),
                        ("llama-0.5b", SMOLLM2_THRESHOLDS), ("llama-1b", LLAMA_1B_THRESHOLDS),
                        ("llama-2b", LLAMA_1B_THRESHOLDS), ("llama-3b", LLAMA_1B_THRESHOLDS)):
         configs.append(BenchConfig(name=f"{preset}-bf16-256x1", from_scratch=preset, micro_batch=1, steps=3,
-                                   activation_checkpointing=True, thresholds=th))
+                                   activation_checkpointing=True, thresholds=th, scaling=True))
     for seq in (1024, 4096):
         configs.append(BenchConfig(name=f"llama-0.1b-bf16-{seq}x1", from_scratch="llama-0.1b", seq_len=seq,
                                    micro_batch=1, steps=3, activation_checkpointing=True,

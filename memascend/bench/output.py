@@ -68,7 +68,7 @@ def rich_table(results: list[ConfigResult], title: str):
 
 
 def scaling_fit(results: list[ConfigResult]) -> dict[str, dict] | None:
-    """Peak host RSS against parameter count, fitted per engine (single-rank configs only).
+    """Peak host RSS against parameter count, fitted per engine (the matrix's ``scaling`` configs).
 
     Returns:
         ``{engine: {"bytes_per_param", "intercept_bytes", "points": [[numel, bytes], ...]}}``, or
@@ -76,7 +76,7 @@ def scaling_fit(results: list[ConfigResult]) -> dict[str, dict] | None:
     """
     pts: dict[str, list[tuple[int, int]]] = {"baseline": [], "memascend": []}
     for r in results:
-        if r.config.nproc != 1:
+        if not r.config.scaling:
             continue
         for engine in pts:
             m = getattr(r, engine)
