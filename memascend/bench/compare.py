@@ -54,6 +54,7 @@ class RunMetrics:
         swap_folder_bytes: size of the swap folder after the first step.
         losses: per-step mean loss over ranks.
         param_numel: model parameters.
+        param_dtype: dtype of the parameter partitions DeepSpeed trained (``bfloat16`` ...).
     """
 
     peak_rss_bytes: int
@@ -65,6 +66,7 @@ class RunMetrics:
     swap_folder_bytes: int
     losses: tuple[float, ...]
     param_numel: int
+    param_dtype: str | None = None
 
     @classmethod
     def from_report(cls, report: dict) -> RunMetrics:
@@ -79,6 +81,7 @@ class RunMetrics:
             swap_folder_bytes=int(report.get("nvme", {}).get("swap_folder_bytes") or 0),
             losses=tuple(float(s["loss"]) for s in report["steps"]),
             param_numel=int(report["model"]["param_numel"]),
+            param_dtype=report["model"].get("param_dtype"),
         )
 
 
@@ -108,6 +111,11 @@ def compare_pair(cfg: BenchConfig, base: RunMetrics, mine: RunMetrics) -> list[C
     """The same-run checks of one configuration against its thresholds."""
     th = cfg.thresholds
     out = [check_losses(base.losses, mine.losses, th)]
+    if base.param_dtype and mine.param_dtype:
+        same = base.param_dtype == mine.param_dtype
+        out.append(Check("param_dtype", same, None, None,
+                         f"parameters trained in {mine.param_dtype} (baseline {base.param_dtype})"
+                         + ("" if same else ": the engines must train in the same precision")))
     rss = _ratio(mine.peak_rss_bytes, base.peak_rss_bytes)
     out.append(Check("peak_rss_ratio", rss <= th.max_peak_rss_ratio, rss, th.max_peak_rss_ratio,
                      f"peak RSS {mine.peak_rss_bytes / GIB:.2f} / {base.peak_rss_bytes / GIB:.2f} GiB = {rss:.3f} "

@@ -6,7 +6,7 @@ GIB = 1 << 30
 
 
 def make_report(*, rss_gib: float, locked_gib: float, step_s: float, losses: list[float], ranks: int = 1,
-                param_numel: int = 134_515_008) -> dict:
+                param_numel: int = 134_515_008, param_dtype: str = "bfloat16") -> dict:
     """A report with the fields :class:`memascend.bench.compare.RunMetrics` reads (as runner.py writes them)."""
     steps = [{"step": i + 1, "loss": loss, "time_s": step_s * (3 if i == 0 else 1), "tokens_per_s": 100.0}
              for i, loss in enumerate(losses)]
@@ -16,7 +16,7 @@ def make_report(*, rss_gib: float, locked_gib: float, step_s: float, losses: lis
         "steps": steps,
         "median_step_s": step_s,
         "median_tokens_per_s": 100.0,
-        "model": {"param_numel": param_numel},
+        "model": {"param_numel": param_numel, "param_dtype": param_dtype},
         "memory": {"peak_rss_bytes": per_rank[0]["peak_rss_bytes"], "peak_locked_bytes": per_rank[0]["peak_locked_bytes"],
                    "ranks": per_rank, "sum_rank_peak_rss_bytes": sum(r["peak_rss_bytes"] for r in per_rank),
                    "sum_rank_peak_locked_bytes": sum(r["peak_locked_bytes"] for r in per_rank)},

@@ -41,6 +41,13 @@ def test_one_ulp_loss_difference_fails_bitwise(good_pair):
     assert not res.ok
 
 
+def test_different_training_dtype_fails(good_pair):
+    base, mine = good_pair
+    mine["model"]["param_dtype"] = "float16"
+    res = evaluate(CFG, base, mine, golden=None, tol=TOL)
+    assert _failed(res) == {"param_dtype"}
+
+
 def test_loss_tolerance_when_not_bitwise():
     th = Thresholds(bitwise_losses=False, loss_rtol=1e-6)
     assert check_losses((1.0, 2.0), (1.0, 2.0 * (1 + 5e-7)), th).ok
