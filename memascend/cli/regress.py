@@ -8,8 +8,6 @@ from pathlib import Path
 
 import click
 
-_DEFAULT_BASELINES = Path(__file__).resolve().parents[2] / "baselines"
-
 
 @click.command("regress")
 @click.option("--matrix", "matrix_name", type=click.Choice(["smoke", "cpu-full", "gpu"]), default="smoke",
@@ -19,8 +17,9 @@ _DEFAULT_BASELINES = Path(__file__).resolve().parents[2] / "baselines"
 @click.option("--only", "only", default=None, help="Run only configs whose name matches this shell pattern (several: comma-separated)")
 @click.option("--update-golden", is_flag=True, help="Record this run as the golden result of this hardware profile "
               "(configs not rerun keep theirs); pair checks still decide the exit status")
-@click.option("--baselines", "baselines_dir", default=str(_DEFAULT_BASELINES), show_default=True,
-              help="Folder of golden results, one subfolder per hardware profile")
+@click.option("--baselines", "baselines_dir", default="baselines", show_default=True,
+              help="Folder of golden results, one subfolder per hardware profile (the repository's baselines/ "
+              "when run from its root, as `just regress` does)")
 @click.option("--profile", default=None, help="Hardware profile name [default: detected, e.g. cpu-2c-24g, "
               "or $MEMASCEND_HW_PROFILE]")
 @click.option("--nvme-path", default=None, help="Folder for swap files [default: <output>/swap or $MEMASCEND_NVME_PATH]")
