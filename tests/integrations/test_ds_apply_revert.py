@@ -171,13 +171,12 @@ def test_rewrite_ds_config_sets_sub_group_size_without_mutating_input():
 
 def test_rewrite_ds_config_moves_nvme_params_out_of_dram_only_when_offloaded_to_nvme():
     nvme = {"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/x"}}}
-    out = ma_ds.rewrite_ds_config(nvme, ma_ds.MemAscendSettings())
+    out = ma_ds.rewrite_ds_config(nvme, ma_ds.MemAscendSettings(param_dram_numel=0))
     assert out["zero_optimization"]["offload_param"] == {"device": "nvme", "nvme_path": "/x", "max_in_cpu": 0}
     assert "max_in_cpu" not in nvme["zero_optimization"]["offload_param"]
-    kept = ma_ds.rewrite_ds_config(nvme, ma_ds.MemAscendSettings(param_dram_numel=None))
-    assert kept == nvme
+    assert ma_ds.rewrite_ds_config(nvme, ma_ds.MemAscendSettings()) == nvme  # default: keep the config's
     cpu = {"zero_optimization": {"offload_param": {"device": "cpu"}}}
-    assert ma_ds.rewrite_ds_config(cpu, ma_ds.MemAscendSettings()) == cpu
+    assert ma_ds.rewrite_ds_config(cpu, ma_ds.MemAscendSettings(param_dram_numel=0)) == cpu
 
 
 def test_prepare_ds_config_resolves_auto_sub_group_and_stock_norm_grouping():

@@ -60,7 +60,9 @@ class MemAscendSettings:
         param_dram_numel: ``offload_param.max_in_cpu`` (elements of the 16-bit parameter
             partitions stock ZeRO-3 keeps in a DRAM copy while "offloading" them to NVMe;
             stock default 1e9, i.e. the whole model); ``None`` keeps the config's. With 0 every
-            partition lives on NVMe and is read into the adaptive pool when used.
+            partition lives on NVMe and is read into the adaptive pool when used: on SmolLM2-135M
+            bf16 that cut peak RSS from 2.39 to 2.25 GiB but made a step about 15% slower here
+            (every forward and backward reads the partitions), so it is not the default.
         enable_malloc_policy: fixed glibc mmap/trim thresholds, two arenas and ``malloc_trim``
             after each optimizer step (:mod:`.host_allocator`): freed host memory goes back to
             the OS instead of staying resident.
@@ -77,7 +79,7 @@ class MemAscendSettings:
     param_prefetch_slots: int | None = None
     optimizer_sub_group_numel: int | Literal["auto"] | None = "auto"
     grad_norm_sub_group_numel: int | None = None
-    param_dram_numel: int | None = 0
+    param_dram_numel: int | None = None
     enable_malloc_policy: bool = True
     enable_grad_buffer_release: bool = True
 
