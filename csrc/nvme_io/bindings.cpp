@@ -72,9 +72,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            py::arg("path"), py::arg("queue_depth") = 32, py::arg("request_bytes") = std::size_t{8} << 20,
            py::arg("enable_direct") = true, py::arg("enable_exclusive") = true,
-           "Open `path` (O_RDWR|O_DIRECT, O_EXCL on block devices) with an io_uring of `queue_depth` "
+           "Open `path` (O_RDWR|O_DIRECT; O_EXCL on block devices, flock on files) with an io_uring of `queue_depth` "
            "entries; jobs are split into requests of `request_bytes` (rounded up to align_bytes). "
-           "Raises OSError (EBUSY when a block device is mounted or claimed) or ValueError.")
+           "Raises OSError (EBUSY when a block device is mounted or claimed, or a file is locked by "
+           "another engine) or ValueError.")
       .def(
           "submit_write",
           [](Engine& e, const torch::Tensor& t, uint64_t offset, int64_t nbytes, bool want_crc) {

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <linux/fs.h>
+#include <sys/file.h>
 #include <sys/ioctl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -56,6 +57,16 @@ Engine::Engine(const EngineConfig& config) : config_(config) {
     if (err == EINVAL && config_.enable_direct)
       throw SystemError(err, config_.path + ": the filesystem does not support O_DIRECT (tmpfs?)");
     throw SystemError(err, "cannot open " + config_.path + ": " + errno_text(err));
+  }
+
+  // A regular file has no O_EXCL claim: an advisory lock keeps two stores (two ranks pointed at
+  // one file by mistake) from interleaving their extents.
+  if (!is_block_device_ && config_.enable_exclusive && ::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    ::close(fd_);
+    if (err == EWOULDBLOCK)
+      throw SystemError(EBUSY, config_.path + " is in use (locked by another store)");
+    throw SystemError(err, "flock " + config_.path + ": " + errno_text(err));
   }
 
   if (is_block_device_) {

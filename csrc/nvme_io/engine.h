@@ -44,7 +44,8 @@ struct EngineConfig {
   unsigned queue_depth = 32;             // io_uring entries = requests in flight at most
   std::size_t request_bytes = 8u << 20;  // largest single request; a multiple of align_bytes
   bool enable_direct = true;             // O_DIRECT (bypass the page cache)
-  bool enable_exclusive = true;          // O_EXCL on block devices: EBUSY when mounted/claimed
+  bool enable_exclusive = true;          // O_EXCL on block devices (EBUSY when mounted/claimed),
+                                         // flock(LOCK_EX) on files (EBUSY when another store has it)
 };
 
 // Outcome of one job, returned by Engine::wait.

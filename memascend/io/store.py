@@ -604,9 +604,9 @@ def _open_engine(path: Path, queue_depth: int, request_bytes: int, enable_direct
             str(path), queue_depth=queue_depth, request_bytes=request_bytes, enable_direct=enable_direct
         )
     except OSError as exc:
-        if exc.errno == 16:  # EBUSY: the kernel refused the exclusive open
+        if exc.errno == 16:  # EBUSY: mounted/claimed block device (O_EXCL), or a file another store locks
             raise DeviceRefusedError(
-                f"nvme path {path} is in use (mounted, held by RAID/LVM/dm or opened exclusively)"
+                f"nvme path {exc.strerror}: one store per device or file (one per rank)"
             ) from exc
         raise UserError(f"nvme path {path}: {exc.strerror or exc}") from exc
 

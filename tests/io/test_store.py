@@ -235,6 +235,13 @@ def test_refuses_foreign_store_and_signatures(store_path, tmp_path):
         TensorStore.create(tmp_path / "new.bin")
 
 
+def test_one_store_per_file(store_path):
+    with TensorStore.create(store_path, size_bytes=8 * MiB):
+        with pytest.raises(DeviceRefusedError, match="locked by another store"):
+            TensorStore.open(store_path)
+    TensorStore.open(store_path).close()  # released on close
+
+
 def test_export_import_round_trip_and_corrupt_checkpoint(store_path, tmp_path):
     tensors = {
         "p.0": torch.randn(123_457),
