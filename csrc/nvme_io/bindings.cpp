@@ -61,19 +61,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine",
                                              "io_uring + O_DIRECT engine over one block device or file.")
       .def(py::init([](const std::string& path, unsigned queue_depth, std::size_t request_bytes,
-                       bool enable_direct, bool enable_exclusive) {
+                       bool enable_direct, bool enable_exclusive, const std::string& backend) {
              EngineConfig c;
              c.path = path;
              c.queue_depth = queue_depth;
              c.request_bytes = request_bytes;
              c.enable_direct = enable_direct;
              c.enable_exclusive = enable_exclusive;
+             c.backend = backend;
              return std::make_shared<Engine>(c);
            }),
            py::arg("path"), py::arg("queue_depth") = 32, py::arg("request_bytes") = std::size_t{8} << 20,
-           py::arg("enable_direct") = true, py::arg("enable_exclusive") = true,
+           py::arg("enable_direct") = true, py::arg("enable_exclusive") = true, py::arg("backend") = "auto",
            "Open `path` (O_RDWR|O_DIRECT; O_EXCL on block devices, flock on files) with an io_uring of `queue_depth` "
-           "entries; jobs are split into requests of `request_bytes` (rounded up to align_bytes). "
+           "entries (backend 'auto': io_uring, else libaio); jobs are split into requests of `request_bytes` (rounded up to align_bytes). "
            "Raises OSError (EBUSY when a block device is mounted or claimed, or a file is locked by "
            "another engine) or ValueError.")
       .def(
@@ -105,6 +106,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("queue_depth", &Engine::queue_depth)
       .def_property_readonly("request_bytes", &Engine::request_bytes)
       .def_property_readonly("direct", &Engine::direct)
+      .def_property_readonly("backend", &Engine::backend, "'io_uring' or 'libaio'")
       .def_property_readonly("bounce_bytes_allocated", &Engine::bounce_bytes_allocated);
 
   m.def(

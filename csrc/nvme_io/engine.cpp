@@ -88,16 +88,31 @@ Engine::Engine(const EngineConfig& config) : config_(config) {
   align_bytes_ = std::max<std::size_t>(logical_block_bytes_, 4096);
   config_.request_bytes = round_up(config_.request_bytes, align_bytes_);
 
-  const int rc = io_uring_queue_init(config_.queue_depth, &ring_, 0);
-  if (rc < 0) {
+  if (config_.backend != "auto" && config_.backend != "io_uring" && config_.backend != "libaio") {
     ::close(fd_);
-    throw SystemError(-rc, "io_uring_queue_init(" + std::to_string(config_.queue_depth) +
-                               ") failed: " + errno_text(-rc) + " (is io_uring disabled by sysctl?)");
+    throw std::invalid_argument("backend must be auto, io_uring or libaio, got " + config_.backend);
   }
-  ring_ready_ = true;
+  int uring_rc = -ENOSYS;
+  if (config_.backend != "libaio") uring_rc = io_uring_queue_init(config_.queue_depth, &ring_, 0);
+  if (uring_rc == 0) {
+    ring_ready_ = true;
+  } else if (config_.backend == "io_uring") {
+    ::close(fd_);
+    throw SystemError(-uring_rc, "io_uring_queue_init(" + std::to_string(config_.queue_depth) +
+                                     ") failed: " + errno_text(-uring_rc) +
+                                     " (io_uring disabled by sysctl or seccomp? try backend='libaio')");
+  } else {
+    use_uring_ = false;
+    const int rc = io_setup(static_cast<int>(config_.queue_depth), &aio_ctx_);
+    if (rc < 0) {
+      ::close(fd_);
+      throw SystemError(-rc, "neither io_uring (" + errno_text(-uring_rc) + ") nor libaio io_setup (" +
+                                 errno_text(-rc) + ") is usable");
+    }
+  }
   bounce_.assign(config_.queue_depth, nullptr);
   for (int i = static_cast<int>(config_.queue_depth) - 1; i >= 0; --i) free_bounce_.push_back(i);
-  worker_ = std::thread([this] { worker_loop(); });
+  worker_ = std::thread([this] { use_uring_ ? worker_loop() : worker_loop_aio(); });
 }
 
 Engine::~Engine() {
@@ -169,6 +184,7 @@ std::int64_t Engine::submit(OpKind op, void* buf, std::size_t nbytes, std::uint6
 
 void Engine::issue_pending_locked() {
   unsigned queued = 0;
+  std::vector<Request*> aio_batch;
   while (!pending_.empty() && in_flight_ < config_.queue_depth) {
     Request* r = pending_.front();
     if (r->needs_bounce && r->bounce < 0) {
@@ -183,20 +199,34 @@ void Engine::issue_pending_locked() {
         std::memset(bounce_[slot] + r->user_bytes, 0, r->io_bytes - r->user_bytes);
       }
     }
-    io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
-    if (sqe == nullptr) break;
     unsigned char* mem = (r->bounce >= 0 ? bounce_[r->bounce] : r->user) + r->done_bytes;
-    const unsigned len = static_cast<unsigned>(r->io_bytes - r->done_bytes);
+    const std::size_t len = r->io_bytes - r->done_bytes;
     const std::uint64_t off = r->offset + r->done_bytes;
-    if (r->job->op == OpKind::kWrite) {
-      io_uring_prep_write(sqe, fd_, mem, len, off);
+    if (use_uring_) {
+      io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+      if (sqe == nullptr) break;
+      if (r->job->op == OpKind::kWrite) {
+        io_uring_prep_write(sqe, fd_, mem, static_cast<unsigned>(len), off);
+      } else {
+        io_uring_prep_read(sqe, fd_, mem, static_cast<unsigned>(len), off);
+      }
+      io_uring_sqe_set_data(sqe, r);
     } else {
-      io_uring_prep_read(sqe, fd_, mem, len, off);
+      if (r->job->op == OpKind::kWrite) {
+        io_prep_pwrite(&r->cb, fd_, mem, len, static_cast<long long>(off));
+      } else {
+        io_prep_pread(&r->cb, fd_, mem, len, static_cast<long long>(off));
+      }
+      r->cb.data = r;
+      aio_batch.push_back(r);
     }
-    io_uring_sqe_set_data(sqe, r);
     pending_.pop_front();
     ++in_flight_;
     ++queued;
+  }
+  if (!use_uring_) {
+    submit_aio_locked(aio_batch);
+    return;
   }
   if (queued == 0) return;
   for (;;) {
@@ -287,6 +317,49 @@ void Engine::worker_loop() {
   }
 }
 
+void Engine::submit_aio_locked(std::vector<Request*>& batch) {
+  std::size_t next = 0;
+  while (next < batch.size()) {
+    std::vector<iocb*> cbs;
+    for (std::size_t i = next; i < batch.size(); ++i) cbs.push_back(&batch[i]->cb);
+    const int rc = io_submit(aio_ctx_, static_cast<long>(cbs.size()), cbs.data());
+    if (rc > 0) {
+      next += static_cast<std::size_t>(rc);
+      continue;
+    }
+    if (rc == -EAGAIN || rc == -EINTR || rc == 0) {
+      // The kernel took none now: put the rest back in order; completions will resubmit them.
+      for (std::size_t i = batch.size(); i-- > next;) {
+        pending_.push_front(batch[i]);
+        --in_flight_;
+      }
+      return;
+    }
+    for (std::size_t i = next; i < batch.size(); ++i) complete_locked(batch[i], rc);
+    return;
+  }
+}
+
+void Engine::worker_loop_aio() {
+  std::vector<io_event> events(config_.queue_depth);
+  for (;;) {
+    timespec timeout{0, 100 * 1000 * 1000};  // libaio has no wake-up entry: poll for close()
+    const int n = io_getevents(aio_ctx_, 1, static_cast<long>(events.size()), events.data(), &timeout);
+    bool stop = false;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      for (int i = 0; i < n; ++i) {
+        auto* r = static_cast<Request*>(events[i].data);
+        complete_locked(r, static_cast<int>(static_cast<long>(events[i].res)));
+      }
+      issue_pending_locked();
+      stop = stopping_ && in_flight_ == 0;
+    }
+    cv_.notify_all();
+    if (stop) return;
+  }
+}
+
 JobResult Engine::wait(std::int64_t job_id) {
   std::unique_ptr<Job> job;
   {
@@ -336,16 +409,20 @@ void Engine::close() {
     closed_ = true;
     cv_.wait(lk, [this] { return in_flight_ == 0 && pending_.empty(); });
     stopping_ = true;
-    io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
-    if (sqe != nullptr) {
-      io_uring_prep_nop(sqe);
-      io_uring_sqe_set_data(sqe, nullptr);
-      io_uring_submit(&ring_);
+    if (use_uring_) {
+      io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+      if (sqe != nullptr) {
+        io_uring_prep_nop(sqe);
+        io_uring_sqe_set_data(sqe, nullptr);
+        io_uring_submit(&ring_);
+      }
     }
   }
   if (worker_.joinable()) worker_.join();
   if (ring_ready_) io_uring_queue_exit(&ring_);
   ring_ready_ = false;
+  if (aio_ctx_ != nullptr) io_destroy(aio_ctx_);
+  aio_ctx_ = nullptr;
   if (fd_ >= 0) ::close(fd_);
   fd_ = -1;
   for (auto*& b : bounce_) {

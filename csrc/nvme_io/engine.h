@@ -14,6 +14,7 @@
 // layer (bindings.cpp) passes addresses and keeps tensors alive through the job's keep-alive token.
 #pragma once
 
+#include <libaio.h>
 #include <liburing.h>
 
 #include <condition_variable>
@@ -44,6 +45,7 @@ struct EngineConfig {
   unsigned queue_depth = 32;             // io_uring entries = requests in flight at most
   std::size_t request_bytes = 8u << 20;  // largest single request; a multiple of align_bytes
   bool enable_direct = true;             // O_DIRECT (bypass the page cache)
+  std::string backend = "auto";          // "io_uring", "libaio", or "auto" (io_uring, else libaio)
   bool enable_exclusive = true;          // O_EXCL on block devices (EBUSY when mounted/claimed),
                                          // flock(LOCK_EX) on files (EBUSY when another store has it)
 };
@@ -97,6 +99,8 @@ class Engine {
   unsigned queue_depth() const { return config_.queue_depth; }
   std::size_t request_bytes() const { return config_.request_bytes; }
   bool direct() const { return config_.enable_direct; }
+  // "io_uring" or "libaio": the kernel interface in use.
+  const char* backend() const { return use_uring_ ? "io_uring" : "libaio"; }
   std::size_t bounce_bytes_allocated();
 
  private:
@@ -110,6 +114,7 @@ class Engine {
     std::size_t done_bytes = 0;
     int bounce = -1;         // bounce slot in use, or -1 for in-place
     bool needs_bounce = false;
+    iocb cb{};               // libaio control block (must live until the request completes)
   };
   struct Job {
     std::int64_t id;
@@ -124,6 +129,8 @@ class Engine {
   };
 
   void worker_loop();
+  void worker_loop_aio();
+  void submit_aio_locked(std::vector<Request*>& batch);
   void issue_pending_locked();
   void complete_locked(Request* req, int res);
   void finish_request_locked(Request* req);
@@ -137,6 +144,8 @@ class Engine {
 
   io_uring ring_{};
   bool ring_ready_ = false;
+  bool use_uring_ = true;
+  io_context_t aio_ctx_ = nullptr;
   std::thread worker_;
 
   std::mutex mu_;

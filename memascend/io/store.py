@@ -145,6 +145,7 @@ class TensorStore:
         enable_crc: bool = True,
         enable_direct: bool = True,
         table_slot_bytes: int = DEFAULT_TABLE_SLOT_BYTES,
+        backend: str = "auto",
     ) -> TensorStore:
         """Create an empty store on ``path``, refusing a target that holds anything else.
 
@@ -161,6 +162,7 @@ class TensorStore:
             enable_crc: record a CRC32C per extent on write and check it on read.
             enable_direct: O_DIRECT; turn off only for filesystems without it (tmpfs).
             table_slot_bytes: room for the compressed extent table (two slots are reserved).
+            backend: ``"auto"`` (io_uring, else libaio), ``"io_uring"`` or ``"libaio"``.
 
         Raises:
             DeviceRefusedError: the target is in use or carries data (see above).
@@ -184,7 +186,7 @@ class TensorStore:
             if size_bytes is not None and not _device.probe_info(p).is_block_device:
                 _device.preallocate_file(p, size_bytes)
         info = _device.probe_info(p)
-        engine = _open_engine(p, queue_depth, request_bytes, enable_direct)
+        engine = _open_engine(p, queue_depth, request_bytes, enable_direct, backend)
         try:
             align = engine.align_bytes
             slot = -(-table_slot_bytes // align) * align
@@ -212,6 +214,7 @@ class TensorStore:
         request_bytes: int = DEFAULT_REQUEST_BYTES,
         enable_crc: bool = True,
         enable_direct: bool = True,
+        backend: str = "auto",
     ) -> TensorStore:
         """Open an existing store with the extent table of its last :meth:`flush`.
 
@@ -227,7 +230,7 @@ class TensorStore:
         reason = _device.in_use_reason(p)
         if reason:
             raise DeviceRefusedError(f"nvme path {p} is {reason}")
-        engine = _open_engine(p, queue_depth, request_bytes, enable_direct)
+        engine = _open_engine(p, queue_depth, request_bytes, enable_direct, backend)
         try:
             block = _op.load().aligned_empty(engine.align_bytes)
             _check_job(engine, engine.wait(engine.submit_read(block, 0)), "<store header>", 0, p)
@@ -598,10 +601,16 @@ def _crc_bytes(data: bytes) -> int:
     return _op.load().crc32c_bytes(bytes(data))
 
 
-def _open_engine(path: Path, queue_depth: int, request_bytes: int, enable_direct: bool):
+def _open_engine(
+    path: Path, queue_depth: int, request_bytes: int, enable_direct: bool, backend: str = "auto"
+):
     try:
         return _op.load().Engine(
-            str(path), queue_depth=queue_depth, request_bytes=request_bytes, enable_direct=enable_direct
+            str(path),
+            queue_depth=queue_depth,
+            request_bytes=request_bytes,
+            enable_direct=enable_direct,
+            backend=backend,
         )
     except OSError as exc:
         if exc.errno == 16:  # EBUSY: mounted/claimed block device (O_EXCL), or a file another store locks

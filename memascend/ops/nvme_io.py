@@ -14,7 +14,7 @@ SOURCES = ("nvme_io/engine.cpp", "nvme_io/crc32c.cpp", "nvme_io/bindings.cpp")
 
 
 def load() -> ModuleType:
-    """Import or JIT-build ``memascend_nvme_io`` (links ``-luring``).
+    """Import or JIT-build ``memascend_nvme_io`` (links ``-luring`` and ``-laio``; io_uring is used where the kernel allows it, else libaio).
 
     Returns:
         The extension module: class ``Engine`` (``submit_write``/``submit_read``/``wait``/``done``/
@@ -25,4 +25,4 @@ def load() -> ModuleType:
         memascend.ops.build.OpBuildError: the op can be neither imported nor built (e.g. liburing
             headers missing: ``apt install liburing-dev``).
     """
-    return load_op("nvme_io", SOURCES, extra_ldflags=("-luring",))
+    return load_op("nvme_io", SOURCES, extra_ldflags=("-luring", "-laio"))

@@ -55,13 +55,20 @@ def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torc
     ),
     aligned=st.booleans(),
     enable_crc=st.booleans(),
+    backend=st.sampled_from(["io_uring", "libaio"]),
 )
-def test_round_trip_random_tensors(tmp_path_factory, items, aligned, enable_crc):
+def test_round_trip_random_tensors(tmp_path_factory, items, aligned, enable_crc, backend):
     path = tmp_path_factory.mktemp("store") / "s.bin"
     tensors = {f"t{i}": random_tensor(d, tuple(s), seed) for i, (d, s, seed) in enumerate(items)}
     with TensorStore.create(
-        path, size_bytes=32 * MiB, queue_depth=4, request_bytes=64 << 10, enable_crc=enable_crc
+        path,
+        size_bytes=32 * MiB,
+        queue_depth=4,
+        request_bytes=64 << 10,
+        enable_crc=enable_crc,
+        backend=backend,
     ) as store:
+        assert store.engine.backend == backend
         for k, t in tensors.items():
             if aligned and t.nbytes:  # pinned-arena-like memory: transferred in place
                 buf = nvme_io.load().aligned_empty(t.nbytes).view(t.dtype).view(t.shape)

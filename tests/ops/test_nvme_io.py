@@ -68,12 +68,14 @@ def test_aligned_empty_is_aligned(op):
     shift=st.sampled_from([0, 0, 4, 64, 4096 + 8]),
     qd=st.sampled_from([1, 2, 8, 32]),
     request_bytes=st.sampled_from([4096, 64 << 10, 1 * MiB]),
+    backend=st.sampled_from(["io_uring", "libaio"]),
 )
-def test_write_read_round_trip(op, tmp_path_factory, nbytes, block, shift, qd, request_bytes):
+def test_write_read_round_trip(op, tmp_path_factory, nbytes, block, shift, qd, request_bytes, backend):
     path = tmp_path_factory.mktemp("rt") / "dev.bin"
     with open(path, "wb") as f:
         os.posix_fallocate(f.fileno(), 0, 8 * MiB)
-    e = op.Engine(str(path), queue_depth=qd, request_bytes=request_bytes)
+    e = op.Engine(str(path), queue_depth=qd, request_bytes=request_bytes, backend=backend)
+    assert e.backend == backend
     try:
         offset = block * 4096
         if offset + nbytes > e.size_bytes - 4096:
@@ -101,8 +103,9 @@ def test_write_read_round_trip(op, tmp_path_factory, nbytes, block, shift, qd, r
         e.close()
 
 
-def test_many_jobs_in_flight_from_threads(op, store_file):
-    e = op.Engine(str(store_file), queue_depth=8, request_bytes=64 << 10)
+@pytest.mark.parametrize("backend", ["io_uring", "libaio"])
+def test_many_jobs_in_flight_from_threads(op, store_file, backend):
+    e = op.Engine(str(store_file), queue_depth=8, request_bytes=64 << 10, backend=backend)
     tensors = [torch.randn(50_000 + 997 * i) for i in range(24)]
     slot = 512 << 10
     errors = []
@@ -158,11 +161,12 @@ def test_rejects_misaligned_and_out_of_range(op, store_file):
         e.submit_write(t, 0)
 
 
-def test_short_read_past_end_of_file(op, tmp_path):
+@pytest.mark.parametrize("backend", ["io_uring", "libaio"])
+def test_short_read_past_end_of_file(op, tmp_path, backend):
     path = tmp_path / "dev.bin"
     with open(path, "wb") as f:
         os.posix_fallocate(f.fileno(), 0, 1 * MiB)
-    e = op.Engine(str(path), request_bytes=64 << 10)
+    e = op.Engine(str(path), request_bytes=64 << 10, backend=backend)
     os.truncate(path, 256 << 10)  # the file shrinks under the engine: reads past it return 0 bytes
     r = e.wait(e.submit_read(op.aligned_empty(512 << 10), 0))
     assert r.short_transfer and r.error_offset == 256 << 10 and r.bytes_done == 256 << 10
@@ -174,5 +178,8 @@ def test_open_errors(op, tmp_path):
         op.Engine(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="neither a block device nor a regular file"):
         op.Engine(str(tmp_path))
+    (tmp_path / "f").touch()
+    with pytest.raises(ValueError, match="backend must be"):
+        op.Engine(str(tmp_path / "f"), backend="spdk")
     with pytest.raises(ValueError, match="queue_depth"):
         op.Engine(str(tmp_path / "missing"), queue_depth=0)
