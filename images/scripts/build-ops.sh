@@ -7,6 +7,8 @@ src=${1:?usage: build-ops.sh SRC}
 out=${MEMASCEND_PREBUILT_DIR:?}
 mkdir -p "$out"
 export MEMASCEND_EXT_DIR=/tmp/memascend-ext
+# torch's JIT build runs the `ninja` executable, which pip put into the venv's bin.
+export PATH=/opt/memascend/venv/bin:$PATH
 cd "$src"
 /opt/memascend/venv/bin/python - <<'PY'
 import importlib, pkgutil, os, sys
