@@ -85,11 +85,11 @@ class Row:
         return self.engine_mib_s / self.deepspeed_mib_s if self.deepspeed_mib_s else None
 
 
-def engine_mib_s(target: str, case: Case, *, enable_crc: bool = False) -> float:
+def engine_mib_s(target: str, case: Case, *, enable_crc: bool = False, backend: str = "auto") -> float:
     """Bandwidth of the engine: one job per block at ``case.offsets()``, ``queue_depth`` in flight,
     from ``queue_depth`` 4 KiB-aligned buffers reused round robin (as fio does)."""
     op = nvme_io.load()
-    e = op.Engine(target, queue_depth=case.queue_depth, request_bytes=case.block_bytes)
+    e = op.Engine(target, queue_depth=case.queue_depth, request_bytes=case.block_bytes, backend=backend)
     try:
         bufs = [op.aligned_empty(case.block_bytes) for _ in range(case.queue_depth)]
         for b in bufs:
@@ -193,6 +193,7 @@ def run(
     deepspeed_folder: Path | None,
     repeats: int = 3,
     enable_crc: bool = False,
+    backend: str = "auto",
 ) -> list[Row]:
     """Measure every case on ``target`` (created and preallocated when missing); best of ``repeats``.
 
@@ -222,7 +223,11 @@ def run(
                         case = Case(
                             pattern=pattern, op=op, block_bytes=bs, queue_depth=qd, total_bytes=total_bytes
                         )
-                        measures = {"engine": lambda c=case: engine_mib_s(target, c, enable_crc=enable_crc)}
+                        measures = {
+                            "engine": lambda c=case: engine_mib_s(
+                                target, c, enable_crc=enable_crc, backend=backend
+                            )
+                        }
                         if have_fio:
                             measures["fio"] = lambda c=case: fio_mib_s(target, c)
                         if handle is not None:
@@ -294,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--crc", action="store_true", help="have the engine compute CRC32C per request (the store's default)"
     )
+    p.add_argument(
+        "--backend", default="auto", help="engine backend: auto, io_uring or libaio (default auto)"
+    )
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     a = p.parse_args(argv)
     work = Path(a.workdir or tempfile.mkdtemp(prefix="memascend_io_bench_", dir="/var/tmp"))
@@ -309,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         deepspeed_folder=ds,
         repeats=a.repeats,
         enable_crc=a.crc,
+        backend=a.backend,
     )
     print(format_table(rows))
     if a.json:
