@@ -69,10 +69,17 @@ def finetune_command(cfg: BenchConfig, engine: str, output_dir: Path, nvme_path:
             *cfg.finetune_args(engine=engine, output_dir=str(output_dir), nvme_path=str(nvme_path))]
 
 
-def run_one(cfg: BenchConfig, engine: str, out_root: Path, nvme_path: Path, timeout_s: float) -> RunOutcome:
-    """Run ``cfg`` with ``engine`` in a subprocess; output under ``out_root/<cfg.name>/<engine>``."""
+def run_one(cfg: BenchConfig, engine: str, out_root: Path, nvme_path: Path, timeout_s: float,
+            resume: bool = False) -> RunOutcome:
+    """Run ``cfg`` with ``engine`` in a subprocess; output under ``out_root/<cfg.name>/<engine>``.
+
+    With ``resume``, a ``report.json`` already there (from an earlier, completed run into the same
+    folder) is taken instead of running again.
+    """
     out_dir = out_root / cfg.name / engine
     log_path = out_root / cfg.name / f"{engine}.log"
+    if resume and (out_dir / "report.json").is_file():
+        return RunOutcome(engine, 0, out_dir, log_path, 0.0)
     out_dir.mkdir(parents=True, exist_ok=True)
     stale = out_dir / "report.json"
     stale.unlink(missing_ok=True)  # a report left from an earlier run must not pass for this one
@@ -93,13 +100,13 @@ def run_one(cfg: BenchConfig, engine: str, out_root: Path, nvme_path: Path, time
 
 
 def run_pair(cfg: BenchConfig, out_root: Path, nvme_path: Path, timeout_s: float,
-             on_event: Callable[[str], None] | None = None) -> dict[str, RunOutcome]:
+             on_event: Callable[[str], None] | None = None, resume: bool = False) -> dict[str, RunOutcome]:
     """Baseline then memascend for one configuration."""
     outcomes = {}
     for engine in ENGINES:
         if on_event:
             on_event(f"{cfg.name}: {engine} ...")
-        outcomes[engine] = run_one(cfg, engine, out_root, nvme_path, timeout_s)
+        outcomes[engine] = run_one(cfg, engine, out_root, nvme_path, timeout_s, resume)
         if on_event:
             o = outcomes[engine]
             on_event(f"{cfg.name}: {engine} {'ok' if o.ok else f'FAILED (exit {o.returncode})'} in {o.wall_s:.0f} s")
@@ -107,6 +114,6 @@ def run_pair(cfg: BenchConfig, out_root: Path, nvme_path: Path, timeout_s: float
 
 
 def run_matrix(configs: Iterable[BenchConfig], out_root: Path, nvme_path: Path, timeout_s: float = 3600.0,
-               on_event: Callable[[str], None] | None = None) -> dict[str, dict[str, RunOutcome]]:
+               on_event: Callable[[str], None] | None = None, resume: bool = False) -> dict[str, dict[str, RunOutcome]]:
     """Run every configuration (sequentially) and return ``{config name: {engine: outcome}}``."""
-    return {cfg.name: run_pair(cfg, out_root, nvme_path, timeout_s, on_event) for cfg in configs}
+    return {cfg.name: run_pair(cfg, out_root, nvme_path, timeout_s, on_event, resume) for cfg in configs}

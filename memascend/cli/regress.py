@@ -23,9 +23,12 @@ import click
 @click.option("--profile", default=None, help="Hardware profile name [default: detected, e.g. cpu-2c-24g, "
               "or $MEMASCEND_HW_PROFILE]")
 @click.option("--nvme-path", default=None, help="Folder for swap files [default: <output>/swap or $MEMASCEND_NVME_PATH]")
+@click.option("--resume", is_flag=True, help="Reuse each run's report.json already in --output (an interrupted "
+              "or partial regress into the same folder) and run only what is missing")
 @click.option("--timeout", "timeout_s", type=float, default=3600.0, show_default=True,
               help="Seconds after which one training run counts as failed")
-def regress(matrix_name, output_dir, only, update_golden, baselines_dir, profile, nvme_path, timeout_s) -> None:
+def regress(matrix_name, output_dir, only, update_golden, baselines_dir, profile, nvme_path, resume,
+            timeout_s) -> None:
     """Run every config of a matrix with stock DeepSpeed (baseline) and with memascend, each in its own
     process with the same seed and data, and compare.
 
@@ -56,7 +59,8 @@ def regress(matrix_name, output_dir, only, update_golden, baselines_dir, profile
     console.print(f"memascend regress: matrix [bold]{matrix.name}[/bold] ({len(configs)} configs x 2 engines), "
                   f"profile {prof}, golden {gpath if golden else 'none'}")
     t0 = time.monotonic()
-    outcomes = run_matrix(configs, out_root, swap, timeout_s, on_event=lambda s: console.print(f"  {s}"))
+    outcomes = run_matrix(configs, out_root, swap, timeout_s, on_event=lambda s: console.print(f"  {s}"),
+                          resume=resume)
 
     results, timelines, commands = [], {}, {}
     for cfg in configs:

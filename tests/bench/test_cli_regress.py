@@ -16,7 +16,7 @@ ONLY = "smollm2-shakespeare-r1"
 
 
 def _fake_runs(monkeypatch, reports: dict[str, dict], calls: list):
-    def run_one(cfg, engine, out_root, nvme_path, timeout_s):
+    def run_one(cfg, engine, out_root, nvme_path, timeout_s, resume=False):
         calls.append((cfg.name, engine))
         out = Path(out_root) / cfg.name / engine
         out.mkdir(parents=True, exist_ok=True)
@@ -79,3 +79,17 @@ def test_update_golden_then_worse_than_golden_fails(tmp_path, monkeypatch, good_
 def test_unknown_only_pattern_is_a_user_error(tmp_path):
     res = _invoke(tmp_path.joinpath("x"), "--only", "no-such-config")
     assert res.exit_code == 2
+
+
+def test_resume_reuses_existing_reports(tmp_path, good_pair):
+    from memascend.bench.matrix import get_matrix
+
+    cfg = get_matrix("smoke").configs[0]
+    for engine, rep in zip(("baseline", "memascend"), good_pair, strict=True):
+        d = tmp_path / cfg.name / engine
+        d.mkdir(parents=True)
+        (d / "report.json").write_text(json.dumps(rep))
+    # resume=True must not start a process (the nvme path is not even creatable)
+    out = runner_mod.run_pair(cfg, tmp_path, Path("/proc/no-such"), 1.0, resume=True)
+    assert all(o.ok and o.wall_s == 0.0 for o in out.values())
+    assert out["memascend"].report()["memory"] == good_pair[1]["memory"]
