@@ -13,7 +13,7 @@ from memascend.bench.plan import plan_for_report
 from memascend.cli.main import cli
 
 REPO = Path(__file__).resolve().parents[2]
-RECORDED = sorted(REPO.glob("baselines/*/reports/*.json"))
+RECORDED = sorted(REPO.glob("baselines/**/reports/*.json"))
 TOLERANCE = 0.15
 
 
