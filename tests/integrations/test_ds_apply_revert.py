@@ -39,6 +39,7 @@ def _seam_objects():
         "stage3._get_norm_groups": (S3, "_get_norm_groups"),
         "stage3.__init__": (S3, "__init__"),
         "stage3._post_step": (S3, "_post_step"),
+        "stage3.partition_grads": (S3, "partition_grads"),
     }
 
 
@@ -83,6 +84,13 @@ def test_each_flag_patches_only_its_seams():
                                         grad_norm_sub_group_numel=1 << 20))
     during = _snapshot()
     assert {k for k in before if during[k] is not before[k]} == {"stage3._get_norm_groups"}
+    ma_ds.revert()
+    ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=False, enable_optimizer_pool=False,
+                                        enable_arena_pinning=False, enable_fused_overflow_check=False,
+                                        enable_malloc_policy=True, enable_grad_buffer_release=False))
+    during = _snapshot()
+    assert {k for k in before if during[k] is not before[k]} == {"stage3.__init__", "stage3._post_step",
+                                                                  "stage3.partition_grads"}
 
 
 def test_apply_twice_same_settings_is_noop_other_settings_is_error():
@@ -144,6 +152,7 @@ def test_apply_from_config_reads_the_memascend_section(tmp_path):
     ({"optimizer_sub_group_numel": "big"}, "auto"),
     ({"grad_norm_sub_group_numel": -1}, ">= 0"),
     ({"param_dram_numel": 1.5}, ">= 0"),
+    ({"reduce_bucket_numel": 0}, "auto"),
     ([1, 2], "must be an object"),
 ])
 def test_bad_sections_are_user_errors(section, match):
@@ -185,10 +194,13 @@ def test_prepare_ds_config_resolves_auto_sub_group_and_stock_norm_grouping():
     out, settings = ma_ds.prepare_ds_config(cfg, ma_ds.MemAscendSettings(), param_numels=numels, world_size=2)
     assert settings.optimizer_sub_group_numel == 14_155_776 == out["zero_optimization"]["sub_group_size"]
     assert settings.grad_norm_sub_group_numel == 10**9  # DeepSpeed's default, what stock would group by
+    # The reduce bucket holds one whole (unpartitioned) gradient: the largest parameter.
+    assert settings.reduce_bucket_numel == 28_311_552 == out["zero_optimization"]["reduce_bucket_size"]
     # Optimizer state not on NVMe, or no shapes: the sub-group size stays the config's.
     cpu = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}, "sub_group_size": 7}}
     out, settings = ma_ds.prepare_ds_config(cpu, ma_ds.MemAscendSettings(), param_numels=numels)
-    assert out == cpu and settings.optimizer_sub_group_numel is None and settings.grad_norm_sub_group_numel is None
+    assert out["zero_optimization"]["sub_group_size"] == 7
+    assert settings.optimizer_sub_group_numel is None and settings.grad_norm_sub_group_numel is None
     out, settings = ma_ds.prepare_ds_config(cfg, ma_ds.MemAscendSettings())
     assert "sub_group_size" not in out["zero_optimization"] and settings.grad_norm_sub_group_numel is None
     # An explicit size equal to the config's needs no norm regrouping.

@@ -171,3 +171,11 @@ def test_malloc_policy_and_trim_run():
     assert host_allocator.set_malloc_policy() is True
     host_allocator.trim()
     assert host_allocator.malloc_stats()["heap_bytes"] > 0
+
+
+def test_partition_grads_trims_before_stock(monkeypatch):
+    order = []
+    monkeypatch.setattr(host_allocator, "trim", lambda: order.append("trim") or True)
+    hook = step_memory.make_partition_grads(lambda self, params, grads: order.append(("stock", params, grads)))
+    hook(object(), ["p"], ["g"])
+    assert order == ["trim", ("stock", ["p"], ["g"])]

@@ -41,7 +41,8 @@ What each flag patches (DeepSpeed 0.19.8 names):
 * ``grad_norm_sub_group_numel`` (set): ``DeepSpeedZeroOptimizer_Stage3._get_norm_groups`` computes
   the per-group norms over the stock sub-groups (:mod:`.grad_norm`).
 * ``enable_malloc_policy``, ``enable_grad_buffer_release``, ``enable_optimizer_pool``:
-  glibc ``mallopt`` thresholds when applied (:mod:`.host_allocator`), and
+  glibc ``mallopt`` thresholds when applied (:mod:`.host_allocator`),
+  ``DeepSpeedZeroOptimizer_Stage3.partition_grads`` preceded by ``malloc_trim`` (malloc policy), and
   ``DeepSpeedZeroOptimizer_Stage3.__init__`` / ``._post_step`` followed by handing memory back
   (:mod:`.step_memory`: gradient-buffer pages, unused optimizer swap buffers, ``malloc_trim``).
 * ``optimizer_sub_group_numel`` / ``param_dram_numel`` live in DeepSpeed's own config:
@@ -176,9 +177,13 @@ def _patch_all(settings: MemAscendSettings) -> None:
                         make_get_norm_groups(stage3._get_norm_groups, settings.grad_norm_sub_group_numel))
 
     if settings.enable_malloc_policy:
-        from memascend.integrations.deepspeed import host_allocator
+        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+        from memascend.integrations.deepspeed import host_allocator, step_memory
 
         host_allocator.set_malloc_policy()
+        stage3 = DeepSpeedZeroOptimizer_Stage3
+        _registry.patch(stage3, "partition_grads", step_memory.make_partition_grads(stage3.partition_grads))
 
     if settings.enable_malloc_policy or settings.enable_grad_buffer_release or settings.enable_optimizer_pool:
         from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3

@@ -48,6 +48,8 @@ def prepare_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings,
       state is swapped to NVMe and ``param_numels`` are given (else the config's size is kept);
     * when the sub-group size changes, ``grad_norm_sub_group_numel`` is set to the config's
       original size (so clipping sees the stock norm, :mod:`.grad_norm`), unless already set;
+    * ``reduce_bucket_numel="auto"`` becomes the largest parameter (at most the config's size)
+      when ``param_numels`` are given;
     * :func:`rewrite_ds_config` writes the DeepSpeed-side values.
 
     Args:
@@ -66,9 +68,14 @@ def prepare_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings,
     if sub_group == "auto":
         sub_group = (auto_sub_group_numel(param_numels, world_size)
                      if optimizer_on_nvme and param_numels is not None else None)
+    bucket = settings.reduce_bucket_numel
+    if bucket == "auto":
+        # One whole (unpartitioned) gradient must fit; the stock size is kept if it is smaller.
+        bucket = (min(max([int(n) for n in param_numels] or [1]), int(zero.get("reduce_bucket_size", 500_000_000)))
+                  if param_numels is not None else None)
     norm_sub_group = settings.grad_norm_sub_group_numel
     if norm_sub_group is None and sub_group is not None and sub_group != stock_sub_group:
         norm_sub_group = stock_sub_group
     resolved = dataclasses.replace(settings, optimizer_sub_group_numel=sub_group,
-                                   grad_norm_sub_group_numel=norm_sub_group)
+                                   grad_norm_sub_group_numel=norm_sub_group, reduce_bucket_numel=bucket)
     return rewrite_ds_config(ds_config, resolved), resolved

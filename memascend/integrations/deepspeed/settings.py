@@ -70,6 +70,14 @@ class MemAscendSettings:
             buffer to the OS after construction and after each step (its contents are dead
             there with the optimizer offloaded; :mod:`.step_memory`), so it is resident only
             while backward fills it.
+        reduce_bucket_numel: ``zero_optimization.reduce_bucket_size`` (elements; stock 5e8, a
+            buffer of that many gradient elements of which the whole model's gradients become
+            resident). ``"auto"``: the largest parameter, resolved by ``prepare_ds_config`` (the
+            bucket must hold one whole gradient). Stage 3 then reduces and partitions the
+            gradients in several buckets during backward; with the malloc policy each bucket
+            first hands freed activation memory back (:mod:`.step_memory`). Gradient values do
+            not depend on the bucketing (each parameter is reduced on its own with
+            ``reduce_scatter``, the default). ``None``: keep the config's.
     """
 
     enable_param_pool: bool = True
@@ -82,6 +90,7 @@ class MemAscendSettings:
     param_dram_numel: int | None = None
     enable_malloc_policy: bool = True
     enable_grad_buffer_release: bool = True
+    reduce_bucket_numel: int | Literal["auto"] | None = "auto"
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -97,6 +106,10 @@ class MemAscendSettings:
         norm_sub = self.grad_norm_sub_group_numel
         if norm_sub is not None and (isinstance(norm_sub, bool) or not isinstance(norm_sub, int) or norm_sub < 0):
             raise UserError(f"memascend setting grad_norm_sub_group_numel must be an integer >= 0, got {norm_sub!r}")
+        bucket = self.reduce_bucket_numel
+        if bucket is not None and bucket != "auto" and (isinstance(bucket, bool) or not isinstance(bucket, int)
+                                                        or bucket < 1):
+            raise UserError(f'memascend setting reduce_bucket_numel must be an integer >= 1 or "auto", got {bucket!r}')
         dram = self.param_dram_numel
         if dram is not None and (isinstance(dram, bool) or not isinstance(dram, int) or dram < 0):
             raise UserError(f"memascend setting param_dram_numel must be an integer >= 0, got {dram!r}")
@@ -158,7 +171,8 @@ def rewrite_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings)
 
     ``optimizer_sub_group_numel`` (an integer; ``"auto"`` needs the model's shapes and is resolved
     by ``plan.prepare_ds_config``) -> ``zero_optimization.sub_group_size``; ``param_dram_numel``
-    -> ``zero_optimization.offload_param.max_in_cpu`` where parameters are offloaded to NVMe. The
+    -> ``zero_optimization.offload_param.max_in_cpu`` where parameters are offloaded to NVMe;
+    ``reduce_bucket_numel`` (an integer) -> ``zero_optimization.reduce_bucket_size``. The
     ``"memascend"`` section itself is kept (DeepSpeed ignores it).
 
     Args:
@@ -172,6 +186,8 @@ def rewrite_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings)
     zero = dict(out.get("zero_optimization", {}))
     if isinstance(settings.optimizer_sub_group_numel, int):
         zero["sub_group_size"] = settings.optimizer_sub_group_numel
+    if isinstance(settings.reduce_bucket_numel, int):
+        zero["reduce_bucket_size"] = settings.reduce_bucket_numel
     offload_param = zero.get("offload_param")
     if settings.param_dram_numel is not None and isinstance(offload_param, Mapping) \
             and offload_param.get("device") == "nvme":

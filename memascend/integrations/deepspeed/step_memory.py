@@ -14,7 +14,10 @@ backward do not use:
   ``step``. With the on-demand manager they are freed after the step and locked again at the
   next (:meth:`OnDemandSwapBufferManager.release_free_buffers`): same peak locked memory, but the
   forward and backward run without them.
-* free heap memory of glibc's arenas (:func:`host_allocator.trim`).
+* free heap memory of glibc's arenas (:func:`host_allocator.trim`): after each step, and before
+  stage 3 partitions a bucket of gradients (``partition_grads``). Activations freed during backward
+  stay resident in the heap until then; the gradient partitions written next would otherwise land
+  on top of them.
 
 None of this changes a computed value: only when pages are resident.
 """
@@ -64,6 +67,17 @@ def make_init(original: Any, settings: MemAscendSettings) -> Any:
 
     __init__.__wrapped__ = original  # type: ignore[attr-defined]
     return __init__
+
+
+def make_partition_grads(original: Any) -> Any:
+    """Wrap ``DeepSpeedZeroOptimizer_Stage3.partition_grads``: :func:`host_allocator.trim` first."""
+
+    def partition_grads(self: Any, params_to_release: Any, grad_partitions: Any) -> Any:
+        host_allocator.trim()
+        return original(self, params_to_release, grad_partitions)
+
+    partition_grads.__wrapped__ = original  # type: ignore[attr-defined]
+    return partition_grads
 
 
 def make_post_step(original: Any, settings: MemAscendSettings) -> Any:

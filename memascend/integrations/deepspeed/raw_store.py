@@ -1,0 +1,411 @@
+"""The device store as the I/O layer of DeepSpeed 0.19.8's parameter and optimizer swappers.
+
+Stock ZeRO-Infinity keeps one ``.swp`` file per swapped tensor under ``nvme_path`` and moves them
+with the aio handle the swappers build from the module-level ``AsyncIOBuilder`` of
+``runtime/swap_tensor/partitioned_param_swapper.py``, ``partitioned_optimizer_swapper.py`` and
+``pipelined_optimizer_swapper.py`` (and of memascend's own
+:mod:`~memascend.integrations.deepspeed.param_swapper`). :func:`apply_raw_store` creates a
+:class:`~memascend.io.store.TensorStore` on a raw block device (or one preallocated file) for this
+rank and replaces those ``AsyncIOBuilder`` names with a builder whose handles are
+:class:`~memascend.io.swap_backend.StoreSwapHandle` over that store: every swap path becomes a store
+key (relative to the run's key folder), no ``.swp`` file is created. Everything else in DeepSpeed
+(which tensors are swapped, buffers, prefetching) is unchanged, so it works with stock DeepSpeed
+(``--engine baseline``) and with memascend's memory seam alike.
+
+DeepSpeed still sees ``nvme_path`` as a folder: the swappers ``makedirs``/``rmtree`` their
+sub-folders there and checkpointing calls ``disk_usage``/``copytree`` on it. That folder, the *key
+folder*, is a small scratch directory that only ever holds empty sub-folders.
+
+Checkpoints (``DeepSpeedEngine.save_checkpoint``/``load_checkpoint``) copy the optimizer's swap
+folder with ``shutil.copytree``, which here is empty. Two more patches carry the state:
+``save_checkpoint`` then exports the optimizer's swapped tensors (gradients excluded, as stock) to
+``<save_dir>/<tag>/memascend_store/rank<NN>/`` (:mod:`memascend.io.checkpoint`: one ``.bin`` per
+tensor and a manifest with CRC32Cs); ``load_checkpoint`` notes the folder, and
+``DeepSpeedZeroOptimizer_Stage3.reset_swap_buffers`` (which stock ``load_checkpoint`` calls right
+after its ``copytree``) imports it first, so the state is in the store at the very point stock
+would have copied the files.
+
+All patches go through a :class:`~memascend.integrations.deepspeed.patches.PatchRegistry` of this
+module and :func:`revert_raw_store` restores the very same objects.
+
+Source: MemAscend (arXiv 2505.23254), direct NVMe engine.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memascend.errors import UserError
+from memascend.integrations.deepspeed.patches import PatchRecord, PatchRegistry
+from memascend.io.store import DEFAULT_QUEUE_DEPTH, DEFAULT_REQUEST_BYTES, TensorStore
+from memascend.io.swap_backend import StoreSwapHandle
+
+#: Owner identity written into the header of stores made by :func:`apply_raw_store`: a device left
+#: by an earlier run carries it and is reused without ``allow_overwrite``; another tool's store is
+#: refused.
+FINETUNE_OWNER_UUID = uuid.uuid5(uuid.NAMESPACE_URL, "https://memascend/finetune-swap-store")
+#: Folder (under a checkpoint's tag folder) that holds the exported store of each rank.
+CHECKPOINT_SUBDIR = "memascend_store"
+
+#: Modules whose module-level ``AsyncIOBuilder`` builds the swappers' aio handles.
+_BUILDER_MODULES = (
+    "deepspeed.runtime.swap_tensor.partitioned_param_swapper",
+    "deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper",
+    "deepspeed.runtime.swap_tensor.pipelined_optimizer_swapper",
+    "memascend.integrations.deepspeed.param_swapper",
+)
+
+_lock = threading.Lock()
+_registry = PatchRegistry()
+_active: RawStoreHandle | None = None
+
+
+def checkpoint_rank_dir(tag_dir: str | os.PathLike, world_rank: int) -> Path:
+    """``<tag_dir>/memascend_store/rank<NN>``: where a rank's store export lives in a checkpoint."""
+    return Path(tag_dir) / CHECKPOINT_SUBDIR / f"rank{world_rank:02d}"
+
+
+@dataclass(eq=False)
+class RawStoreHandle:
+    """The store a rank swaps to, as returned by :func:`apply_raw_store`.
+
+    Attributes:
+        store: the rank's :class:`TensorStore`.
+        target: the block device or file it lives on.
+        key_root: the folder to give DeepSpeed as ``nvme_path`` (``offload_param``/``offload_optimizer``).
+        world_rank: the rank that owns it.
+        created_file: the store file did not exist before (a file target).
+        peak_used_bytes: the most bytes of extents in use seen by :meth:`sample_usage`.
+    """
+
+    store: TensorStore
+    target: Path
+    key_root: Path
+    world_rank: int
+    created_file: bool
+    owns_key_root: bool
+    peak_used_bytes: int = 0
+    exported: list[str] = field(default_factory=list)
+    imported: list[str] = field(default_factory=list)
+    export_s: float = 0.0
+    import_s: float = 0.0
+    _pending_import: Path | None = None
+    _closed: bool = False
+
+    @property
+    def is_block_device(self) -> bool:
+        return self.store.info.is_block_device
+
+    def new_aio_handle(self, *args: Any, **kwargs: Any) -> StoreSwapHandle:
+        """Called as DeepSpeed calls ``aio_op.aio_handle(block_size=, queue_depth=, single_submit=,
+        overlap_events=, intra_op_parallelism=)``; only block size and queue depth are kept (for the
+        getters): the store's engine sets the real request size and depth."""
+        names = ("block_size", "queue_depth", "single_submit", "overlap_events", "intra_op_parallelism")
+        given = dict(zip(names, args), **kwargs)
+        return StoreSwapHandle(
+            self.store,
+            block_size=given.get("block_size"),
+            queue_depth=given.get("queue_depth"),
+            key_root=self.key_root,
+        )
+
+    def sample_usage(self) -> int:
+        """Record and return the bytes of extents in use now."""
+        used = self.store.used_bytes
+        self.peak_used_bytes = max(self.peak_used_bytes, used)
+        return used
+
+    def key_prefix(self, folder: str | os.PathLike) -> str:
+        """Store-key prefix of the swap paths under DeepSpeed folder ``folder`` (ends with ``/``)."""
+        rel = os.path.relpath(os.path.abspath(folder), self.key_root)
+        if rel.startswith(".."):
+            raise UserError(f"swap folder {folder} is not under the store's key folder {self.key_root}")
+        return "" if rel == "." else rel.rstrip(os.sep) + os.sep
+
+    def export_checkpoint(self, tag_dir: str | os.PathLike, swap_folder: str | os.PathLike) -> Path:
+        """Export the tensors swapped under ``swap_folder`` (the optimizer's), gradients excluded as
+        stock's ``copytree`` excludes them, to ``<tag_dir>/memascend_store/rank<NN>/``.
+
+        Returns:
+            The manifest path.
+
+        Raises:
+            ChecksumError, StoreIOError: a tensor cannot be read back intact.
+        """
+        prefix = self.key_prefix(swap_folder)
+        dest = checkpoint_rank_dir(tag_dir, self.world_rank)
+        if dest.exists():
+            shutil.rmtree(dest)
+        t0 = time.monotonic()
+        manifest = self.store.export_files(
+            dest, select=lambda k: k.startswith(prefix) and "gradient" not in os.path.basename(k)
+        )
+        self.export_s += time.monotonic() - t0
+        self.exported = [k for k in self.store.keys() if k.startswith(prefix) and "gradient" not in k]
+        return manifest
+
+    def import_checkpoint(self, rank_dir: str | os.PathLike) -> list[str]:
+        """Load a rank's export (:meth:`export_checkpoint`) into the store, replacing those keys.
+
+        Raises:
+            UserError: no manifest or a damaged file (names the tensor).
+        """
+        t0 = time.monotonic()
+        keys = self.store.import_files(rank_dir)
+        self.import_s += time.monotonic() - t0
+        self.imported = keys
+        self.sample_usage()
+        return keys
+
+    def report(self) -> dict:
+        """The ``nvme.store`` section of a run report."""
+        self.sample_usage()
+        engine = self.store.engine
+        return {
+            "target": str(self.target),
+            "kind": "block_device" if self.is_block_device else "file",
+            "backend": engine.backend,
+            "direct_io": bool(engine.direct),
+            "queue_depth": int(engine.queue_depth),
+            "request_bytes": int(engine.request_bytes),
+            "align_bytes": int(self.store.align_bytes),
+            "capacity_bytes": int(self.store.capacity_bytes),
+            "used_bytes": int(self.store.used_bytes),
+            "peak_used_bytes": int(self.peak_used_bytes),
+            "tensors": len(self.store),
+            "enable_crc": bool(self.store.enable_crc),
+            "checkpoint_exported_tensors": len(self.exported),
+            "checkpoint_imported_tensors": len(self.imported),
+            "checkpoint_export_s": self.export_s,
+            "checkpoint_import_s": self.import_s,
+        }
+
+    def close(self) -> None:
+        """Free every key, close the store (the header stays, marking a device as this owner's
+        store for the next run), delete a file target and the key folder. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            try:
+                self.store.wait_all()
+                for key in self.store.keys():
+                    self.store.free(key)
+            finally:
+                self.store.close()
+        finally:
+            if not self.is_block_device:
+                self.target.unlink(missing_ok=True)
+            if self.owns_key_root:
+                shutil.rmtree(self.key_root, ignore_errors=True)
+
+
+class _StoreOp:
+    """What ``AsyncIOBuilder().load()`` returns while the store is applied: ``aio_handle(...)``."""
+
+    def __init__(self, handle: RawStoreHandle) -> None:
+        self.aio_handle = handle.new_aio_handle
+
+
+def _make_builder(handle: RawStoreHandle) -> type:
+    op = _StoreOp(handle)
+
+    class StoreIOBuilder:
+        """Stands in for ``deepspeed.ops.op_builder.AsyncIOBuilder`` in the swapper modules."""
+
+        NAME = "memascend_nvme_io"
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def load(self, verbose: bool = True) -> _StoreOp:
+            return op
+
+        def is_compatible(self, verbose: bool = False) -> bool:
+            return True
+
+    return StoreIOBuilder
+
+
+def apply_raw_store(
+    target: str | os.PathLike,
+    *,
+    world_rank: int,
+    allow_overwrite: bool = False,
+    enable_crc: bool = True,
+    size_bytes: int | None = None,
+    key_root: str | os.PathLike | None = None,
+    queue_depth: int = DEFAULT_QUEUE_DEPTH,
+    request_bytes: int = DEFAULT_REQUEST_BYTES,
+    backend: str = "auto",
+) -> RawStoreHandle:
+    """Create this rank's store on ``target`` and make DeepSpeed's swappers use it.
+
+    Call before ``deepspeed.zero.Init``/``deepspeed.initialize`` and give DeepSpeed
+    ``handle.key_root`` as ``nvme_path``. Swappers built earlier keep their aio handles.
+
+    Args:
+        target: raw block device (``/dev/nvme0n1p3``, a loop device) or a file (created and
+            preallocated with ``posix_fallocate`` to ``size_bytes``). One per rank.
+        world_rank: this process's rank (names the checkpoint export folder).
+        allow_overwrite: accept a target carrying a filesystem, a partition table or another
+            owner's store. A store left by an earlier :func:`apply_raw_store` is reused without it.
+            A mounted or otherwise held device is refused regardless.
+        enable_crc: CRC32C per extent, checked on every read.
+        size_bytes: file size (required for a file target that does not exist; ignored for devices).
+        key_root: folder DeepSpeed will see as ``nvme_path`` (default: a new temporary folder,
+            removed by :meth:`RawStoreHandle.close`).
+        queue_depth, request_bytes, backend: engine settings (see :meth:`TensorStore.create`).
+
+    Returns:
+        The handle (store, key folder, checkpoint export/import, report, close).
+
+    Raises:
+        DeviceRefusedError: the target is in use or carries data (one line naming what was found).
+        UserError: already applied (call :func:`revert_raw_store`), or an unusable target.
+    """
+    global _active
+    with _lock:
+        if _active is not None:
+            raise UserError("a raw store is already applied to DeepSpeed; call revert_raw_store() first")
+        path = Path(target)
+        created = not path.exists()
+        store = TensorStore.create(
+            path,
+            size_bytes=size_bytes,
+            allow_overwrite=allow_overwrite,
+            owner_uuid=FINETUNE_OWNER_UUID,
+            queue_depth=queue_depth,
+            request_bytes=request_bytes,
+            enable_crc=enable_crc,
+            backend=backend,
+        )
+        own_root = key_root is None
+        try:
+            root = Path(tempfile.mkdtemp(prefix=f"memascend-store-keys-rank{world_rank}-")) if own_root else Path(key_root)
+            root.mkdir(parents=True, exist_ok=True)
+            handle = RawStoreHandle(
+                store=store,
+                target=path,
+                key_root=root.resolve(),
+                world_rank=world_rank,
+                created_file=created,
+                owns_key_root=own_root,
+            )
+            _patch_all(handle)
+        except BaseException:
+            _registry.restore_all()
+            store.close()
+            if created and not store.info.is_block_device:
+                path.unlink(missing_ok=True)
+            raise
+        _active = handle
+        return handle
+
+
+def revert_raw_store(*, close: bool = False) -> None:
+    """Restore every attribute :func:`apply_raw_store` patched; with ``close``, also close the
+    store (:meth:`RawStoreHandle.close`). Safe to call twice."""
+    global _active
+    with _lock:
+        _registry.restore_all()
+        handle, _active = _active, None
+    if close and handle is not None:
+        handle.close()
+
+
+def active_raw_store() -> RawStoreHandle | None:
+    """The applied handle, or ``None``."""
+    return _active
+
+
+def raw_store_patch_records() -> tuple[PatchRecord, ...]:
+    """The attribute patches in force (owner, name, original, replacement)."""
+    return _registry.records()
+
+
+def _patch_all(handle: RawStoreHandle) -> None:
+    import importlib
+
+    builder = _make_builder(handle)
+    for name in _BUILDER_MODULES:
+        module = importlib.import_module(name)
+        _registry.patch(module, "AsyncIOBuilder", builder)
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    _registry.patch(DeepSpeedEngine, "save_checkpoint", _make_save_checkpoint(DeepSpeedEngine.save_checkpoint, handle))
+    _registry.patch(DeepSpeedEngine, "load_checkpoint", _make_load_checkpoint(DeepSpeedEngine.load_checkpoint, handle))
+    _registry.patch(
+        DeepSpeedZeroOptimizer_Stage3,
+        "reset_swap_buffers",
+        _make_reset_swap_buffers(DeepSpeedZeroOptimizer_Stage3.reset_swap_buffers, handle),
+    )
+
+
+def _optimizer_swap_folder(engine: Any) -> str | None:
+    if not engine.zero_nvme_offload_optimizer():
+        return None
+    return engine.optimizer.optimizer_swapper.swap_folder
+
+
+def _make_save_checkpoint(original, handle: RawStoreHandle):
+    @functools.wraps(original)
+    def save_checkpoint(self, save_dir, tag=None, *args, **kwargs):
+        """Stock save, then the optimizer's swapped state exported from the store (the stock
+        ``copytree`` of the swap folder copies an empty folder)."""
+        result = original(self, save_dir, tag, *args, **kwargs)
+        folder = _optimizer_swap_folder(self)
+        if folder is not None:
+            resolved = str(tag) if tag is not None else f"global_step{self.global_steps}"
+            handle.export_checkpoint(Path(save_dir) / resolved, folder)
+        return result
+
+    return save_checkpoint
+
+
+def _make_load_checkpoint(original, handle: RawStoreHandle):
+    @functools.wraps(original)
+    def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
+        """Stock load; the store export of the checkpoint is imported where stock copies files."""
+        if _optimizer_swap_folder(self) is not None:
+            resolved = tag
+            if resolved is None:
+                latest = Path(load_dir) / "latest"
+                resolved = latest.read_text().strip() if latest.is_file() else None
+            if resolved is not None:
+                rank_dir = checkpoint_rank_dir(Path(load_dir) / str(resolved), handle.world_rank)
+                if not (rank_dir / "manifest.json").is_file():
+                    raise UserError(
+                        f"checkpoint {Path(load_dir) / str(resolved)} has no store export for rank "
+                        f"{handle.world_rank} ({rank_dir}): it was not saved from a raw-store run"
+                    )
+                handle._pending_import = rank_dir
+        try:
+            return original(self, load_dir, tag, *args, **kwargs)
+        finally:
+            handle._pending_import = None
+
+    return load_checkpoint
+
+
+def _make_reset_swap_buffers(original, handle: RawStoreHandle):
+    @functools.wraps(original)
+    def reset_swap_buffers(self):
+        """Import the pending store export, then stock (which reads the optimizer state back)."""
+        pending, handle._pending_import = handle._pending_import, None
+        if pending is not None:
+            handle.import_checkpoint(pending)
+        return original(self)
+
+    return reset_swap_buffers
