@@ -63,7 +63,32 @@ def _launch_ranks(nproc: int) -> None:
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None, help="Training precision [default: bf16]")
 @click.option("--offload-param", type=click.Choice(["nvme", "cpu", "none"]), default=None, help="Where parameter partitions live [default: nvme]")
 @click.option("--offload-optimizer", type=click.Choice(["nvme", "cpu", "none"]), default=None, help="Where optimizer state lives [default: nvme]")
-@click.option("--nvme-path", default=None, help="Folder on the NVMe device for swap files [default: ./memascend-swap or $MEMASCEND_NVME_PATH]")
+@click.option(
+    "--nvme-path",
+    default=None,
+    help="Where swapped parameters/optimizer state go. A folder: stock DeepSpeed swap files there. "
+    "A block device (/dev/nvme0n1p3) or a file ending in .store: memascend's raw store (no filesystem; "
+    "a file is preallocated to the run's estimated size and deleted at exit; a device keeps only the store "
+    "header). Several ranks on one host: a comma-separated list with one device or file per rank, or one "
+    ".store path that becomes PATH.rank<N> for rank N. "
+    "[default: ./memascend-swap or $MEMASCEND_NVME_PATH]",
+)
+@click.option(
+    "--nvme-overwrite",
+    is_flag=True,
+    default=False,
+    help="Allow the raw store to overwrite a target that carries a filesystem, a partition table or another "
+    "store (refused otherwise; a mounted device is always refused). A store left by an earlier memascend "
+    "run is reused without it",
+)
+@click.option("--no-crc", is_flag=True, default=False,
+              help="Raw store: skip the CRC32C per extent (checked on every read by default); for speed runs")
+@click.option("--save-checkpoint", "save_checkpoint_dir", type=click.Path(file_okay=False), default=None,
+              help="Save a DeepSpeed checkpoint (tag global_step<N>) here after the last step; with a raw store "
+              "the swapped optimizer state is exported as files into it")
+@click.option("--resume", "resume_dir", type=click.Path(file_okay=False), default=None,
+              help="Load the latest checkpoint in this folder before training and continue from its step "
+              "up to --steps (total optimizer steps)")
 @click.option("--output", "output_dir", default=None, help="Output folder (model, report.json, memory timeline) [default: runs/latest]")
 @click.option("--engine", type=click.Choice(["baseline", "memascend"]), default=None, help="Stock ZeRO-Infinity or with memascend's memory optimisations [default: baseline]")
 @click.option("--eval-blocks", type=int, default=None, help="Held-out blocks evaluated before/after training [default: 16]")
@@ -82,6 +107,10 @@ def finetune(**kw) -> None:
     (HF folder), report.json and memory_timeline.{csv,png} to --output.
     """
     kw.pop("launcher_local_rank")
+    from memascend.train.store_target import NvmeStoreOptions
+
+    nvme_store = NvmeStoreOptions(allow_overwrite=kw.pop("nvme_overwrite"), enable_crc=not kw.pop("no_crc"))
+    save_checkpoint_dir, resume_dir = kw.pop("save_checkpoint_dir"), kw.pop("resume_dir")
     nproc = kw.pop("nproc")
     if nproc is not None and nproc > 1 and "RANK" not in os.environ:
         _launch_ranks(nproc)
@@ -109,7 +138,7 @@ def finetune(**kw) -> None:
     cfg = build_run_config(file_values, overrides)
     from memascend.train.runner import run_finetune
 
-    report = run_finetune(cfg)
+    report = run_finetune(cfg, nvme_store=nvme_store, save_checkpoint_dir=save_checkpoint_dir, resume_dir=resume_dir)
     if report is not None:
         _print_summary(report, cfg.output_dir)
 

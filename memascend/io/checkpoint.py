@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,12 +26,19 @@ if TYPE_CHECKING:
 
 
 def export_files(
-    self: TensorStore, folder: str | os.PathLike, *, chunk_bytes: int = EXPORT_CHUNK_BYTES
+    self: TensorStore,
+    folder: str | os.PathLike,
+    *,
+    chunk_bytes: int = EXPORT_CHUNK_BYTES,
+    select: Callable[[str], bool] | None = None,
 ) -> Path:
     """Copy every tensor to ordinary files in ``folder`` (one ``.bin`` per tensor plus
     ``manifest.json`` with key, dtype, shape, bytes, CRC32C): the checkpoint of a raw store,
     in place of DeepSpeed's ``shutil.copytree`` of the swap folder. Host memory used: one
     staging buffer of ``chunk_bytes``. Every tensor is verified against its CRC32C.
+
+    Args:
+        select: export only the keys for which it returns true (default: every key).
 
     Returns:
         Path of the manifest.
@@ -43,6 +51,8 @@ def export_files(
     self.wait_all()
     with self._lock:
         records = sorted(self._records.values(), key=lambda r: r.key)
+    if select is not None:
+        records = [r for r in records if select(r.key)]
     op = _op.load()
     chunk = max(self.align_bytes, chunk_bytes // self.align_bytes * self.align_bytes)
     staging = op.aligned_empty(chunk)

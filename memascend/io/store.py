@@ -531,11 +531,14 @@ class TensorStore:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def export_files(self, folder: str | os.PathLike, *, chunk_bytes: int = EXPORT_CHUNK_BYTES) -> Path:
-        """Copy every tensor to ordinary files in ``folder``; see :func:`memascend.io.checkpoint.export_files`."""
+    def export_files(
+        self, folder: str | os.PathLike, *, chunk_bytes: int = EXPORT_CHUNK_BYTES, select=None
+    ) -> Path:
+        """Copy every tensor (or those whose key ``select`` accepts) to ordinary files in
+        ``folder``; see :func:`memascend.io.checkpoint.export_files`."""
         from memascend.io.checkpoint import export_files
 
-        return export_files(self, folder, chunk_bytes=chunk_bytes)
+        return export_files(self, folder, chunk_bytes=chunk_bytes, select=select)
 
     def import_files(self, folder: str | os.PathLike, *, chunk_bytes: int = EXPORT_CHUNK_BYTES) -> list[str]:
         """Load tensors exported by :meth:`export_files`; see :func:`memascend.io.checkpoint.import_files`."""

@@ -17,6 +17,7 @@ Source: MemAscend (arXiv 2505.23254), direct NVMe engine; replaces DeepSpeed's
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -35,16 +36,38 @@ class StoreSwapHandle:
         block_size: reported by :meth:`get_block_size` (bytes); the store's ``request_bytes``
             governs the real request size.
         queue_depth: reported by :meth:`get_queue_depth`; the store's engine governs the real one.
+        key_root: folder that DeepSpeed sees as ``nvme_path``; swap paths under it are stored
+            under their path relative to it (``zero_stage_3/optimizer/rank0/7.tensor.swp``), so
+            keys stay the same from run to run (checkpoint export/import). ``None``: the path as
+            given is the key.
     """
 
     def __init__(
-        self, store: TensorStore, *, block_size: int | None = None, queue_depth: int | None = None
+        self,
+        store: TensorStore,
+        *,
+        block_size: int | None = None,
+        queue_depth: int | None = None,
+        key_root: str | os.PathLike | None = None,
     ) -> None:
         self.store = store
         self._block_size = block_size or store.engine.request_bytes
         self._queue_depth = queue_depth or store.engine.queue_depth
+        self._key_root = None if key_root is None else os.path.abspath(key_root)
         self._lock = threading.Lock()
         self._pending: list[Ticket] = []
+        # (start address, bytes) of the buffers handed out by new_cpu_locked_tensor: DeepSpeed
+        # decides per buffer whether to stage it through one of its own (is_pinned).
+        self._managed: dict[int, int] = {}
+
+    def key(self, filename: str | os.PathLike) -> str:
+        """The store key of swap path ``filename`` (relative to ``key_root`` when under it)."""
+        name = str(filename)
+        if self._key_root is not None:
+            full = os.path.abspath(name)
+            if full == self._key_root or full.startswith(self._key_root + os.sep):
+                return os.path.relpath(full, self._key_root)
+        return name
 
     # -- transfers ---------------------------------------------------------------------------
     def async_pwrite(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
@@ -58,7 +81,7 @@ class StoreSwapHandle:
             memascend.io.errors.StoreFullError: no room on the device.
         """
         self._check_offset(file_offset)
-        t = self.store.submit_write(str(filename), buffer)
+        t = self.store.submit_write(self.key(filename), buffer)
         with self._lock:
             self._pending.append(t)
         return 0
@@ -72,7 +95,7 @@ class StoreSwapHandle:
             ValueError: ``file_offset`` != 0, or ``buffer`` too small.
         """
         self._check_offset(file_offset)
-        t = self.store.submit_read(str(filename), buffer)
+        t = self.store.submit_read(self.key(filename), buffer)
         with self._lock:
             self._pending.append(t)
         return 0
@@ -102,13 +125,13 @@ class StoreSwapHandle:
     def sync_pwrite(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
         """Write and wait; returns 1 (one operation)."""
         self._check_offset(file_offset)
-        self.store.write(str(filename), buffer)
+        self.store.write(self.key(filename), buffer)
         return 1
 
     def sync_pread(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
         """Read and wait; returns 1 (one operation)."""
         self._check_offset(file_offset)
-        self.store.read(str(filename), buffer)
+        self.store.read(self.key(filename), buffer)
         return 1
 
     def free(self, filename: str) -> None:
@@ -117,20 +140,40 @@ class StoreSwapHandle:
         Raises:
             KeyError: unknown key. ValueError: a transfer of it is still queued.
         """
-        self.store.free(str(filename))
+        self.store.free(self.key(filename))
 
     # -- buffers -----------------------------------------------------------------------------
-    @staticmethod
-    def new_cpu_locked_tensor(num_elem: int, example_tensor: torch.Tensor) -> torch.Tensor:
+    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: torch.Tensor) -> torch.Tensor:
         """A 4 KiB-aligned CPU tensor of ``num_elem`` elements of ``example_tensor.dtype``, which
         the engine transfers in place (no bounce buffer). Not mlocked: pass tensors from the
         pinned arena (:mod:`memascend.memory.arena`) where locking is wanted."""
         nbytes = int(num_elem) * example_tensor.element_size()
-        return _op.load().aligned_empty(nbytes).view(example_tensor.dtype)
+        tensor = _op.load().aligned_empty(nbytes).view(example_tensor.dtype)
+        with self._lock:
+            self._managed[tensor.data_ptr()] = nbytes
+        return tensor
 
-    @staticmethod
-    def free_cpu_locked_tensor(tensor: torch.Tensor) -> None:
-        """Nothing to do: the memory returns when the last reference to ``tensor`` goes."""
+    def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> bool:
+        """Forget ``tensor`` as a handle buffer; the memory returns when its last reference goes.
+
+        Returns:
+            Whether ``tensor`` came from :meth:`new_cpu_locked_tensor` (as the stock handle).
+        """
+        with self._lock:
+            return self._managed.pop(tensor.data_ptr(), None) is not None
+
+    def is_pinned(self, buffer: torch.Tensor) -> bool:
+        """DeepSpeed's direct-I/O test (``deepspeed_io_handle_t::is_pinned``): a CPU tensor that
+        torch reports pinned or that lies wholly inside a buffer of :meth:`new_cpu_locked_tensor`.
+        The swappers stage other tensors through such buffers, as they do with the stock handle."""
+        if buffer.device.type != "cpu":
+            return False
+        if buffer.is_pinned():
+            return True
+        start = buffer.data_ptr()
+        end = start + buffer.numel() * buffer.element_size()
+        with self._lock:
+            return any(base <= start and end <= base + n for base, n in self._managed.items())
 
     # -- getters the swappers and DeepSpeed's config checks call -----------------------------
     def get_block_size(self) -> int:

@@ -2,7 +2,10 @@
 
 One call, :func:`run_finetune`, per process; under torchrun or the ``deepspeed`` launcher every
 rank calls it. Rank 0 writes the outputs. Swap files live in a private folder under the NVMe path
-and are removed at exit, including on Ctrl-C, SIGTERM and errors.
+and are removed at exit, including on Ctrl-C, SIGTERM and errors. When ``--nvme-path`` names a
+block device or a ``.store`` file (:mod:`memascend.train.store_target`), parameters and optimizer
+state go to a raw store instead (:mod:`memascend.integrations.deepspeed.raw_store`), closed at exit
+(a file target is deleted; a device keeps the store header so the next run reuses it).
 """
 
 from __future__ import annotations
@@ -20,6 +23,12 @@ from memascend.telemetry import MemorySampler, read_proc_io
 from memascend.train import dist as dist_setup
 from memascend.train import report as report_mod
 from memascend.train.ds_config import derived_as_dicts, load_user_ds_config, model_shape, render_ds_config
+from memascend.train.store_target import (
+    NvmeStoreOptions,
+    is_store_target,
+    resolve_store_target,
+    store_file_bytes,
+)
 from memascend.train.swapdir import (
     TerminationAsInterrupt,
     estimate_nvme_bytes,
@@ -125,15 +134,35 @@ class _Cleanup:
     def __init__(self) -> None:
         self.swap_dir: Path | None = None
         self.revert = None
+        self.raw_store = None
 
     def run(self) -> None:
         remove_swap_dir(self.swap_dir)
         if self.revert is not None:
             self.revert()
+        if self.raw_store is not None:
+            from memascend.integrations.deepspeed.raw_store import revert_raw_store
+
+            revert_raw_store(close=True)
 
 
-def run_finetune(cfg: RunConfig) -> dict | None:
+def run_finetune(
+    cfg: RunConfig,
+    *,
+    nvme_store: NvmeStoreOptions | None = None,
+    save_checkpoint_dir: str | None = None,
+    resume_dir: str | None = None,
+) -> dict | None:
     """Run one fine-tuning job and write its outputs to ``cfg.output_dir``.
+
+    Args:
+        cfg: the run.
+        nvme_store: options of the raw-store backend (used when ``cfg.offload.nvme_path`` names
+            block devices or ``.store`` files); default ``NvmeStoreOptions()``.
+        save_checkpoint_dir: after training, ``engine.save_checkpoint`` into this folder (tag
+            ``global_step<N>``; with a raw store the swapped optimizer state is exported there too).
+        resume_dir: ``engine.load_checkpoint`` from this folder (its ``latest`` tag) before
+            training; training continues at the checkpoint's step up to ``cfg.train.steps``.
 
     Returns:
         The report dict on rank 0, ``None`` on other ranks.
@@ -145,12 +174,14 @@ def run_finetune(cfg: RunConfig) -> dict | None:
     cleanup = _Cleanup()
     with TerminationAsInterrupt(), MemorySampler() as sampler:
         try:
-            return _run(cfg, info, sampler, cleanup)
+            return _run(cfg, info, sampler, cleanup, nvme_store or NvmeStoreOptions(),
+                        save_checkpoint_dir, resume_dir)
         finally:
             cleanup.run()
 
 
-def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dict | None:
+def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup, nvme_store: NvmeStoreOptions,
+         save_checkpoint_dir: str | None, resume_dir: str | None) -> dict | None:
     is_rank0 = info.rank == 0
     out_dir = Path(cfg.output_dir)
     t_start = time.time()
@@ -178,7 +209,10 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
     dist_setup.init_process_group()
     _check_dtype_supported(cfg.train.dtype, info.device_type)
     run_id = _broadcast(make_run_id(), info.rank)
+    if resume_dir is not None and not Path(resume_dir, "latest").is_file():
+        raise UserError(f"--resume {resume_dir}: no DeepSpeed checkpoint there (no 'latest' file)")
     swap_dir = None
+    raw_store = None
     if cfg.offload.uses_nvme:
         need = estimate_nvme_bytes(
             shape.total_numel,
@@ -186,10 +220,15 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
             cfg.offload.param == "nvme",
             cfg.offload.optimizer == "nvme",
         )
-        # Every rank checks (ranks may have different NVMe paths via the environment); the first
-        # rank's folder name is shared so all ranks of one launch use one run folder.
-        swap_dir = prepare_swap_dir(cfg.offload.nvme_path, need // info.world_size, run_id)
-        cleanup.swap_dir = swap_dir
+        if is_store_target(cfg.offload.nvme_path):
+            raw_store = _open_raw_store(cfg.offload.nvme_path, info, need // info.world_size, nvme_store)
+            cleanup.raw_store = raw_store
+            swap_dir = raw_store.key_root
+        else:
+            # Every rank checks (ranks may have different NVMe paths via the environment); the first
+            # rank's folder name is shared so all ranks of one launch use one run folder.
+            swap_dir = prepare_swap_dir(cfg.offload.nvme_path, need // info.world_size, run_id)
+            cleanup.swap_dir = swap_dir
     ds_cfg, derived = render_ds_config(cfg, shape, info.world_size, str(swap_dir) if swap_dir else None, user_ds)
     micro_batch = int(ds_cfg["train_micro_batch_size_per_gpu"])
     grad_accum = int(ds_cfg["gradient_accumulation_steps"])
@@ -226,6 +265,15 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
         steps = max(1, math.floor(cfg.train.epochs * len(split.train) / global_batch_blocks))
     else:
         steps = int(cfg.train.steps)
+    start_step = 0
+    if resume_dir is not None:
+        sampler.phase("resume")
+        load_path, _client = engine.load_checkpoint(resume_dir)
+        if load_path is None:
+            raise UserError(f"--resume {resume_dir}: DeepSpeed found no checkpoint to load")
+        start_step = int(engine.global_steps)
+        if start_step > steps:
+            raise UserError(f"--resume {resume_dir} is at step {start_step}, beyond --steps {steps}")
     loss_before = evaluate(engine, split.eval, micro_batch, info, sampler)
 
     # ---- train ----------------------------------------------------------------------------------
@@ -235,9 +283,10 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
     tokens_per_step = global_batch_blocks * cfg.data.seq_len
     peak_swap_bytes = 0
     bar = _progress(steps, is_rank0)
+    bar.update(start_step)
     train_t0 = time.monotonic()
     try:
-        for step in range(steps):
+        for step in range(start_step, steps):
             t0 = time.monotonic()
             skipped_before = int(getattr(engine, "skipped_steps", 0))
             losses = []
@@ -266,7 +315,9 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
                 "skipped": int(getattr(engine, "skipped_steps", 0)) > skipped_before,
             }
             per_step.append(entry)
-            if swap_dir is not None and step == 0:
+            if raw_store is not None:
+                raw_store.sample_usage()
+            elif swap_dir is not None and step == start_step:
                 peak_swap_bytes = folder_bytes(swap_dir)
             bar.set_postfix(
                 loss=f"{entry['loss']:.4f}", tok_s=f"{entry['tokens_per_s']:.0f}", rss=f"{rss / 2**30:.2f}GiB"
@@ -281,6 +332,10 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
 
     # ---- save -----------------------------------------------------------------------------------
     sampler.phase("save")
+    checkpoint_tag = None
+    if save_checkpoint_dir is not None:
+        checkpoint_tag = f"global_step{int(engine.global_steps)}"
+        engine.save_checkpoint(save_checkpoint_dir, tag=checkpoint_tag)
     model_dir = None
     if cfg.train.save_model:
         state_dict = engine._zero3_consolidated_16bit_state_dict()
@@ -329,6 +384,15 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
         param_dtype=param_dtype,
     )
     rep["memory_breakdown"] = breakdown
+    rep["nvme"]["backend"] = "raw_store" if raw_store is not None else ("folder" if swap_dir is not None else None)
+    if raw_store is not None:
+        rep["nvme"]["store"] = raw_store.report()
+    rep["checkpoint"] = {
+        "resumed_from": resume_dir,
+        "start_step": start_step,
+        "saved_to": save_checkpoint_dir,
+        "saved_tag": checkpoint_tag,
+    }
     sampler.write_csv(out_dir / "memory_timeline.csv")
     from memascend.telemetry.plot import plot_timelines
 
@@ -339,3 +403,30 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
     )
     (out_dir / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
     return rep
+
+
+def _open_raw_store(nvme_path: str, info, need_bytes: int, options: NvmeStoreOptions):
+    """Create this rank's raw store and route DeepSpeed's swappers to it.
+
+    Raises:
+        UserError: bad target list, refused device (filesystem, partition table, other store,
+            mounted) without ``--nvme-overwrite``, or a device smaller than the run needs.
+    """
+    from memascend.integrations.deepspeed.raw_store import apply_raw_store, revert_raw_store
+
+    target = resolve_store_target(nvme_path, info.rank, info.world_size)
+    handle = apply_raw_store(
+        target,
+        world_rank=info.rank,
+        allow_overwrite=options.allow_overwrite,
+        enable_crc=options.enable_crc,
+        size_bytes=store_file_bytes(need_bytes),
+    )
+    if handle.store.capacity_bytes < need_bytes:
+        cap = handle.store.capacity_bytes
+        revert_raw_store(close=True)
+        raise UserError(
+            f"--nvme-path {target} holds {cap / 2**30:.2f} GiB; this run needs about "
+            f"{need_bytes / 2**30:.2f} GiB per rank for swapped parameters and optimizer state"
+        )
+    return handle

@@ -1,0 +1,97 @@
+"""Which raw store a rank swaps to, when ``--nvme-path`` names one instead of a folder.
+
+``--nvme-path`` selects the swap backend:
+
+* a folder (the default ``./memascend-swap``): stock DeepSpeed's folder of ``.swp`` files
+  (:mod:`memascend.train.swapdir`);
+* a block device (``/dev/nvme0n1p3``, ``/dev/loop0``) or a file whose name ends in ``.store``: the
+  direct NVMe store (:mod:`memascend.integrations.deepspeed.raw_store`). One target per rank:
+  several ranks on a host give a comma-separated list with one device (or file) per rank
+  (``/dev/nvme0n1p3,/dev/nvme1n1p3``), or a single ``.store`` file path, which becomes
+  ``PATH.rank<N>`` for rank N (when more than one rank runs).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from memascend.errors import UserError
+
+#: File targets get this suffix.
+STORE_FILE_SUFFIX = ".store"
+#: Room a store file gets beyond the estimated tensor bytes: header, two extent-table slots,
+#: 4 KiB rounding of every extent and the staging of DeepSpeed's padded swap buffers.
+STORE_FILE_OVERHEAD_BYTES = 64 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class NvmeStoreOptions:
+    """Options of the raw-store backend (``memascend finetune`` flags)."""
+
+    allow_overwrite: bool = False
+    """``--nvme-overwrite``: accept a target carrying a filesystem, a partition table or another
+    owner's store (never a mounted or held one)."""
+    enable_crc: bool = True
+    """CRC32C of every extent, checked on read (``--no-crc`` turns it off for speed runs)."""
+
+
+def _is_block_device(path: str) -> bool:
+    try:
+        return stat.S_ISBLK(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def is_store_target(nvme_path: str) -> bool:
+    """Whether ``--nvme-path`` names raw stores (block devices or ``*.store`` files, possibly a
+    comma-separated list) rather than a folder for swap files."""
+    parts = [p.strip() for p in nvme_path.split(",")]
+    return len(parts) > 1 or _is_block_device(parts[0]) or parts[0].endswith(STORE_FILE_SUFFIX)
+
+
+def resolve_store_target(nvme_path: str, rank: int, world_size: int) -> Path:
+    """This rank's store target.
+
+    Raises:
+        UserError: a list whose length is not the number of ranks, one block device for several
+            ranks, an entry that is neither a block device nor a ``.store`` file path, or a
+            ``.store`` path that is a folder.
+    """
+    parts = [p.strip() for p in nvme_path.split(",")]
+    if any(not p for p in parts):
+        raise UserError(f"--nvme-path has an empty entry: '{nvme_path}'")
+    if len(parts) > 1:
+        if len(parts) != world_size:
+            raise UserError(
+                f"--nvme-path lists {len(parts)} stores for {world_size} rank(s): give one device or file per rank"
+            )
+        chosen = parts[rank]
+    else:
+        chosen = parts[0]
+        if world_size > 1:
+            if _is_block_device(chosen):
+                raise UserError(
+                    f"--nvme-path {chosen} is one block device for {world_size} ranks: give one device "
+                    "per rank as a comma-separated list"
+                )
+            chosen = f"{chosen}.rank{rank}"
+    path = Path(chosen).expanduser()
+    if _is_block_device(str(path)):
+        return path
+    if not str(parts[rank if len(parts) > 1 else 0]).endswith(STORE_FILE_SUFFIX):
+        raise UserError(
+            f"--nvme-path entry {chosen} is neither a block device nor a file ending in {STORE_FILE_SUFFIX}"
+        )
+    if path.exists() and not path.is_file():
+        raise UserError(f"--nvme-path {chosen} exists and is not a regular file")
+    if not path.parent.is_dir():
+        raise UserError(f"--nvme-path {chosen}: folder {path.parent} does not exist")
+    return path
+
+
+def store_file_bytes(need_bytes: int) -> int:
+    """Size to preallocate for a store file holding about ``need_bytes`` of swapped tensors."""
+    return int(need_bytes) + STORE_FILE_OVERHEAD_BYTES
