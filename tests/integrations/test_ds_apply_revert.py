@@ -23,6 +23,7 @@ def _stand_in_overflow_op(monkeypatch):
 
 def _seam_objects():
     from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.swap_tensor import optimizer_utils
     from deepspeed.runtime.zero import partition_parameters
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as S3
@@ -40,6 +41,7 @@ def _seam_objects():
         "stage3.__init__": (S3, "__init__"),
         "stage3._post_step": (S3, "_post_step"),
         "stage3.partition_grads": (S3, "partition_grads"),
+        "engine.forward": (DeepSpeedEngine, "forward"),
     }
 
 
@@ -90,7 +92,7 @@ def test_each_flag_patches_only_its_seams():
                                         enable_malloc_policy=True, enable_grad_buffer_release=False))
     during = _snapshot()
     assert {k for k in before if during[k] is not before[k]} == {"stage3.__init__", "stage3._post_step",
-                                                                  "stage3.partition_grads"}
+                                                                  "stage3.partition_grads", "engine.forward"}
 
 
 def test_apply_twice_same_settings_is_noop_other_settings_is_error():

@@ -179,3 +179,27 @@ def test_partition_grads_trims_before_stock(monkeypatch):
     hook = step_memory.make_partition_grads(lambda self, params, grads: order.append(("stock", params, grads)))
     hook(object(), ["p"], ["g"])
     assert order == ["trim", ("stock", ["p"], ["g"])]
+
+
+def test_init_gradient_buffer_released_only_when_all_zero():
+    zeros = torch.zeros(4 << 20)
+    # The fp32 sub-group tensors' .grad: views of one zeroed buffer (stage 3's initialize_optimizer_states).
+    a = types.SimpleNamespace(grad=zeros.narrow(0, 0, 1 << 20))
+    b = types.SimpleNamespace(grad=zeros.narrow(0, 1 << 20, 3 << 20))
+    assert step_memory.release_init_gradient_pages(types.SimpleNamespace(fp32_partitioned_groups_flat=[a, b])) > 0
+    assert host_allocator.resident_bytes(zeros) <= 8192 and not bool(zeros.any())
+    used = torch.zeros(4 << 20)
+    used[123] = 1.0
+    c = types.SimpleNamespace(grad=used)
+    assert step_memory.release_init_gradient_pages(types.SimpleNamespace(fp32_partitioned_groups_flat=[c])) == 0
+    assert float(used[123]) == 1.0
+
+
+def test_engine_forward_trims_only_in_training(monkeypatch):
+    calls = []
+    monkeypatch.setattr(host_allocator, "trim", lambda: calls.append("trim") or True)
+    fwd = step_memory.make_engine_forward(lambda self, x: x + 1)
+    engine = types.SimpleNamespace(module=types.SimpleNamespace(training=True))
+    assert fwd(engine, 1) == 2 and calls == ["trim"]
+    engine.module.training = False
+    assert fwd(engine, 1) == 2 and calls == ["trim"]

@@ -42,7 +42,8 @@ What each flag patches (DeepSpeed 0.19.8 names):
   the per-group norms over the stock sub-groups (:mod:`.grad_norm`).
 * ``enable_malloc_policy``, ``enable_grad_buffer_release``, ``enable_optimizer_pool``:
   glibc ``mallopt`` thresholds when applied (:mod:`.host_allocator`),
-  ``DeepSpeedZeroOptimizer_Stage3.partition_grads`` preceded by ``malloc_trim`` (malloc policy), and
+  ``DeepSpeedZeroOptimizer_Stage3.partition_grads`` and ``DeepSpeedEngine.forward`` (training)
+  preceded by ``malloc_trim`` (malloc policy), and
   ``DeepSpeedZeroOptimizer_Stage3.__init__`` / ``._post_step`` followed by handing memory back
   (:mod:`.step_memory`: gradient-buffer pages, unused optimizer swap buffers, ``malloc_trim``).
 * ``optimizer_sub_group_numel`` / ``param_dram_numel`` live in DeepSpeed's own config:
@@ -184,6 +185,9 @@ def _patch_all(settings: MemAscendSettings) -> None:
         host_allocator.set_malloc_policy()
         stage3 = DeepSpeedZeroOptimizer_Stage3
         _registry.patch(stage3, "partition_grads", step_memory.make_partition_grads(stage3.partition_grads))
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        _registry.patch(DeepSpeedEngine, "forward", step_memory.make_engine_forward(DeepSpeedEngine.forward))
 
     if settings.enable_malloc_policy or settings.enable_grad_buffer_release or settings.enable_optimizer_pool:
         from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3

@@ -12,7 +12,7 @@ the largest I/O-aligned sub-group, handed out narrowed to the request), but
 * creates a buffer only when a request finds none free, so it holds exactly the peak number the
   optimizer used at once (``states + 1`` for the partitioned swapper with Adam);
 * never refuses a request (grows past ``buffer_count``);
-* ``allocate_all`` hands out the free buffers it already has (at least one): callers of it
+* ``allocate_all`` hands out the free buffers it already has (at least two): callers of it
   (initial fp32 write-out, gradient swap-out staging) only stream through them, and move the same
   bytes to the same files with fewer buffers.
 
@@ -94,9 +94,15 @@ class OnDemandSwapBufferManager(SwapBufferManager):
         self.peak_buffers_in_use = max(self.peak_buffers_in_use, len(self.used_buffer_index))
         return buffers
 
+    streaming_buffers = 2
+    """Fewest buffers :meth:`allocate_all` hands out: two, so a streaming writer (the gradient
+    swapper during backward) fills one while the other is being written (one would make every
+    flush wait for its own write)."""
+
     def allocate_all(self, num_elems: int, dtype: torch.dtype) -> list[torch.Tensor]:
-        """Every free buffer, creating one if none is free."""
-        return self.allocate(num_elems=num_elems, count=max(1, len(self.free_buffer_index)), dtype=dtype)
+        """Every free buffer, creating some so that at least :attr:`streaming_buffers` are handed out."""
+        count = max(self.streaming_buffers, len(self.free_buffer_index))
+        return self.allocate(num_elems=num_elems, count=count, dtype=dtype)
 
     def free(self, buffers: list[torch.Tensor]) -> None:
         """Return buffers from :meth:`allocate` (the same view objects).

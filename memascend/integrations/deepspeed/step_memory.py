@@ -48,6 +48,32 @@ def release_grad_buffer_pages(optimizer: Any) -> int:
     return host_allocator.release_pages(buffer)
 
 
+def release_init_gradient_pages(optimizer: Any) -> int:
+    """Release the zero-filled fp32 gradient buffer stage 3's ``initialize_optimizer_states`` leaves.
+
+    It hangs off the fp32 sub-group tensors as ``.grad`` until the first step replaces it with the
+    swapped-in gradient. Released pages read as zero again, so only an all-zero buffer (checked)
+    is released: nothing a later read sees changes.
+
+    Returns:
+        Bytes released.
+    """
+    released = 0
+    seen: set[int] = set()
+    for fp32 in getattr(optimizer, "fp32_partitioned_groups_flat", None) or []:
+        grad = getattr(fp32, "grad", None)
+        if grad is None or grad.device.type != "cpu":
+            continue
+        storage = grad.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        whole = torch.empty(0, dtype=grad.dtype).set_(storage)
+        if not bool(whole.any()):
+            released += host_allocator.release_pages(whole)
+    return released
+
+
 def release_optimizer_swap_buffers(optimizer: Any) -> int:
     """Free the optimizer swapper's unused locked buffers when it is memascend's on-demand manager."""
     manager = getattr(getattr(optimizer, "optimizer_swapper", None), "swap_buffer_manager", None)
@@ -62,6 +88,7 @@ def make_init(original: Any, settings: MemAscendSettings) -> Any:
         original(self, *args, **kwargs)
         if settings.enable_grad_buffer_release:
             release_grad_buffer_pages(self)
+            release_init_gradient_pages(self)
         if settings.enable_malloc_policy:
             host_allocator.trim()
 
@@ -78,6 +105,22 @@ def make_partition_grads(original: Any) -> Any:
 
     partition_grads.__wrapped__ = original  # type: ignore[attr-defined]
     return partition_grads
+
+
+def make_engine_forward(original: Any) -> Any:
+    """Wrap ``DeepSpeedEngine.forward``: :func:`host_allocator.trim` before each training forward.
+
+    What the previous phase freed (an evaluation pass, model loading) is handed back before the
+    forward stacks its activations on top.
+    """
+
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(getattr(self, "module", None), "training", False):
+            host_allocator.trim()
+        return original(self, *args, **kwargs)
+
+    forward.__wrapped__ = original  # type: ignore[attr-defined]
+    return forward
 
 
 def make_post_step(original: Any, settings: MemAscendSettings) -> Any:
