@@ -358,6 +358,10 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup, nvme_s
 
     rank_peaks = [None] * info.world_size
     tdist.all_gather_object(rank_peaks, {"rank": info.rank, **{k: summary[k] for k in ("peak_rss_bytes", "peak_locked_bytes")}})
+    store_ranks = None
+    if raw_store is not None:  # every rank has its own store: gather each one's report
+        store_ranks = [None] * info.world_size
+        tdist.all_gather_object(store_ranks, {"rank": info.rank, **raw_store.report()})
     engine.destroy() if hasattr(engine, "destroy") else None
     if not is_rank0:
         return None
@@ -387,6 +391,7 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup, nvme_s
     rep["nvme"]["backend"] = "raw_store" if raw_store is not None else ("folder" if swap_dir is not None else None)
     if raw_store is not None:
         rep["nvme"]["store"] = raw_store.report()
+        rep["nvme"]["store_ranks"] = store_ranks
     rep["checkpoint"] = {
         "resumed_from": resume_dir,
         "start_step": start_step,
