@@ -82,10 +82,16 @@ def release_optimizer_swap_buffers(optimizer: Any) -> int:
 
 
 def make_init(original: Any, settings: MemAscendSettings) -> Any:
-    """Wrap ``DeepSpeedZeroOptimizer_Stage3.__init__``: release the zeroed gradient buffer's pages."""
+    """Wrap ``DeepSpeedZeroOptimizer_Stage3.__init__``: hand back what construction leaves behind.
+
+    The optimizer swap buffers used to write the initial state, the zeroed gradient buffers'
+    pages, and free heap memory: the first forward would otherwise run on top of them.
+    """
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
+        if settings.enable_optimizer_pool:  # initialize_optimizer_states left them allocated
+            release_optimizer_swap_buffers(self)
         if settings.enable_grad_buffer_release:
             release_grad_buffer_pages(self)
             release_init_gradient_pages(self)
