@@ -212,6 +212,12 @@ class TrainConfig:
     """Global gradient-norm clip (0 disables)."""
     save_model: bool = True
     """Write the fine-tuned model as a Hugging Face folder under ``output_dir/model``."""
+    save_checkpoint: str | None = None
+    """After training, save a DeepSpeed checkpoint (tag ``global_step<N>``) into this folder; a raw
+    store's swapped optimizer state is exported to ordinary files inside it."""
+    resume: str | None = None
+    """Load the DeepSpeed checkpoint in this folder (its ``latest`` tag) before training and
+    continue; ``steps`` counts total optimizer steps."""
 
     def __post_init__(self) -> None:
         if self.micro_batch < 1 or self.grad_accum < 1:
@@ -235,7 +241,13 @@ class OffloadConfig:
     optimizer: OffloadTarget = "nvme"
     """Optimizer state: ``nvme``, ``cpu`` or ``none``."""
     nvme_path: str = field(default_factory=lambda: os.environ.get("MEMASCEND_NVME_PATH", "./memascend-swap"))
-    """Folder on the NVMe device for swap files (a per-run subfolder is created and removed)."""
+    """Folder on the NVMe device for swap files (a per-run subfolder is created and removed), or
+    raw stores: a block device, a ``*.store`` file, or a comma-separated list with one per rank."""
+    nvme_overwrite: bool = False
+    """Accept a raw-store target that carries a filesystem, a partition table or another owner's
+    store (a mounted or held device is always refused)."""
+    enable_crc: bool = True
+    """CRC32C of every raw-store extent, checked on read (off only for speed runs)."""
 
     def __post_init__(self) -> None:
         for name in ("param", "optimizer"):

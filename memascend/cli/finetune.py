@@ -107,10 +107,6 @@ def finetune(**kw) -> None:
     (HF folder), report.json and memory_timeline.{csv,png} to --output.
     """
     kw.pop("launcher_local_rank")
-    from memascend.train.store_target import NvmeStoreOptions
-
-    nvme_store = NvmeStoreOptions(allow_overwrite=kw.pop("nvme_overwrite"), enable_crc=not kw.pop("no_crc"))
-    save_checkpoint_dir, resume_dir = kw.pop("save_checkpoint_dir"), kw.pop("resume_dir")
     nproc = kw.pop("nproc")
     if nproc is not None and nproc > 1 and "RANK" not in os.environ:
         _launch_ranks(nproc)
@@ -129,8 +125,16 @@ def finetune(**kw) -> None:
             "dtype": kw["dtype"],
             "activation_checkpointing": kw["activation_checkpointing"],
             "save_model": kw["save_model"],
+            "save_checkpoint": kw["save_checkpoint_dir"],
+            "resume": kw["resume_dir"],
         },
-        "offload": {"param": kw["offload_param"], "optimizer": kw["offload_optimizer"], "nvme_path": kw["nvme_path"]},
+        "offload": {
+            "param": kw["offload_param"],
+            "optimizer": kw["offload_optimizer"],
+            "nvme_path": kw["nvme_path"],
+            "nvme_overwrite": kw["nvme_overwrite"] or None,
+            "enable_crc": False if kw["no_crc"] else None,
+        },
         "output_dir": kw["output_dir"],
         "engine": kw["engine"],
         "deepspeed_config": kw["deepspeed_config"],
@@ -138,7 +142,7 @@ def finetune(**kw) -> None:
     cfg = build_run_config(file_values, overrides)
     from memascend.train.runner import run_finetune
 
-    report = run_finetune(cfg, nvme_store=nvme_store, save_checkpoint_dir=save_checkpoint_dir, resume_dir=resume_dir)
+    report = run_finetune(cfg)
     if report is not None:
         _print_summary(report, cfg.output_dir)
 

@@ -17,14 +17,13 @@ import os
 import time
 from pathlib import Path
 
-from memascend.config import RunConfig
+from memascend.config import OffloadConfig, RunConfig
 from memascend.errors import UserError
 from memascend.telemetry import MemorySampler, read_proc_io
 from memascend.train import dist as dist_setup
 from memascend.train import report as report_mod
 from memascend.train.ds_config import derived_as_dicts, load_user_ds_config, model_shape, render_ds_config
 from memascend.train.store_target import (
-    NvmeStoreOptions,
     is_store_target,
     resolve_store_target,
     store_file_bytes,
@@ -146,23 +145,8 @@ class _Cleanup:
             revert_raw_store(close=True)
 
 
-def run_finetune(
-    cfg: RunConfig,
-    *,
-    nvme_store: NvmeStoreOptions | None = None,
-    save_checkpoint_dir: str | None = None,
-    resume_dir: str | None = None,
-) -> dict | None:
+def run_finetune(cfg: RunConfig) -> dict | None:
     """Run one fine-tuning job and write its outputs to ``cfg.output_dir``.
-
-    Args:
-        cfg: the run.
-        nvme_store: options of the raw-store backend (used when ``cfg.offload.nvme_path`` names
-            block devices or ``.store`` files); default ``NvmeStoreOptions()``.
-        save_checkpoint_dir: after training, ``engine.save_checkpoint`` into this folder (tag
-            ``global_step<N>``; with a raw store the swapped optimizer state is exported there too).
-        resume_dir: ``engine.load_checkpoint`` from this folder (its ``latest`` tag) before
-            training; training continues at the checkpoint's step up to ``cfg.train.steps``.
 
     Returns:
         The report dict on rank 0, ``None`` on other ranks.
@@ -174,14 +158,13 @@ def run_finetune(
     cleanup = _Cleanup()
     with TerminationAsInterrupt(), MemorySampler() as sampler:
         try:
-            return _run(cfg, info, sampler, cleanup, nvme_store or NvmeStoreOptions(),
-                        save_checkpoint_dir, resume_dir)
+            return _run(cfg, info, sampler, cleanup)
         finally:
             cleanup.run()
 
 
-def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup, nvme_store: NvmeStoreOptions,
-         save_checkpoint_dir: str | None, resume_dir: str | None) -> dict | None:
+def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dict | None:
+    save_checkpoint_dir, resume_dir = cfg.train.save_checkpoint, cfg.train.resume
     is_rank0 = info.rank == 0
     out_dir = Path(cfg.output_dir)
     t_start = time.time()
@@ -221,7 +204,7 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup, nvme_s
             cfg.offload.optimizer == "nvme",
         )
         if is_store_target(cfg.offload.nvme_path):
-            raw_store = _open_raw_store(cfg.offload.nvme_path, info, need // info.world_size, nvme_store)
+            raw_store = _open_raw_store(cfg.offload, info, need // info.world_size)
             cleanup.raw_store = raw_store
             swap_dir = raw_store.key_root
         else:
@@ -410,7 +393,7 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup, nvme_s
     return rep
 
 
-def _open_raw_store(nvme_path: str, info, need_bytes: int, options: NvmeStoreOptions):
+def _open_raw_store(offload: OffloadConfig, info, need_bytes: int):
     """Create this rank's raw store and route DeepSpeed's swappers to it.
 
     Raises:
@@ -419,12 +402,12 @@ def _open_raw_store(nvme_path: str, info, need_bytes: int, options: NvmeStoreOpt
     """
     from memascend.integrations.deepspeed.raw_store import apply_raw_store, revert_raw_store
 
-    target = resolve_store_target(nvme_path, info.rank, info.world_size)
+    target = resolve_store_target(offload.nvme_path, info.rank, info.world_size)
     handle = apply_raw_store(
         target,
         world_rank=info.rank,
-        allow_overwrite=options.allow_overwrite,
-        enable_crc=options.enable_crc,
+        allow_overwrite=offload.nvme_overwrite,
+        enable_crc=offload.enable_crc,
         size_bytes=store_file_bytes(need_bytes),
     )
     if handle.store.capacity_bytes < need_bytes:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import stat
-from dataclasses import dataclass
 from pathlib import Path
 
 from memascend.errors import UserError
@@ -25,17 +24,6 @@ STORE_FILE_SUFFIX = ".store"
 #: Room a store file gets beyond the estimated tensor bytes: header, two extent-table slots,
 #: 4 KiB rounding of every extent and the staging of DeepSpeed's padded swap buffers.
 STORE_FILE_OVERHEAD_BYTES = 64 << 20
-
-
-@dataclass(frozen=True, kw_only=True)
-class NvmeStoreOptions:
-    """Options of the raw-store backend (``memascend finetune`` flags)."""
-
-    allow_overwrite: bool = False
-    """``--nvme-overwrite``: accept a target carrying a filesystem, a partition table or another
-    owner's store (never a mounted or held one)."""
-    enable_crc: bool = True
-    """CRC32C of every extent, checked on read (``--no-crc`` turns it off for speed runs)."""
 
 
 def _is_block_device(path: str) -> bool:
