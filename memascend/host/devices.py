@@ -16,24 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memascend.host.result import CheckResult, HostPaths, Status, format_bytes, read_text
+from memascend.io.device import PROBE_BYTES, find_signature
 
-PROBE_BYTES = 0x10040 + 8  # up to the btrfs magic, the farthest signature probed
-
-# (name, byte offset, magic) of on-disk signatures that mean "this holds data or a layout".
-SIGNATURES: tuple[tuple[str, int, bytes], ...] = (
-    ("ext2/3/4 filesystem", 0x438, b"\x53\xef"),
-    ("xfs filesystem", 0, b"XFSB"),
-    ("btrfs filesystem", 0x10040, b"_BHRfS_M"),
-    ("swap area", 4096 - 10, b"SWAPSPACE2"),
-    ("swap area", 4096 - 10, b"SWAP-SPACE"),
-    ("vfat filesystem", 0x52, b"FAT32   "),
-    ("vfat filesystem", 0x36, b"FAT16   "),
-    ("ntfs filesystem", 3, b"NTFS    "),
-    ("LUKS container", 0, b"LUKS\xba\xbe"),
-    ("LVM physical volume", 512, b"LABELONE"),
-    ("md RAID member", 4096, b"\xfc\x4e\x2b\xa9"),
-    ("GPT partition table", 512, b"EFI PART"),
-)
+# memascend's own store header is not foreign data: doctor accepts a partition that carries it.
+_OWN_STORE = "memascend store header"
 
 FIX_MISSING = "create it: run `just provision HOST` with the disk in nvme_raw_devices (role nvme_raw)"
 FIX_ACCESS = (
@@ -49,19 +35,18 @@ FIX_DISK = "pass the memascend partition (e.g. /dev/nvme0n1p1), not the whole di
 
 
 def probe_signature(path: Path) -> str | None:
-    """Name of the first known on-disk signature found at the start of ``path``, or ``None``.
+    """Name of the first foreign on-disk signature at the start of ``path``, or ``None``.
+
+    Uses the store's own signature table (:func:`memascend.io.device.find_signature`), so doctor
+    and the store refuse the same things; a memascend store header counts as free.
 
     Raises:
         OSError: the device cannot be opened or read.
     """
     with open(path, "rb", buffering=0) as f:
         head = f.read(PROBE_BYTES)
-    for name, offset, magic in SIGNATURES:
-        if head[offset : offset + len(magic)] == magic:
-            return name
-    if len(head) >= 512 and head[510:512] == b"\x55\xaa":
-        return "MBR partition table or boot sector"
-    return None
+    found = find_signature(head)
+    return None if found == _OWN_STORE else found
 
 
 @dataclass(frozen=True)
