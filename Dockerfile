@@ -38,10 +38,14 @@ RUN --mount=type=bind,from=scripts,target=/scripts \
       install -m 0755 /scripts/cc-wrap.sh "/opt/cc-wrap/$c"; \
     done
 ENV PATH=/opt/cc-wrap:${PATH}
+# buildah keys its layer cache on the RUN text, not on what is bind-mounted: build.sh passes
+# content hashes of the scripts and of the source tree so that a change rebuilds the layers using it.
+ARG PYTHON_SCRIPTS_SHA=""
 RUN --mount=type=bind,from=scripts,target=/scripts \
     --mount=type=bind,target=/src,rw \
     /scripts/install-python.sh /src
 # A layer of its own: DeepSpeed's ops above take ~25 min on 2 cores and stay cached while memascend's ops change.
+ARG SOURCE_SHA=""
 # hadolint ignore=DL3059
 RUN --mount=type=bind,from=scripts,target=/scripts \
     --mount=type=bind,target=/src,rw \
@@ -58,6 +62,7 @@ ENV PATH=/opt/memascend/venv/bin:${PATH} \
 # Non-root: the user reaches raw partitions through group memascend (GID 2300, as on the host).
 USER 2300:2300
 WORKDIR /home/memascend
+ARG SMOKE_SHA=""
 RUN --mount=type=bind,from=scripts,target=/scripts \
     /scripts/smoke.sh
 ENTRYPOINT ["memascend"]

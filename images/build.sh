@@ -48,6 +48,12 @@ if ((local_base)); then
   fi
 fi
 
+# Content hashes (see the Dockerfile): buildah does not key its cache on bind-mounted files.
+sha_of() { find "$@" -type f ! -name '*.pyc' ! -name '*.so' ! -path '*/__pycache__/*' -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16; }
+args[PYTHON_SCRIPTS_SHA]=$(sha_of images/scripts/install-python.sh)
+args[SOURCE_SHA]=$(sha_of images/scripts/build-ops.sh memascend csrc pyproject.toml)
+args[SMOKE_SHA]=$(sha_of images/scripts/smoke.sh)
+
 build_args=()
 for key in "${!args[@]}"; do build_args+=(--build-arg "$key=${args[$key]}"); done
 

