@@ -23,6 +23,7 @@ from memascend.telemetry import MemorySampler, read_proc_io
 from memascend.train import dist as dist_setup
 from memascend.train import report as report_mod
 from memascend.train.ds_config import derived_as_dicts, load_user_ds_config, model_shape, render_ds_config
+from memascend.train.preflight import check_memlock_for_run, upfront_locked_bytes
 from memascend.train.store_target import (
     is_store_target,
     resolve_store_target,
@@ -235,6 +236,9 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
         cleanup.revert = seam.revert
         seam.apply(settings)
         engine_settings = dataclasses.asdict(settings)
+    check_memlock_for_run(
+        upfront_locked_bytes(ds_cfg, cfg.train.dtype, shape.largest_numel, info.world_size, cfg.engine)
+    )
     model, hf_ds = build_model(src, cfg.model, ds_cfg, cfg.train.seed)
     if cfg.train.activation_checkpointing:
         model.gradient_checkpointing_enable()
