@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.host.loopdev import attach_loop
+
 REPO = Path(__file__).resolve().parents[2]
 ANSIBLE_DIR = REPO / "ansible"
 GROUP, GID = "memascend", 2300
@@ -68,15 +70,7 @@ class Sandbox:
 
     def loop_disk(self, name: str, size_bytes: int = 64 << 20) -> str:
         """A new partition-scanning loop device over a sparse file; detached in :meth:`close`."""
-        backing = self.root / f"{name}.img"
-        with open(backing, "wb") as f:
-            f.truncate(size_bytes)
-        dev = subprocess.run(
-            ["losetup", "--find", "--show", "--partscan", str(backing)],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
+        dev = attach_loop(self.root / f"{name}.img", size_bytes)
         self.loops.append(dev)
         return dev
 

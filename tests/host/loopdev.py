@@ -20,17 +20,22 @@ def require_loop_devices() -> None:
         pytest.skip("needs losetup (util-linux)")
 
 
-@contextlib.contextmanager
-def loop_disk(backing: Path, size_bytes: int = 64 << 20) -> Iterator[Path]:
-    """A partition-scanning loop device over a sparse file of ``size_bytes``; detached on exit."""
+def attach_loop(backing: Path, size_bytes: int = 64 << 20) -> str:
+    """Attach a partition-scanning loop device over a new sparse file of ``size_bytes``; the caller detaches it."""
     with open(backing, "wb") as f:
         f.truncate(size_bytes)
-    dev = subprocess.run(
+    return subprocess.run(
         ["losetup", "--find", "--show", "--partscan", str(backing)],
         capture_output=True,
         text=True,
         check=True,
     ).stdout.strip()
+
+
+@contextlib.contextmanager
+def loop_disk(backing: Path, size_bytes: int = 64 << 20) -> Iterator[Path]:
+    """A partition-scanning loop device over a sparse file of ``size_bytes``; detached on exit."""
+    dev = attach_loop(backing, size_bytes)
     try:
         yield Path(dev)
     finally:
