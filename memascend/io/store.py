@@ -87,6 +87,28 @@ class ExtentRecord:
         )
 
 
+@dataclass(frozen=True)
+class IOCounters:
+    """Bytes a store has moved since it was constructed (every transfer submitted: tensors, header,
+    extent table, checkpoint export/import; not the header and table reads inside :meth:`TensorStore.open`).
+    Subtract two snapshots for a window.
+
+    ``read_bytes``/``write_bytes`` are device bytes (each request rounded up to ``align_bytes``
+    under O_DIRECT, as the kernel sees them); ``payload_*`` are the tensor bytes asked for.
+    """
+
+    read_bytes: int = 0
+    write_bytes: int = 0
+    payload_read_bytes: int = 0
+    payload_write_bytes: int = 0
+
+    def __sub__(self, other: IOCounters) -> IOCounters:
+        return IOCounters(*(a - b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
 @dataclass(eq=False)
 class Ticket:
     """An in-flight transfer returned by :meth:`TensorStore.submit_write` / ``submit_read``;
@@ -130,6 +152,7 @@ class TensorStore:
         self._writes: set[str] = set()
         self._tickets: dict[int, Ticket] = {}
         self._closed = False
+        self._counters = [0, 0, 0, 0]  # read, write, payload read, payload write (bytes)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -290,6 +313,19 @@ class TensorStore:
         """The ``memascend_nvme_io.Engine`` (queue depth, request size, alignment, bounce bytes)."""
         return self._engine
 
+    def io_counters(self) -> IOCounters:
+        """Bytes moved so far (see :class:`IOCounters`)."""
+        with self._lock:
+            return IOCounters(*self._counters)
+
+    def _count(self, op: str, nbytes: int) -> None:
+        """Account one submitted transfer of ``nbytes`` payload bytes (``op``: "read"/"write")."""
+        device = -(-nbytes // self.align_bytes) * self.align_bytes if self._engine.direct else nbytes
+        i = 0 if op == "read" else 1
+        with self._lock:
+            self._counters[i] += device
+            self._counters[i + 2] += nbytes
+
     def keys(self) -> list[str]:
         with self._lock:
             return list(self._records)
@@ -365,6 +401,7 @@ class TensorStore:
         if nbytes:
             try:
                 job = self._engine.submit_write(tensor, offset, nbytes, self.enable_crc)
+                self._count("write", nbytes)
             except BaseException:
                 with self._lock:
                     self._drop_locked(key)
@@ -405,6 +442,7 @@ class TensorStore:
                 job = self._engine.submit_read(
                     out, rec.offset_bytes, rec.nbytes, self.enable_crc and rec.crc32c is not None
                 )
+                self._count("read", rec.nbytes)
             except BaseException:
                 with self._lock:
                     self._reads[key] -= 1
@@ -546,6 +584,14 @@ class TensorStore:
 
         return import_files(self, folder, chunk_bytes=chunk_bytes)
 
+    def import_swap_files(
+        self, files: dict[str, str | os.PathLike], *, chunk_bytes: int = EXPORT_CHUNK_BYTES
+    ) -> list[str]:
+        """Load plain files as raw bytes, one key each; see :func:`memascend.io.checkpoint.import_swap_files`."""
+        from memascend.io.checkpoint import import_swap_files
+
+        return import_swap_files(self, files, chunk_bytes=chunk_bytes)
+
     # ------------------------------------------------------------------ internals
     def _allocate(self, key: str, nbytes: int, old: ExtentRecord | None) -> int:
         """Extent offset for ``nbytes`` under ``key`` (lock held); frees ``old`` on success."""
@@ -579,6 +625,7 @@ class TensorStore:
     def _write_raw(self, offset: int, data: bytes, what: str) -> None:
         buf = _op.load().aligned_empty(len(data))
         buf.numpy()[:] = memoryview(data)
+        self._count("write", len(data))
         _check_job(
             self._engine,
             self._engine.wait(self._engine.submit_write(buf, offset)),

@@ -135,15 +135,38 @@ class _Cleanup:
         self.swap_dir: Path | None = None
         self.revert = None
         self.raw_store = None
+        self.created_out_dir: Path | None = None
 
-    def run(self) -> None:
+    def run(self, *, failed: bool = False) -> None:
+        """Undo everything; every step runs even when an earlier one raises (the first error is
+        re-raised at the end). After a failed run, an output folder this run created and left
+        empty is removed too."""
+        first: BaseException | None = None
+        for step in (self._swap_dir, self._revert, self._raw_store, *((self._out_dir,) if failed else ())):
+            try:
+                step()
+            except BaseException as exc:  # noqa: BLE001 - finish the cleanup, raise the first
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def _swap_dir(self) -> None:
         remove_swap_dir(self.swap_dir)
+
+    def _revert(self) -> None:
         if self.revert is not None:
             self.revert()
+
+    def _raw_store(self) -> None:
         if self.raw_store is not None:
             from memascend.integrations.deepspeed.raw_store import revert_raw_store
 
             revert_raw_store(close=True)
+
+    def _out_dir(self) -> None:
+        if self.created_out_dir is not None:
+            with contextlib.suppress(OSError):
+                self.created_out_dir.rmdir()  # only if empty
 
 
 def run_finetune(cfg: RunConfig) -> dict | None:
@@ -159,9 +182,15 @@ def run_finetune(cfg: RunConfig) -> dict | None:
     cleanup = _Cleanup()
     with TerminationAsInterrupt(), MemorySampler() as sampler:
         try:
-            return _run(cfg, info, sampler, cleanup)
-        finally:
-            cleanup.run()
+            result = _run(cfg, info, sampler, cleanup)
+        except BaseException:
+            # The run's own error (e.g. a checksum mismatch naming tensor and offset) is what the
+            # user must see; a second failure while cleaning up must not replace it.
+            with contextlib.suppress(Exception):
+                cleanup.run(failed=True)
+            raise
+        cleanup.run()
+        return result
 
 
 def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dict | None:
@@ -218,6 +247,8 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
     grad_accum = int(ds_cfg["gradient_accumulation_steps"])
 
     if is_rank0:
+        if not out_dir.exists():
+            cleanup.created_out_dir = out_dir
         out_dir.mkdir(parents=True, exist_ok=True)
 
     # ---- initialize -----------------------------------------------------------------------------
@@ -255,6 +286,10 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
     start_step = 0
     if resume_dir is not None:
         sampler.phase("resume")
+        if raw_store is None:  # a raw-store checkpoint keeps its optimizer state outside stock's folder
+            from memascend.integrations.deepspeed.raw_store import prepare_folder_resume
+
+            prepare_folder_resume(engine, resume_dir)
         load_path, _client = engine.load_checkpoint(resume_dir)
         if load_path is None:
             raise UserError(f"--resume {resume_dir}: DeepSpeed found no checkpoint to load")
@@ -266,6 +301,7 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
     # ---- train ----------------------------------------------------------------------------------
     block_sampler = BlockSampler(len(split.train), micro_batch, info.world_size, info.rank, cfg.train.seed)
     io0 = read_proc_io()
+    store_io0 = raw_store.store.io_counters() if raw_store is not None else None
     per_step = []
     tokens_per_step = global_batch_blocks * cfg.data.seq_len
     peak_swap_bytes = 0
@@ -314,6 +350,8 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
         bar.close()
     train_s = time.monotonic() - train_t0
     io1 = read_proc_io()
+    if raw_store is not None:
+        raw_store.train_io = raw_store.store.io_counters() - store_io0
     skipped_steps = int(getattr(engine, "skipped_steps", 0))
     loss_after = evaluate(engine, split.eval, micro_batch, info, sampler)
 

@@ -74,6 +74,80 @@ def checkpoint_rank_dir(tag_dir: str | os.PathLike, world_rank: int) -> Path:
     return Path(tag_dir) / CHECKPOINT_SUBDIR / f"rank{world_rank:02d}"
 
 
+def stock_offload_rank_dir(tag_dir: str | os.PathLike, world_rank: int) -> Path:
+    """``<tag_dir>/offloaded_tensors/rank<NN>``: where stock ``save_checkpoint`` copies a rank's
+    optimizer swap folder (``DeepSpeedEngine._save_checkpoint``'s ``copytree``)."""
+    return Path(tag_dir) / "offloaded_tensors" / f"rank{world_rank:02d}"
+
+
+def resolve_checkpoint_tag(load_dir: str | os.PathLike, tag: Any = None) -> str | None:
+    """``tag``, else the contents of ``<load_dir>/latest`` (as ``load_checkpoint`` resolves it), else ``None``."""
+    if tag is not None:
+        return str(tag)
+    latest = Path(load_dir) / "latest"
+    return latest.read_text().strip() if latest.is_file() else None
+
+
+def _swap_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.is_file()) if folder.is_dir() else []
+
+
+def _no_optimizer_state(tag_dir: Path, world_rank: int) -> UserError:
+    return UserError(
+        f"checkpoint {tag_dir} holds no NVMe optimizer state for rank {world_rank} (neither "
+        f"{stock_offload_rank_dir(tag_dir, world_rank)} with swap files nor "
+        f"{checkpoint_rank_dir(tag_dir, world_rank)}/manifest.json): it was saved by a run whose "
+        "optimizer state was not on NVMe; resume it with the same --offload settings it was saved with"
+    )
+
+
+def prepare_folder_resume(engine: Any, load_dir: str | os.PathLike, tag: Any = None) -> list[Path]:
+    """Let a folder-of-files run (no raw store applied) resume a checkpoint of a raw-store run.
+
+    Stock ``load_checkpoint`` copies ``<tag>/offloaded_tensors/rank<NN>/`` into the optimizer's
+    swap folder and reads the state back from there; a raw-store checkpoint keeps that folder
+    empty and the state in ``<tag>/memascend_store/rank<NN>/``. Call this before
+    ``engine.load_checkpoint``: it writes each exported tensor as the ``.swp`` file stock expects
+    in the swap folder (CRC32C-checked), so stock's load then finds them. A stock checkpoint, or
+    a run without the optimizer on NVMe, is left alone.
+
+    Returns:
+        The swap files written (empty when there was nothing to do).
+
+    Raises:
+        UserError: the checkpoint holds neither kind of optimizer state for this rank, or an
+            export entry does not belong to this swap folder.
+        ChecksumError: an export file is corrupt.
+    """
+    from memascend.io.checkpoint import copy_export_to_folder, read_manifest
+
+    folder = _optimizer_swap_folder(engine)
+    resolved = resolve_checkpoint_tag(load_dir, tag)
+    if folder is None or resolved is None:
+        return []
+    rank = engine.local_rank if engine.use_node_local_storage() else engine.global_rank
+    tag_dir = Path(load_dir) / resolved
+    if _swap_files(stock_offload_rank_dir(tag_dir, rank)):
+        return []
+    export = checkpoint_rank_dir(tag_dir, rank)
+    if not (export / "manifest.json").is_file():
+        if stock_offload_rank_dir(tag_dir, rank).is_dir():
+            return []  # stock checkpoint of a run with nothing swapped
+        raise _no_optimizer_state(tag_dir, rank)
+    # Keys are relative to the saving run's key folder (= nvme_path): .../optimizer/rank<N>/<file>.
+    want = Path(folder).parts[-2:]
+    files = {}
+    for entry in read_manifest(export):
+        key = Path(entry["key"])
+        if key.parent.parts[-2:] != want:
+            raise UserError(
+                f"checkpoint {tag_dir}: exported tensor '{entry['key']}' does not belong to this run's "
+                f"optimizer swap folder ({'/'.join(want)}); resume with the same --nproc it was saved with"
+            )
+        files[entry["key"]] = Path(folder) / key.name
+    return copy_export_to_folder(export, files)
+
+
 @dataclass(eq=False)
 class RawStoreHandle:
     """The store a rank swaps to, as returned by :func:`apply_raw_store`.
@@ -94,11 +168,13 @@ class RawStoreHandle:
     created_file: bool
     owns_key_root: bool
     peak_used_bytes: int = 0
+    train_io: Any = None
+    """:class:`~memascend.io.store.IOCounters` of the training window (set by the runner)."""
     exported: list[str] = field(default_factory=list)
     imported: list[str] = field(default_factory=list)
     export_s: float = 0.0
     import_s: float = 0.0
-    _pending_import: Path | None = None
+    _pending_import: Any = None
     _closed: bool = False
 
     @property
@@ -153,6 +229,24 @@ class RawStoreHandle:
         self.exported = [k for k in self.store.keys() if k.startswith(prefix) and "gradient" not in k]
         return manifest
 
+    def import_swap_files(self, files: dict[str, Path], copies: list[Path]) -> list[str]:
+        """Load a stock checkpoint's swap files (key -> file) into the store, then delete
+        ``copies`` (what stock's ``copytree`` put into the key folder).
+
+        Raises:
+            UserError: a file is missing. StoreFullError: no room.
+        """
+        t0 = time.monotonic()
+        try:
+            keys = self.store.import_swap_files(files)
+        finally:
+            for path in copies:
+                path.unlink(missing_ok=True)
+        self.import_s += time.monotonic() - t0
+        self.imported = keys
+        self.sample_usage()
+        return keys
+
     def import_checkpoint(self, rank_dir: str | os.PathLike) -> list[str]:
         """Load a rank's export (:meth:`export_checkpoint`) into the store, replacing those keys.
 
@@ -187,6 +281,9 @@ class RawStoreHandle:
             "checkpoint_imported_tensors": len(self.imported),
             "checkpoint_export_s": self.export_s,
             "checkpoint_import_s": self.import_s,
+            # the store's own byte counters (see the module doc, "I/O accounting")
+            "io_bytes": self.store.io_counters().as_dict(),
+            "train_io_bytes": self.train_io.as_dict() if self.train_io is not None else None,
         }
 
     def close(self) -> None:
@@ -377,20 +474,25 @@ def _make_save_checkpoint(original, handle: RawStoreHandle):
 def _make_load_checkpoint(original, handle: RawStoreHandle):
     @functools.wraps(original)
     def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
-        """Stock load; the store export of the checkpoint is imported where stock copies files."""
-        if _optimizer_swap_folder(self) is not None:
-            resolved = tag
-            if resolved is None:
-                latest = Path(load_dir) / "latest"
-                resolved = latest.read_text().strip() if latest.is_file() else None
-            if resolved is not None:
-                rank_dir = checkpoint_rank_dir(Path(load_dir) / str(resolved), handle.world_rank)
-                if not (rank_dir / "manifest.json").is_file():
-                    raise UserError(
-                        f"checkpoint {Path(load_dir) / str(resolved)} has no store export for rank "
-                        f"{handle.world_rank} ({rank_dir}): it was not saved from a raw-store run"
-                    )
-                handle._pending_import = rank_dir
+        """Stock load; the checkpoint's optimizer state is imported into the store where stock
+        copies files: the store export of a raw-store run, or the swap files of a folder-of-files
+        run (stock's ``copytree`` copies those into the key folder first; they are deleted after
+        the import)."""
+        folder = _optimizer_swap_folder(self)
+        resolved = resolve_checkpoint_tag(load_dir, tag)
+        if folder is not None and resolved is not None:
+            tag_dir = Path(load_dir) / resolved
+            rank_dir = checkpoint_rank_dir(tag_dir, handle.world_rank)
+            stock_files = _swap_files(stock_offload_rank_dir(tag_dir, handle.world_rank))
+            if (rank_dir / "manifest.json").is_file():
+                handle._pending_import = ("export", rank_dir)
+            elif stock_files:
+                prefix = handle.key_prefix(folder)
+                files = {prefix + f.name: f for f in stock_files}
+                copies = [Path(folder) / f.name for f in stock_files]
+                handle._pending_import = ("swap_files", files, copies)
+            elif not stock_offload_rank_dir(tag_dir, handle.world_rank).is_dir():
+                raise _no_optimizer_state(tag_dir, handle.world_rank)
         try:
             return original(self, load_dir, tag, *args, **kwargs)
         finally:
@@ -404,8 +506,10 @@ def _make_reset_swap_buffers(original, handle: RawStoreHandle):
     def reset_swap_buffers(self):
         """Import the pending store export, then stock (which reads the optimizer state back)."""
         pending, handle._pending_import = handle._pending_import, None
-        if pending is not None:
-            handle.import_checkpoint(pending)
+        if pending is not None and pending[0] == "export":
+            handle.import_checkpoint(pending[1])
+        elif pending is not None:
+            handle.import_swap_files(pending[1], pending[2])
         return original(self)
 
     return reset_swap_buffers
