@@ -269,7 +269,7 @@ class RunConfig:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     output_dir: str = "runs/latest"
     """Folder for the fine-tuned model, ``report.json`` and the memory timeline."""
-    engine: Engine = "baseline"
+    engine: Engine = "memascend"
     """``baseline``: stock DeepSpeed ZeRO-Infinity; ``memascend``: with the memory optimisations applied."""
     deepspeed_config: str | None = None
     """A user's DeepSpeed JSON to start from; memascend fills in only what the run needs."""

@@ -90,7 +90,7 @@ def _launch_ranks(nproc: int) -> None:
               help="Load the latest checkpoint in this folder before training and continue from its step "
               "up to --steps (total optimizer steps)")
 @click.option("--output", "output_dir", default=None, help="Output folder (model, report.json, memory timeline) [default: runs/latest]")
-@click.option("--engine", type=click.Choice(["baseline", "memascend"]), default=None, help="Stock ZeRO-Infinity or with memascend's memory optimisations [default: baseline]")
+@click.option("--engine", type=click.Choice(["baseline", "memascend"]), default=None, help="memascend's memory optimisations (default) or stock ZeRO-Infinity (baseline) [default: memascend]")
 @click.option("--eval-blocks", type=int, default=None, help="Held-out blocks evaluated before/after training [default: 16]")
 @click.option("--activation-checkpointing/--no-activation-checkpointing", default=None, help="Recompute activations in backward [default: off]")
 @click.option("--save-model/--no-save-model", default=None, help="Write the fine-tuned model as an HF folder [default: on]")

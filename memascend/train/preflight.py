@@ -14,18 +14,24 @@ _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 def upfront_locked_bytes(ds_cfg: dict, dtype: str, largest_param_numel: int, world_size: int, engine: str) -> int:
-    """Bytes the parameter swapper locks before the first step (a lower bound of the run's locking).
+    """Bytes the swappers lock before the first step completes (a lower bound of the run's locking).
 
     Stock ``AsyncPartitionedParameterSwapper`` pins ``buffer_count x buffer_size`` elements at
-    construction; memascend's pool holds at least one slot of the largest partition. Zero when
-    parameters are not offloaded to NVMe.
+    construction (zero when parameters are not offloaded to NVMe). memascend's pool holds at least
+    one slot of the largest partition, and with the optimizer state on NVMe its on-demand manager
+    locks Adam's ``states + 1`` = 4 fp32 buffers of the largest partition in the first step (the
+    ``"auto"`` sub-group size).
     """
-    op = ds_cfg.get("zero_optimization", {}).get("offload_param", {})
+    zero = ds_cfg.get("zero_optimization", {})
+    op = zero.get("offload_param", {})
+    elt = _DTYPE_BYTES[dtype]
+    partition_numel = math.ceil(largest_param_numel / world_size)
+    if engine == "memascend":
+        params = partition_numel * elt if op.get("device") == "nvme" else 0
+        optimizer = 4 * partition_numel * 4 if zero.get("offload_optimizer", {}).get("device") == "nvme" else 0
+        return params + optimizer
     if op.get("device") != "nvme":
         return 0
-    elt = _DTYPE_BYTES[dtype]
-    if engine == "memascend":
-        return math.ceil(largest_param_numel / world_size) * elt
     count = int(op.get("buffer_count", DS_DEFAULT_PARAM_BUFFER_COUNT))
     size = int(op.get("buffer_size", DS_DEFAULT_PARAM_BUFFER_SIZE_NUMEL))
     return count * size * elt

@@ -78,7 +78,8 @@ def test_each_flag_patches_only_its_seams():
                                         enable_arena_pinning=False, enable_fused_overflow_check=False,
                                         enable_malloc_policy=False, enable_grad_buffer_release=True))
     during = _snapshot()
-    assert {k for k in before if during[k] is not before[k]} == {"stage3.__init__", "stage3._post_step"}
+    assert {k for k in before if during[k] is not before[k]} == {"stage3.__init__", "stage3._post_step",
+                                                                  "stage3.partition_grads"}
     ma_ds.revert()
     ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=False, enable_optimizer_pool=False,
                                         enable_arena_pinning=False, enable_fused_overflow_check=False,

@@ -181,6 +181,45 @@ def test_partition_grads_trims_before_stock(monkeypatch):
     assert order == ["trim", ("stock", ["p"], ["g"])]
 
 
+def _stage3_like(*, boundary: bool, dtype=torch.bfloat16, offload=True):
+    return types.SimpleNamespace(offload_optimizer=offload, dtype=dtype, is_gradient_accumulation_boundary=lambda: boundary)
+
+
+@pytest.mark.parametrize(("boundary", "dtype", "offload", "released"), [
+    (True, torch.bfloat16, True, True),
+    (True, torch.float32, True, True),
+    (False, torch.bfloat16, True, False),  # gradient accumulation: the next micro step adds to it
+    (True, torch.float16, True, False),  # fp16 has_overflow reads the whole buffer in step
+    (True, torch.bfloat16, False, False),  # optimizer in DRAM reads it in step
+])
+def test_partition_grads_releases_written_partitions_only_when_dead(boundary, dtype, offload, released):
+    flat = torch.ones(8 << 20, dtype=torch.bfloat16)
+    views = [flat.narrow(0, 0, 3 << 20), flat.narrow(0, 3 << 20, 2 << 20)]
+    settings_ = step_memory.MemAscendSettings(enable_malloc_policy=False)
+    hook = step_memory.make_partition_grads(lambda self, params, grads: list(views), settings_)
+    before = host_allocator.resident_bytes(flat)
+    assert hook(_stage3_like(boundary=boundary, dtype=dtype, offload=offload), ["p"], ["g"]) == views
+    untouched = flat.narrow(0, 5 << 20, 3 << 20)
+    assert bool((untouched == 1).all())  # partitions not handed back keep their values
+    if released:
+        assert host_allocator.resident_bytes(flat) <= before - (9 << 20)
+        assert not bool(flat.narrow(0, 4096, (3 << 20) - 8192).any())  # page-interior: reads as zero now
+    else:
+        assert host_allocator.resident_bytes(flat) == before and bool((flat == 1).all())
+
+
+def test_optimizer_buffers_kept_between_steps_when_release_is_off():
+    calls = []
+    settings_ = step_memory.MemAscendSettings(enable_optimizer_buffer_release=False, enable_malloc_policy=False,
+                                              enable_grad_buffer_release=False)
+    manager = types.SimpleNamespace(release_free_buffers=lambda: calls.append("buffers") or 0)
+    opt = types.SimpleNamespace(offload_optimizer=True, dtype=torch.bfloat16, grad_partitions_flat_buffer=None,
+                                optimizer_swapper=types.SimpleNamespace(swap_buffer_manager=manager))
+    step_memory.make_post_step(lambda self, names: None, settings_)(opt, set())
+    step_memory.make_init(lambda self: None, settings_)(opt)
+    assert calls == []
+
+
 def test_init_gradient_buffer_released_only_when_all_zero():
     zeros = torch.zeros(4 << 20)
     # The fp32 sub-group tensors' .grad: views of one zeroed buffer (stage 3's initialize_optimizer_states).

@@ -26,6 +26,8 @@ def test_upfront_lock_follows_the_stock_param_slab_and_the_pool():
     custom = {"zero_optimization": {"offload_param": {"device": "nvme", "buffer_count": 3, "buffer_size": 10}}}
     assert upfront_locked_bytes(custom, "fp32", 1, 1, "baseline") == 3 * 10 * 4
     assert upfront_locked_bytes(NVME, "bf16", 1000, 2, "memascend") == 500 * 2
+    both = {"zero_optimization": {"offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"}}}
+    assert upfront_locked_bytes(both, "bf16", 1000, 2, "memascend") == 500 * 2 + 4 * 500 * 4
     assert upfront_locked_bytes({"zero_optimization": {"offload_param": {"device": "cpu"}}}, "bf16", 9, 1, "baseline") == 0
 
 
@@ -42,12 +44,13 @@ def test_cap_ipc_lock_lifts_the_limit(tmp_path):
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop CAP_IPC_LOCK with setpriv")
-def test_finetune_refuses_before_deepspeed_crashes(tmp_path):
-    """Stock DeepSpeed's aio op segfaults when mlock fails; memascend says why and exits 2."""
+@pytest.mark.parametrize("engine", ["baseline", "memascend"])
+def test_finetune_refuses_before_deepspeed_crashes(tmp_path, engine):
+    """Stock DeepSpeed's aio op segfaults when mlock fails; memascend says why and exits 2 (both engines)."""
     cmd = ["setpriv", "--bounding-set", "-ipc_lock", "--inh-caps", "-ipc_lock",
            "prlimit", "--memlock=8388608:8388608",
            sys.executable, "-m", "memascend", "finetune", "--from-scratch", "llama-tiny", "--steps", "1",
-           "--seq-len", "32", "--micro-batch", "1", "--eval-blocks", "1",
+           "--seq-len", "32", "--micro-batch", "1", "--eval-blocks", "1", "--engine", engine,
            "--output", str(tmp_path / "out"), "--nvme-path", str(tmp_path / "swap")]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     try:

@@ -184,7 +184,6 @@ def _patch_all(settings: MemAscendSettings) -> None:
 
         host_allocator.set_malloc_policy()
         stage3 = DeepSpeedZeroOptimizer_Stage3
-        _registry.patch(stage3, "partition_grads", step_memory.make_partition_grads(stage3.partition_grads))
         from deepspeed.runtime.engine import DeepSpeedEngine
 
         _registry.patch(DeepSpeedEngine, "forward", step_memory.make_engine_forward(DeepSpeedEngine.forward))
@@ -195,6 +194,9 @@ def _patch_all(settings: MemAscendSettings) -> None:
         from memascend.integrations.deepspeed import step_memory
 
         stage3 = DeepSpeedZeroOptimizer_Stage3
+        if settings.enable_malloc_policy or settings.enable_grad_buffer_release:
+            _registry.patch(stage3, "partition_grads",
+                            step_memory.make_partition_grads(stage3.partition_grads, settings))
         _registry.patch(stage3, "__init__", step_memory.make_init(stage3.__init__, settings))
         _registry.patch(stage3, "_post_step", step_memory.make_post_step(stage3._post_step, settings))
 

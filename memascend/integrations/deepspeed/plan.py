@@ -16,27 +16,59 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from memascend.integrations.deepspeed.grad_norm import stock_sub_groups
 from memascend.integrations.deepspeed.settings import MemAscendSettings, rewrite_ds_config
+
+_FP32_BYTES = 4
 
 DS_DEFAULT_SUB_GROUP_NUMEL = 1_000_000_000
 """``zero_optimization.sub_group_size`` when a config leaves it out (DeepSpeed 0.19.8 zero/config.py)."""
 
 
-def auto_sub_group_numel(param_numels: Iterable[int], world_size: int = 1) -> int:
-    """Sub-group size for ``optimizer_sub_group_numel="auto"``: the largest parameter partition.
+MIN_SWAPPABLE_BYTES = 1024**2
+"""Smallest fp32 sub-group the stock optimizer swapper puts on NVMe (0.19.8 ``OptimizerSwapper
+.is_swappable_tensor``: ``max(MIN_AIO_BYTES, aio.block_size)``, 1 MiB with the default block size)."""
+
+
+def auto_sub_group_numel(param_numels: Iterable[int], world_size: int = 1,
+                         min_swappable_bytes: int = MIN_SWAPPABLE_BYTES) -> int:
+    """Sub-group size for ``optimizer_sub_group_numel="auto"``: the largest parameter partition,
+    grown until no sub-group stays in DRAM.
 
     ZeRO-3 never splits a parameter across sub-groups, so no sub-group can be smaller than the
     largest partition; at that size the optimizer's ``states + 1`` locked fp32 buffers are as small
     as they can get and every sub-group is still at least one whole parameter (large I/O).
 
+    Stock grouping (:func:`~memascend.integrations.deepspeed.grad_norm.stock_sub_groups`) closes a
+    sub-group once it reaches the size, so only the last one can be small. One below
+    ``min_swappable_bytes`` of fp32 is kept in DRAM by the stock swapper, and DeepSpeed 0.19.8's
+    ``load_checkpoint`` with the optimizer on NVMe restores only the swapped sub-groups (it copies
+    the swap folder back and skips ``_load_zero_checkpoint``): a resumed run would silently start
+    that sub-group from the freshly initialised model (measured: llama-tiny, stock DeepSpeed with
+    ``sub_group_size`` 3145728, resumed step-3 loss 10.7784 instead of 10.7684). The size is
+    therefore grown by the small remainder until every sub-group is swappable (at worst one
+    sub-group, the stock layout).
+
     Args:
-        param_numels: elements of every parameter (tied weights once).
+        param_numels: elements of every parameter (tied weights once), in the optimizer's order.
         world_size: ranks that partition each parameter.
+        min_swappable_bytes: smallest fp32 sub-group the optimizer swapper puts on NVMe.
 
     Returns:
-        ``max(ceil(numel / world_size))``, at least 1.
+        Elements per sub-group, at least 1.
     """
-    return max([math.ceil(int(n) / max(1, world_size)) for n in param_numels] or [1])
+    parts = [math.ceil(int(n) / max(1, world_size)) for n in param_numels]
+    if not parts:
+        return 1
+    size, total = max(parts), sum(parts)
+    min_numel = -(-min_swappable_bytes // _FP32_BYTES)
+    while size < total:
+        groups = stock_sub_groups(parts, size, int)
+        smallest = min(sum(group) for group in groups)
+        if len(groups) == 1 or smallest >= min_numel:
+            break
+        size = min(total, size + smallest)
+    return max(1, size)
 
 
 def prepare_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings, *,

@@ -70,6 +70,10 @@ class MemAscendSettings:
             buffer to the OS after construction and after each step (its contents are dead
             there with the optimizer offloaded; :mod:`.step_memory`), so it is resident only
             while backward fills it.
+        enable_optimizer_buffer_release: with ``enable_optimizer_pool``, unlock and free the
+            optimizer's swap buffers after every step (and after construction) so the forward and
+            backward run without them; the next step locks them again. Same peak locked memory;
+            lower RSS outside the step, paid for with page faults when they are locked again.
         reduce_bucket_numel: ``zero_optimization.reduce_bucket_size`` (elements; stock 5e8, a
             buffer of that many gradient elements of which the whole model's gradients become
             resident). ``"auto"``: the largest parameter, resolved by ``prepare_ds_config`` (the
@@ -90,6 +94,7 @@ class MemAscendSettings:
     param_dram_numel: int | None = None
     enable_malloc_policy: bool = True
     enable_grad_buffer_release: bool = True
+    enable_optimizer_buffer_release: bool = True
     reduce_bucket_numel: int | Literal["auto"] | None = "auto"
 
     def __post_init__(self) -> None:

@@ -90,7 +90,7 @@ def make_init(original: Any, settings: MemAscendSettings) -> Any:
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
-        if settings.enable_optimizer_pool:  # initialize_optimizer_states left them allocated
+        if settings.enable_optimizer_pool and settings.enable_optimizer_buffer_release:  # initialize_optimizer_states left them allocated
             release_optimizer_swap_buffers(self)
         if settings.enable_grad_buffer_release:
             release_grad_buffer_pages(self)
@@ -102,12 +102,41 @@ def make_init(original: Any, settings: MemAscendSettings) -> Any:
     return __init__
 
 
-def make_partition_grads(original: Any) -> Any:
-    """Wrap ``DeepSpeedZeroOptimizer_Stage3.partition_grads``: :func:`host_allocator.trim` first."""
+def grad_partitions_are_dead(optimizer: Any) -> bool:
+    """Whether the 16-bit gradient partitions written by ``partition_grads`` are dead once it returns.
+
+    True with the optimizer offloaded, at a gradient-accumulation boundary and not fp16: stage 3
+    (0.19.8 ``partition_grads`` -> ``_offload_grad_partition_at_boundary``) has then converted each
+    partition to fp32 (a copy), recorded its norm and handed the copy to the gradient swapper;
+    nothing reads the 16-bit partition again before the next backward overwrites it (``micro_step_id
+    == 0`` copies, never accumulates). fp16 is excluded: its ``has_overflow`` reads the whole buffer.
+    """
+    if not getattr(optimizer, "offload_optimizer", False) or getattr(optimizer, "dtype", None) == torch.float16:
+        return False
+    boundary = getattr(optimizer, "is_gradient_accumulation_boundary", None)
+    return bool(boundary()) if callable(boundary) else False
+
+
+def make_partition_grads(original: Any, settings: MemAscendSettings | None = None) -> Any:
+    """Wrap ``DeepSpeedZeroOptimizer_Stage3.partition_grads`` (once per reduced bucket in backward).
+
+    * ``enable_malloc_policy``: :func:`host_allocator.trim` first, so freed activation memory goes
+      back to the OS before the bucket's gradient partitions are written on top of it;
+    * ``enable_grad_buffer_release``: when :func:`grad_partitions_are_dead`, the whole pages of the
+      partitions just written (the returned views into ``grad_partitions_flat_buffer``) go back to
+      the OS at once, so at most one bucket of the whole-model gradient buffer is resident during
+      backward instead of all of it by its end.
+    """
+    settings = settings if settings is not None else MemAscendSettings()
 
     def partition_grads(self: Any, params_to_release: Any, grad_partitions: Any) -> Any:
-        host_allocator.trim()
-        return original(self, params_to_release, grad_partitions)
+        if settings.enable_malloc_policy:
+            host_allocator.trim()
+        buffers = original(self, params_to_release, grad_partitions)
+        if settings.enable_grad_buffer_release and buffers and grad_partitions_are_dead(self):
+            for buffer in buffers:
+                host_allocator.release_pages(buffer)
+        return buffers
 
     partition_grads.__wrapped__ = original  # type: ignore[attr-defined]
     return partition_grads
@@ -134,7 +163,7 @@ def make_post_step(original: Any, settings: MemAscendSettings) -> Any:
 
     def _post_step(self: Any, timer_names: Any) -> Any:
         result = original(self, timer_names)
-        if settings.enable_optimizer_pool:
+        if settings.enable_optimizer_pool and settings.enable_optimizer_buffer_release:
             release_optimizer_swap_buffers(self)
         if settings.enable_grad_buffer_release:
             release_grad_buffer_pages(self)
