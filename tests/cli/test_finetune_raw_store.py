@@ -53,6 +53,9 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     }
     reps["folder_resumed"] = _finetune(tmp, "folder_r", folder, "--steps", "4", "--resume", str(tmp / "ck_folder"))
     reps["store_resumed"] = _finetune(tmp, "store_r", store, "--steps", "4", "--resume", str(tmp / "ck_store"))
+    # across kinds: a folder run resumes the raw-store checkpoint, a raw-store run the folder one
+    reps["folder_from_store"] = _finetune(tmp, "folder_fs", folder, "--steps", "4", "--resume", str(tmp / "ck_store"))
+    reps["store_from_folder"] = _finetune(tmp, "store_sf", store, "--steps", "4", "--resume", str(tmp / "ck_folder"))
     reps["_tmp"] = {"path": str(tmp)}
     return reps
 
@@ -88,12 +91,30 @@ def test_resume_from_store_checkpoint(runs):
     assert _losses(resumed)[3] == _losses(runs["store4"])[3]
 
 
-def test_resume_of_folder_checkpoint_into_store_is_refused(runs, tmp_path):
-    ck = Path(runs["_tmp"]["path"]) / "ck_folder"
+def test_resume_across_folder_and_store_checkpoints(runs):
+    """Either kind of checkpoint resumes into either kind of run, with the same losses."""
+    tmp = Path(runs["_tmp"]["path"])
+    want = _losses(runs["folder_resumed"])
+    assert sorted(want) == [3, 4]
+    folder_from_store, store_from_folder = runs["folder_from_store"], runs["store_from_folder"]
+    assert folder_from_store["checkpoint"]["start_step"] == 2 and _losses(folder_from_store) == want
+    assert store_from_folder["checkpoint"]["start_step"] == 2 and _losses(store_from_folder) == want
+    stock = sorted((tmp / "ck_folder" / "global_step2" / "offloaded_tensors" / "rank00").glob("*.swp"))
+    assert store_from_folder["nvme"]["store"]["checkpoint_imported_tensors"] == len(stock) > 0
+    assert folder_from_store["nvme"]["backend"] == "folder"
+
+
+@pytest.mark.parametrize("nvme", ["swap", "r.store"])
+def test_resume_of_checkpoint_without_nvme_optimizer_state_is_refused(runs, tmp_path, nvme):
+    ck = tmp_path / "ck"
+    shutil.copytree(Path(runs["_tmp"]["path"]) / "ck_folder", ck)
+    shutil.rmtree(ck / "global_step2" / "offloaded_tensors")  # as saved with the optimizer in DRAM
     proc = run_cli(["finetune", *TINY, "--steps", "4", "--output", str(tmp_path / "o"),
-                    "--nvme-path", str(tmp_path / "r.store"), "--resume", str(ck)], tmp_path, timeout_s=600)
-    _refused(proc, "has no store export for rank 0")
-    assert not (tmp_path / "r.store").exists()
+                    "--nvme-path", str(tmp_path / nvme), "--resume", str(ck)], tmp_path, timeout_s=600)
+    _refused(proc, "holds no NVMe optimizer state for rank 0")
+    assert "resume it with the same --offload settings" in proc.stderr
+    assert not (tmp_path / "r.store").exists() and not (tmp_path / "o").exists()
+    assert not (tmp_path / "swap").exists() or not any((tmp_path / "swap").iterdir())
 
 
 @pytest.mark.skipif(shutil.which("mkfs.ext4") is None, reason="needs mkfs.ext4 (e2fsprogs)")

@@ -11,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from memascend.errors import UserError
 from memascend.io import device
 from memascend.io.errors import ChecksumError, DeviceRefusedError, StoreFullError, StoreIOError
 from memascend.io.store import TensorStore
@@ -287,3 +288,36 @@ def test_swapping_does_not_grow_the_page_cache(store_path):
     with open(store_path, "rb") as f:
         f.read(8 * MiB)
     assert device.cached_bytes(store_path) >= 4 * MiB
+
+
+def test_io_counters_count_device_and_payload_bytes(store_path, tmp_path):
+    with TensorStore.create(store_path, size_bytes=8 * MiB) as store:
+        start = store.io_counters()
+        assert start.write_bytes == 4096 and start.read_bytes == 0  # the header written at create
+        store.write("a", torch.zeros(1000))  # 4000 bytes -> one 4 KiB block on the device
+        store.write("b", torch.zeros(3, 1024))  # 12288 bytes, aligned
+        store.read("a", torch.empty(1000))
+        d = store.io_counters() - start
+        assert (d.write_bytes, d.payload_write_bytes) == (4096 + 12288, 4000 + 12288)
+        assert (d.read_bytes, d.payload_read_bytes) == (4096, 4000)
+        before = store.io_counters()
+        store.export_files(tmp_path / "ck", chunk_bytes=4096)
+        d = store.io_counters() - before
+        assert d.payload_read_bytes == 4000 + 12288 and d.write_bytes == 0
+        assert set(d.as_dict()) == {"read_bytes", "write_bytes", "payload_read_bytes", "payload_write_bytes"}
+
+
+def test_import_swap_files_as_raw_bytes(store_path, tmp_path):
+    src = {"opt/rank0/0.tensor.swp": torch.randn(3000), "opt/rank0/1.tensor.swp": torch.arange(7, dtype=torch.int64)}
+    files = {}
+    for i, (k, t) in enumerate(src.items()):
+        files[k] = tmp_path / f"{i}.swp"
+        files[k].write_bytes(t.numpy().tobytes())
+    with TensorStore.create(store_path, size_bytes=8 * MiB) as store:
+        assert sorted(store.import_swap_files(files, chunk_bytes=4096)) == sorted(src)
+        for k, t in src.items():
+            out = torch.empty_like(t)
+            store.read(k, out)  # CRC computed at import is checked here
+            assert torch.equal(out, t) and store.record(k).dtype == "torch.uint8"
+        with pytest.raises(UserError, match="missing"):
+            store.import_swap_files({"x": tmp_path / "nope.swp"})

@@ -25,6 +25,33 @@ tensor and a manifest with CRC32Cs); ``load_checkpoint`` notes the folder, and
 after its ``copytree``) imports it first, so the state is in the store at the very point stock
 would have copied the files.
 
+Resume works across kinds. A raw-store run resuming a folder-of-files checkpoint imports the
+stock ``<tag>/offloaded_tensors/rank<NN>/*.swp`` files into the store at the same point (and deletes
+the copies stock's ``copytree`` put into the key folder); a folder-of-files run resuming a raw-store
+checkpoint calls :func:`prepare_folder_resume` before ``load_checkpoint``, which writes the export's
+tensors as the ``.swp`` files stock then reads. A checkpoint with neither (saved with the optimizer
+state in DRAM) is refused with one line.
+
+I/O accounting. A run report's ``nvme.read_bytes``/``write_bytes`` come from ``/proc/self/io``
+over the training window: bytes the whole process (every thread, io_uring's io-wq workers
+included) sent to or fetched from the storage layer, including page-cache misses of anything
+else the process touches then (shared libraries, Python modules, lazily loaded code), and not
+counting reads served from the page cache. The store counts its own transfers
+(:meth:`TensorStore.io_counters`: device bytes, i.e. each request rounded up to the 4 KiB
+alignment under O_DIRECT, and payload bytes), reported as ``nvme.store.train_io_bytes`` (the same
+window) and ``nvme.store.io_bytes`` (whole run: header and extent table writes, checkpoint
+export/import). The store's swap traffic is the same as the folder's: DeepSpeed swaps whole
+aligned buffers (numel padded to its alignment), so device and payload bytes are equal; the
+header (4 KiB) and extent table are written at create and close only, outside the window; a CRC
+travels in the extent table, not with the data; no bounce buffer is used for the swappers'
+aligned buffers. Measured (llama-tiny from scratch, 2 CPU cores, ext4 on virtio,
+``memascend finetune --from-scratch llama-tiny --seq-len 32 --micro-batch 2 --eval-blocks 2
+--no-save-model --dtype bf16 --steps 4 --nvme-path DIR|FILE.store``): folder 181,592,064 B read /
+201,326,592 B written, store 177,143,808 / 201,326,592 (memascend engine); with ``--engine
+baseline`` folder 181,424,128 / 207,642,624, store 181,456,896 / 207,667,200. The differences
+(-4.4 MB to +33 KB) are other page-cache misses of the process, not swap traffic; a
+store-vs-folder gap in ``/proc/self/io`` should be read against ``train_io_bytes``.
+
 All patches go through a :class:`~memascend.integrations.deepspeed.patches.PatchRegistry` of this
 module and :func:`revert_raw_store` restores the very same objects.
 
