@@ -70,6 +70,16 @@ def test_store_file_losses_identical_to_folder(runs):
     # fp32 master + 2 Adam moments + gradient of the 3.1M-element partition, bf16 embedding: > 40 MB
     assert sect["peak_used_bytes"] > 40e6 and sect["tensors"] >= 4
     assert not (Path(runs["_tmp"]["path"]) / "run.store").exists()  # file target deleted at exit
+    # the store's own counters of the training window: O_DIRECT, so /proc/self/io sees at least
+    # them; the swap payload is the folder run's (same buffers), device bytes add only the 4 KiB
+    # padding of buffers that are 512- but not 4096-aligned (raw_store module doc)
+    io = sect["train_io_bytes"]
+    for op in ("read", "write"):
+        payload, device = io[f"payload_{op}_bytes"], io[f"{op}_bytes"]
+        assert 0 < payload <= device <= store["nvme"][f"{op}_bytes"]
+        assert payload <= folder["nvme"][f"{op}_bytes"]
+        assert (device - payload) % 512 == 0 and device - payload < 1e-3 * payload
+    assert sect["io_bytes"]["write_bytes"] >= io["write_bytes"] + 4096  # + header and table
 
 
 def test_resume_from_store_checkpoint(runs):

@@ -37,20 +37,27 @@ over the training window: bytes the whole process (every thread, io_uring's io-w
 included) sent to or fetched from the storage layer, including page-cache misses of anything
 else the process touches then (shared libraries, Python modules, lazily loaded code), and not
 counting reads served from the page cache. The store counts its own transfers
-(:meth:`TensorStore.io_counters`: device bytes, i.e. each request rounded up to the 4 KiB
-alignment under O_DIRECT, and payload bytes), reported as ``nvme.store.train_io_bytes`` (the same
-window) and ``nvme.store.io_bytes`` (whole run: header and extent table writes, checkpoint
-export/import). The store's swap traffic is the same as the folder's: DeepSpeed swaps whole
-aligned buffers (numel padded to its alignment), so device and payload bytes are equal; the
-header (4 KiB) and extent table are written at create and close only, outside the window; a CRC
-travels in the extent table, not with the data; no bounce buffer is used for the swappers'
-aligned buffers. Measured (llama-tiny from scratch, 2 CPU cores, ext4 on virtio,
-``memascend finetune --from-scratch llama-tiny --seq-len 32 --micro-batch 2 --eval-blocks 2
---no-save-model --dtype bf16 --steps 4 --nvme-path DIR|FILE.store``): folder 181,592,064 B read /
-201,326,592 B written, store 177,143,808 / 201,326,592 (memascend engine); with ``--engine
-baseline`` folder 181,424,128 / 207,642,624, store 181,456,896 / 207,667,200. The differences
-(-4.4 MB to +33 KB) are other page-cache misses of the process, not swap traffic; a
-store-vs-folder gap in ``/proc/self/io`` should be read against ``train_io_bytes``.
+(:meth:`TensorStore.io_counters`: payload bytes, and device bytes = each request rounded up to the
+store's ``align_bytes``), reported as ``nvme.store.train_io_bytes`` (the same window) and
+``nvme.store.io_bytes`` (whole run: header and extent table writes, checkpoint export/import).
+
+Why a raw-store run shows slightly more ``/proc/self/io`` bytes than a folder run of the same
+job: alignment padding, nothing else. The store moves each tensor as one extent whose length is
+rounded up to 4 KiB (``align_bytes``; the engine zero-fills the tail on write and reads it back),
+whereas DeepSpeed's aio on ext4 only needs the 512-byte logical block for O_DIRECT. DeepSpeed's
+optimizer swap buffers are 512-aligned, not 4 KiB-aligned (llama-tiny: three 13,109,248-byte
+buffers, 2,048 bytes past a 4 KiB boundary), so every transfer of one costs 2,048 extra device
+bytes. The header (4 KiB) and extent table are written at create and close, outside the window;
+CRCs live in the extent table, not next to the data; bounce buffers (the last request of such a
+buffer is staged through one) cost a copy, not I/O. Measured on 2 CPU cores, ext4 on virtio (``memascend finetune
+--from-scratch llama-tiny --seq-len 32 --micro-batch 2 --eval-blocks 2 --no-save-model --dtype bf16
+--steps 4 --nvme-path DIR|FILE.store``, DeepSpeed 0.19.8, memascend engine): folder run
+181,432,320 B read / 207,654,912 B written; store run 181,444,608 / 207,667,200, exactly the
+store's ``train_io_bytes`` device counters, whose payload is 181,424,128 / 207,642,624 (padding
+20,480 / 24,576 B = 10 reads and 12 writes x 2,048 B). The folder run's own excess over the same
+payload (8,192 / 12,288 B) is filesystem metadata and other page-cache misses. Compare swap
+traffic with ``train_io_bytes``; the padding scales with transfers of non-4-KiB-multiple buffers
+(at most 4 KiB - 512 B each).
 
 All patches go through a :class:`~memascend.integrations.deepspeed.patches.PatchRegistry` of this
 module and :func:`revert_raw_store` restores the very same objects.
