@@ -55,6 +55,16 @@ SMOLLM2_THRESHOLDS = Thresholds()
 LLAMA_1B_THRESHOLDS = Thresholds(max_peak_rss_ratio=0.45, max_peak_locked_ratio=0.25)
 """Issue 3, ~1B from-scratch Llama: RSS <= 45 %, same loss per step."""
 
+SMOKE_THRESHOLDS = Thresholds(max_peak_rss_ratio=0.50, max_peak_locked_ratio=0.25, max_step_time_ratio=1.30,
+                              step_time_noise=0.20)
+"""The smoke matrix is a regression gate, not issue 3's promise (which ``cpu-full``'s
+``smollm2-shakespeare-bf16-256x4``, the issue's exact configuration, checks with
+:data:`SMOLLM2_THRESHOLDS`). Its shapes are cut to 2 x 128 tokens so that eight runs fit in minutes,
+which leaves less activation memory to save, and two ranks each pay the framework's fixed RSS.
+Step time: memascend hands memory back between phases and touches it again, and on the 2-core
+virtual machine of profile cpu-2c-24g a page fault costs about 0.75 s per GiB (measured with a
+1 GiB first-touch loop), so the RSS-first defaults run 1.1-1.35x the baseline there."""
+
 SMALL_MODEL_THRESHOLDS = Thresholds(max_peak_rss_ratio=0.80, max_peak_locked_ratio=0.50)
 """Models far below 135M parameters: the framework's fixed RSS dominates, so only a looser bound
 holds (no issue gives a number; these points are for the scaling fit, not the promise)."""
@@ -163,7 +173,7 @@ class Matrix:
 
 def _smoke() -> Matrix:
     # Small seq-len/steps so the eight runs (4 configs x 2 engines) take minutes on 2 cores.
-    common = dict(seq_len=128, micro_batch=2, steps=3, thresholds=SMOLLM2_THRESHOLDS)
+    common = dict(seq_len=128, micro_batch=2, steps=3, thresholds=SMOKE_THRESHOLDS)
     return Matrix(
         name="smoke",
         description="SmolLM2-135M (real weights) on Shakespeare and chitchat, 1 and 2 ranks, bf16, "

@@ -18,7 +18,7 @@ from memascend.bench.compare import (
 )
 from memascend.bench.matrix import MATRICES, BenchConfig, Thresholds
 
-CFG = MATRICES["smoke"].configs[0]
+CFG = MATRICES["cpu-full"].select("smollm2-shakespeare-bf16-256x4")[0]  # issue 3's thresholds
 TOL = GoldenTolerances()
 
 
