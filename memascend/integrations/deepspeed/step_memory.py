@@ -105,13 +105,15 @@ def make_init(original: Any, settings: MemAscendSettings) -> Any:
 def grad_partitions_are_dead(optimizer: Any) -> bool:
     """Whether the 16-bit gradient partitions written by ``partition_grads`` are dead once it returns.
 
-    True with the optimizer offloaded, at a gradient-accumulation boundary and not fp16: stage 3
+    True with the optimizer offloaded, at a gradient-accumulation boundary and bf16: stage 3
     (0.19.8 ``partition_grads`` -> ``_offload_grad_partition_at_boundary``) has then converted each
-    partition to fp32 (a copy), recorded its norm and handed the copy to the gradient swapper;
-    nothing reads the 16-bit partition again before the next backward overwrites it (``micro_step_id
-    == 0`` copies, never accumulates). fp16 is excluded: its ``has_overflow`` reads the whole buffer.
+    partition to fp32 (``.float()``, a copy), recorded its norm and handed the copy to the gradient
+    swapper; nothing reads the 16-bit partition again before the next backward overwrites it
+    (``micro_step_id == 0`` copies, never accumulates). fp16 is excluded (its ``has_overflow``
+    reads the whole buffer), and so is fp32: there ``.float()`` returns the partition itself, which
+    the gradient swapper may still be copying from after ``partition_grads`` returns.
     """
-    if not getattr(optimizer, "offload_optimizer", False) or getattr(optimizer, "dtype", None) == torch.float16:
+    if not getattr(optimizer, "offload_optimizer", False) or getattr(optimizer, "dtype", None) != torch.bfloat16:
         return False
     boundary = getattr(optimizer, "is_gradient_accumulation_boundary", None)
     return bool(boundary()) if callable(boundary) else False
