@@ -62,23 +62,27 @@ ACTIVATION_OVERHEAD = 0.5
 """Measured share of the activation estimate (SDPA attention keeps no ``a*s*s`` scores; bf16 CPU
 kernels free most intermediates early): backward-phase RSS above the resident set was 0.36-0.37
 GiB for SmolLM2 at 2 x 128 and 2 x 256 tokens."""
-MEMASCEND_FRAMEWORK_RSS_BYTES = int(0.45 * GIB)
+MEMASCEND_FRAMEWORK_RSS_BYTES = int(0.47 * GIB)
 """The same under memascend's malloc policy (fixed mmap/trim thresholds, ``malloc_trim`` per step)."""
 CORPUS_BYTES_PER_TOKEN = 130
 """Per rank, resident bytes per corpus token after reading and tokenizing (documents, Python token
 lists, blocks): measured as the load-phase RSS of chitchat (3.80M tokens) over Shakespeare (1.70M)."""
 BUILTIN_CORPUS_TOKENS = {"shakespeare": 1_702_472, "chitchat": 3_802_092}
 """Tokens of the built-in corpora with the SmolLM2 tokenizer (report.json ``data.tokens``)."""
+DS_REDUCE_BUCKET_NUMEL = 500_000_000
+"""``zero_optimization.reduce_bucket_size`` when a config leaves it out (DeepSpeed 0.19.8)."""
 MODEL_BUILD_BYTES_PER_PARAM = 6.5
 """Per rank, building the model (every rank materialises whole fp32 tensors, pretrained weights read
 from the checkpoint or random init, before ``zero.Init`` partitions 16-bit copies) leaves this
 many bytes per parameter resident in glibc's heap."""
-MEMASCEND_MODEL_BUILD_BYTES_PER_PARAM = 5.2
-"""The same under memascend's malloc policy.
+MEMASCEND_MODEL_BUILD_BYTES_PER_PARAM = 1.5
+"""The same under memascend's malloc policy (the trim before the first forward hands most of it back).
 
-The four constants above are a least-squares fit over 14 real runs on this host (SmolLM2-135M
-smoke matrix, from-scratch llama-tiny/0.1b/0.3b; baselines/cpu-2c-24g), with every other
-component fixed by the model."""
+The stock constants are a least-squares fit over 14 real runs on this host (SmolLM2-135M smoke
+matrix, from-scratch llama-tiny/0.1b/0.3b; baselines/cpu-2c-24g), with every other component fixed
+by the model. The two memascend constants were refitted (smallest worst-case relative error) over
+the 9 memascend runs of the current engine: smoke (4), cpu-full llama-tiny/0.1b/0.3b/0.5b and a
+llama-1b run; worst error 12 %."""
 STOCK_STEP_TEMP_BYTES_PER_PARAM = 4
 """Extra step-phase bytes per partition element of stock DeepSpeed over memascend (calibrated)."""
 OPTIMIZER_BUFFERS_IN_USE = 4
@@ -276,7 +280,13 @@ def plan_engine(engine: str, cfg: RunConfig, dims: ModelDims, ds_cfg: dict, worl
             add("param write-back buffer", _aligned(wb_numel, e) * e, True, "reserve_partitioned_swap_space")
     elif op.get("device") == "cpu":
         add("params in CPU memory", part * e, False, "offload_param device cpu")
-    if release_grads:
+    if release_grads and cfg.train.dtype == "bf16":
+        # Pages of each reduced bucket's partitions are handed back as soon as they are swapped out:
+        # about one bucket (its partition on this rank) is resident during backward.
+        bucket = int(z.get("reduce_bucket_size", DS_REDUCE_BUCKET_NUMEL))
+        add("grad_partitions_flat_buffer (one bucket resident)", min(part, math.ceil(bucket / w)) * e, False,
+            "stage3 gradient partition (released per bucket)", "backward")
+    elif release_grads:
         # Pages returned after construction and after each step: resident from backward to step.
         for phase in ("backward", "step"):
             add("grad_partitions_flat_buffer", part * e, False, "stage3 gradient partition (released)", phase)
