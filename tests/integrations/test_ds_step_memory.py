@@ -181,8 +181,9 @@ def test_partition_grads_trims_before_stock(monkeypatch):
     assert order == ["trim", ("stock", ["p"], ["g"])]
 
 
-def _stage3_like(*, boundary: bool, dtype=torch.bfloat16, offload=True):
-    return types.SimpleNamespace(offload_optimizer=offload, dtype=dtype, is_gradient_accumulation_boundary=lambda: boundary)
+def _stage3_like(*, boundary: bool, dtype=torch.bfloat16, offload=True, managed=True):
+    return types.SimpleNamespace(offload_optimizer=offload, dtype=dtype, is_gradient_accumulation_boundary=lambda: boundary,
+                                 _memascend_managed_accumulation=managed)
 
 
 @pytest.mark.parametrize(("boundary", "dtype", "offload", "released"), [
@@ -191,6 +192,7 @@ def _stage3_like(*, boundary: bool, dtype=torch.bfloat16, offload=True):
     (False, torch.bfloat16, True, False),  # gradient accumulation: the next micro step adds to it
     (True, torch.float16, True, False),  # fp16 has_overflow reads the whole buffer in step
     (True, torch.bfloat16, False, False),  # optimizer in DRAM reads it in step
+    (True, "unmanaged", True, False),  # unmanaged accumulation swaps the partitions out again at step
 ])
 def test_partition_grads_releases_written_partitions_only_when_dead(boundary, dtype, offload, released):
     flat = torch.ones(8 << 20, dtype=torch.bfloat16)
@@ -198,7 +200,9 @@ def test_partition_grads_releases_written_partitions_only_when_dead(boundary, dt
     settings_ = step_memory.MemAscendSettings(enable_malloc_policy=False)
     hook = step_memory.make_partition_grads(lambda self, params, grads: list(views), settings_)
     before = host_allocator.resident_bytes(flat)
-    assert hook(_stage3_like(boundary=boundary, dtype=dtype, offload=offload), ["p"], ["g"]) == views
+    managed = dtype != "unmanaged"
+    dtype = torch.bfloat16 if dtype == "unmanaged" else dtype
+    assert hook(_stage3_like(boundary=boundary, dtype=dtype, offload=offload, managed=managed), ["p"], ["g"]) == views
     untouched = flat.narrow(0, 5 << 20, 3 << 20)
     assert bool((untouched == 1).all())  # partitions not handed back keep their values
     if released:
@@ -242,3 +246,15 @@ def test_engine_forward_trims_only_in_training(monkeypatch):
     assert fwd(engine, 1) == 2 and calls == ["trim"]
     engine.module.training = False
     assert fwd(engine, 1) == 2 and calls == ["trim"]
+
+
+def test_managed_accumulation_read_from_the_config_stage3_gets(tmp_path):
+    assert step_memory.managed_accumulation({"train_batch_size": 1}) is True
+    assert step_memory.managed_accumulation({"managed_gradient_accumulation": False}) is False
+    path = tmp_path / "ds.json"
+    path.write_text('{"managed_gradient_accumulation": false}')
+    assert step_memory.managed_accumulation(str(path)) is False
+    path.write_text("{}")
+    assert step_memory.managed_accumulation(path) is True
+    assert step_memory.managed_accumulation(str(tmp_path / "missing.json")) is False
+    assert step_memory.managed_accumulation(None) is False

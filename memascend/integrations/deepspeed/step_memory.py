@@ -74,6 +74,25 @@ def release_init_gradient_pages(optimizer: Any) -> int:
     return released
 
 
+def managed_accumulation(ds_config: Any) -> bool:
+    """``managed_gradient_accumulation`` of the config stage 3 was built with (DeepSpeed default true).
+
+    ``ds_config`` is what ``DeepSpeedEngine`` passes (the user's dict or JSON path); anything
+    unreadable counts as unmanaged, which only turns the per-bucket gradient release off.
+    """
+    if isinstance(ds_config, (str, bytes)) or hasattr(ds_config, "__fspath__"):
+        try:
+            import json
+
+            with open(ds_config, encoding="utf-8") as fh:
+                ds_config = json.load(fh)
+        except (OSError, ValueError):
+            return False
+    if not isinstance(ds_config, dict):
+        return False
+    return bool(ds_config.get("managed_gradient_accumulation", True))
+
+
 def release_optimizer_swap_buffers(optimizer: Any) -> int:
     """Free the optimizer swapper's unused locked buffers when it is memascend's on-demand manager."""
     manager = getattr(getattr(optimizer, "optimizer_swapper", None), "swap_buffer_manager", None)
@@ -90,6 +109,7 @@ def make_init(original: Any, settings: MemAscendSettings) -> Any:
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
+        self._memascend_managed_accumulation = managed_accumulation(kwargs.get("ds_config"))
         if settings.enable_optimizer_pool and settings.enable_optimizer_buffer_release:  # initialize_optimizer_states left them allocated
             release_optimizer_swap_buffers(self)
         if settings.enable_grad_buffer_release:
@@ -109,11 +129,16 @@ def grad_partitions_are_dead(optimizer: Any) -> bool:
     (0.19.8 ``partition_grads`` -> ``_offload_grad_partition_at_boundary``) has then converted each
     partition to fp32 (``.float()``, a copy), recorded its norm and handed the copy to the gradient
     swapper; nothing reads the 16-bit partition again before the next backward overwrites it
-    (``micro_step_id == 0`` copies, never accumulates). fp16 is excluded (its ``has_overflow``
+    (``micro_step_id == 0`` copies, never accumulates), unless gradient accumulation is unmanaged
+    (its step swaps the partitions out a second time). fp16 is excluded (its ``has_overflow``
     reads the whole buffer), and so is fp32: there ``.float()`` returns the partition itself, which
     the gradient swapper may still be copying from after ``partition_grads`` returns.
     """
     if not getattr(optimizer, "offload_optimizer", False) or getattr(optimizer, "dtype", None) != torch.bfloat16:
+        return False
+    # Unmanaged accumulation ("managed_gradient_accumulation": false) re-reads the partitions at
+    # step (``finalize_gradient_accumulation_boundary`` -> ``_finalize_offload_gradient_accumulation``).
+    if not getattr(optimizer, "_memascend_managed_accumulation", False):
         return False
     boundary = getattr(optimizer, "is_gradient_accumulation_boundary", None)
     return bool(boundary()) if callable(boundary) else False
