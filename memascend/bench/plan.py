@@ -40,6 +40,7 @@ import math
 from dataclasses import dataclass, field
 
 from memascend.config import RunConfig
+from memascend.integrations.deepspeed.plan import DS_DEFAULT_REDUCE_BUCKET_NUMEL
 
 GIB = float(1 << 30)
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -69,8 +70,6 @@ CORPUS_BYTES_PER_TOKEN = 130
 lists, blocks): measured as the load-phase RSS of chitchat (3.80M tokens) over Shakespeare (1.70M)."""
 BUILTIN_CORPUS_TOKENS = {"shakespeare": 1_702_472, "chitchat": 3_802_092}
 """Tokens of the built-in corpora with the SmolLM2 tokenizer (report.json ``data.tokens``)."""
-DS_REDUCE_BUCKET_NUMEL = 500_000_000
-"""``zero_optimization.reduce_bucket_size`` when a config leaves it out (DeepSpeed 0.19.8)."""
 MODEL_BUILD_BYTES_PER_PARAM = 6.5
 """Per rank, building the model (every rank materialises whole fp32 tensors, pretrained weights read
 from the checkpoint or random init, before ``zero.Init`` partitions 16-bit copies) leaves this
@@ -283,7 +282,7 @@ def plan_engine(engine: str, cfg: RunConfig, dims: ModelDims, ds_cfg: dict, worl
     if release_grads and cfg.train.dtype == "bf16":
         # Pages of each reduced bucket's partitions are handed back as soon as they are swapped out:
         # about one bucket (its partition on this rank) is resident during backward.
-        bucket = int(z.get("reduce_bucket_size", DS_REDUCE_BUCKET_NUMEL))
+        bucket = int(z.get("reduce_bucket_size", DS_DEFAULT_REDUCE_BUCKET_NUMEL))
         add("grad_partitions_flat_buffer (one bucket resident)", min(part, math.ceil(bucket / w)) * e, False,
             "stage3 gradient partition (released per bucket)", "backward")
     elif release_grads:

@@ -23,6 +23,8 @@ _FP32_BYTES = 4
 
 DS_DEFAULT_SUB_GROUP_NUMEL = 1_000_000_000
 """``zero_optimization.sub_group_size`` when a config leaves it out (DeepSpeed 0.19.8 zero/config.py)."""
+DS_DEFAULT_REDUCE_BUCKET_NUMEL = 500_000_000
+"""``zero_optimization.reduce_bucket_size`` when a config leaves it out (DeepSpeed 0.19.8 zero/config.py)."""
 
 
 MIN_SWAPPABLE_BYTES = 1024**2
@@ -103,7 +105,7 @@ def prepare_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings,
     bucket = settings.reduce_bucket_numel
     if bucket == "auto":
         # One whole (unpartitioned) gradient must fit; the stock size is kept if it is smaller.
-        bucket = (min(max([int(n) for n in param_numels] or [1]), int(zero.get("reduce_bucket_size", 500_000_000)))
+        bucket = (min(max([int(n) for n in param_numels] or [1]), int(zero.get("reduce_bucket_size", DS_DEFAULT_REDUCE_BUCKET_NUMEL)))
                   if param_numels is not None else None)
     norm_sub_group = settings.grad_norm_sub_group_numel
     if norm_sub_group is None and sub_group is not None and sub_group != stock_sub_group:

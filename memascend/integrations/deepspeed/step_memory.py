@@ -24,12 +24,15 @@ None of this changes a computed value: only when pages are resident.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from memascend.errors import UserError
 from memascend.integrations.deepspeed import host_allocator
-from memascend.integrations.deepspeed.settings import MemAscendSettings
+from memascend.integrations.deepspeed.settings import MemAscendSettings, load_ds_config
 
 
 def release_grad_buffer_pages(optimizer: Any) -> int:
@@ -77,20 +80,17 @@ def release_init_gradient_pages(optimizer: Any) -> int:
 def managed_accumulation(ds_config: Any) -> bool:
     """``managed_gradient_accumulation`` of the config stage 3 was built with (DeepSpeed default true).
 
-    ``ds_config`` is what ``DeepSpeedEngine`` passes (the user's dict or JSON path); anything
-    unreadable counts as unmanaged, which only turns the per-bucket gradient release off.
+    ``ds_config`` is what ``DeepSpeedEngine`` passes (the user's dict or JSON path, read with
+    :func:`~memascend.integrations.deepspeed.settings.load_ds_config`); anything unreadable counts
+    as unmanaged, which only turns the per-bucket gradient release off.
     """
-    if isinstance(ds_config, (str, bytes)) or hasattr(ds_config, "__fspath__"):
-        try:
-            import json
-
-            with open(ds_config, encoding="utf-8") as fh:
-                ds_config = json.load(fh)
-        except (OSError, ValueError):
-            return False
-    if not isinstance(ds_config, dict):
+    if not isinstance(ds_config, (Mapping, str, os.PathLike)):
         return False
-    return bool(ds_config.get("managed_gradient_accumulation", True))
+    try:
+        config = load_ds_config(ds_config)
+    except UserError:
+        return False
+    return bool(config.get("managed_gradient_accumulation", True))
 
 
 def release_optimizer_swap_buffers(optimizer: Any) -> int:
