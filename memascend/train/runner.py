@@ -253,20 +253,24 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
 
     # ---- initialize -----------------------------------------------------------------------------
     sampler.phase("initialize")
+    import dataclasses
+
     import deepspeed
 
-    engine_settings = None
+    from memascend.integrations import deepspeed as seam
+
+    settings = seam.MemAscendSettings.from_mapping((user_ds or {}).get("memascend", {}))
     if cfg.engine == "memascend":
-        import dataclasses
-
-        from memascend.integrations import deepspeed as seam
-
-        settings = seam.MemAscendSettings.from_mapping((user_ds or {}).get("memascend", {}))
         ds_cfg, settings = seam.prepare_ds_config(ds_cfg, settings, param_numels=shape.param_numels,
                                                   world_size=info.world_size)
-        cleanup.revert = seam.revert
-        seam.apply(settings)
-        engine_settings = dataclasses.asdict(settings)
+    else:
+        # Stock ZeRO-Infinity plus only the correctness fixes (fix_*: false in a "memascend"
+        # section turns them off, reproducing stock DeepSpeed exactly).
+        fixes = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings) if f.name.startswith("fix_")}
+        settings = dataclasses.replace(seam.MemAscendSettings.baseline(), **fixes)
+    cleanup.revert = seam.revert
+    seam.apply(settings)
+    engine_settings = dataclasses.asdict(settings)
     check_memlock_for_run(
         upfront_locked_bytes(ds_cfg, cfg.train.dtype, shape.largest_numel, info.world_size, cfg.engine)
     )

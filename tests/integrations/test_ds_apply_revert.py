@@ -25,6 +25,7 @@ def _seam_objects():
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.swap_tensor import optimizer_utils
+    from deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper import PartitionedOptimizerSwapper
     from deepspeed.runtime.zero import partition_parameters
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as S3
 
@@ -42,6 +43,9 @@ def _seam_objects():
         "stage3._post_step": (S3, "_post_step"),
         "stage3.partition_grads": (S3, "partition_grads"),
         "engine.forward": (DeepSpeedEngine, "forward"),
+        "PartitionedOptimizerSwapper._swap_in_pinned_gradients": (PartitionedOptimizerSwapper,
+                                                                  "_swap_in_pinned_gradients"),
+        "OptimizerSwapper._writeback_gradients": (optimizer_utils.OptimizerSwapper, "_writeback_gradients"),
     }
 
 
@@ -69,14 +73,16 @@ def test_each_flag_patches_only_its_seams():
     before = _snapshot()
     ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=True, enable_optimizer_pool=False,
                                         enable_arena_pinning=False, enable_fused_overflow_check=False,
-                                        enable_malloc_policy=False, enable_grad_buffer_release=False))
+                                        enable_malloc_policy=False, enable_grad_buffer_release=False,
+                                        fix_unaligned_gradient_io=False))
     during = _snapshot()
     changed = {k for k in before if during[k] is not before[k]}
     assert changed == {"partition_parameters.AsyncPartitionedParameterSwapper"}
     ma_ds.revert()
     ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=False, enable_optimizer_pool=False,
                                         enable_arena_pinning=False, enable_fused_overflow_check=False,
-                                        enable_malloc_policy=False, enable_grad_buffer_release=True))
+                                        enable_malloc_policy=False, enable_grad_buffer_release=True,
+                                        fix_unaligned_gradient_io=False))
     during = _snapshot()
     assert {k for k in before if during[k] is not before[k]} == {"stage3.__init__", "stage3._post_step",
                                                                   "stage3.partition_grads"}
@@ -84,16 +90,25 @@ def test_each_flag_patches_only_its_seams():
     ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=False, enable_optimizer_pool=False,
                                         enable_arena_pinning=False, enable_fused_overflow_check=False,
                                         enable_malloc_policy=False, enable_grad_buffer_release=False,
-                                        grad_norm_sub_group_numel=1 << 20))
+                                        grad_norm_sub_group_numel=1 << 20, fix_unaligned_gradient_io=False))
     during = _snapshot()
     assert {k for k in before if during[k] is not before[k]} == {"stage3._get_norm_groups"}
     ma_ds.revert()
     ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=False, enable_optimizer_pool=False,
                                         enable_arena_pinning=False, enable_fused_overflow_check=False,
-                                        enable_malloc_policy=True, enable_grad_buffer_release=False))
+                                        enable_malloc_policy=True, enable_grad_buffer_release=False,
+                                        fix_unaligned_gradient_io=False))
     during = _snapshot()
     assert {k for k in before if during[k] is not before[k]} == {"stage3.__init__", "stage3._post_step",
                                                                   "stage3.partition_grads", "engine.forward"}
+    ma_ds.revert()
+    # The baseline engine: every optimization off, only the correctness fix on.
+    ma_ds.apply(ma_ds.MemAscendSettings.baseline())
+    during = _snapshot()
+    assert {k for k in before if during[k] is not before[k]} == {
+        "PartitionedOptimizerSwapper._swap_in_pinned_gradients", "OptimizerSwapper._writeback_gradients"}
+    ma_ds.revert()
+    assert _snapshot() == before
 
 
 def test_apply_twice_same_settings_is_noop_other_settings_is_error():

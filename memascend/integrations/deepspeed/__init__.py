@@ -46,6 +46,9 @@ What each flag patches (DeepSpeed 0.19.8 names):
   preceded by ``malloc_trim`` (malloc policy), and
   ``DeepSpeedZeroOptimizer_Stage3.__init__`` / ``._post_step`` followed by handing memory back
   (:mod:`.step_memory`: gradient-buffer pages, unused optimizer swap buffers, ``malloc_trim``).
+* ``fix_unaligned_gradient_io`` (a correctness fix, on for both engines):
+  ``PartitionedOptimizerSwapper._swap_in_pinned_gradients`` and
+  ``OptimizerSwapper._writeback_gradients`` (:mod:`.aligned_io`).
 * ``optimizer_sub_group_numel`` / ``param_dram_numel`` live in DeepSpeed's own config:
   :func:`prepare_ds_config` (model-dependent ``"auto"``) or :func:`rewrite_ds_config` write them.
 """
@@ -199,6 +202,18 @@ def _patch_all(settings: MemAscendSettings) -> None:
                             step_memory.make_partition_grads(stage3.partition_grads, settings))
         _registry.patch(stage3, "__init__", step_memory.make_init(stage3.__init__, settings))
         _registry.patch(stage3, "_post_step", step_memory.make_post_step(stage3._post_step, settings))
+
+    if settings.fix_unaligned_gradient_io:
+        from deepspeed.runtime.swap_tensor.optimizer_utils import OptimizerSwapper
+        from deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper import PartitionedOptimizerSwapper
+
+        from memascend.integrations.deepspeed.aligned_io import (
+            make_swap_in_pinned_gradients,
+            make_writeback_gradients,
+        )
+
+        _registry.patch(PartitionedOptimizerSwapper, "_swap_in_pinned_gradients", make_swap_in_pinned_gradients())
+        _registry.patch(OptimizerSwapper, "_writeback_gradients", make_writeback_gradients())
 
     if settings.enable_fused_overflow_check:
         from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3

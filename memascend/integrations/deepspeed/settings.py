@@ -82,6 +82,11 @@ class MemAscendSettings:
             first hands freed activation memory back (:mod:`.step_memory`). Gradient values do
             not depend on the bucketing (each parameter is reduced on its own with
             ``reduce_scatter``, the default). ``None``: keep the config's.
+        fix_unaligned_gradient_io: a correctness fix, not an optimization, on for both engines:
+            read and write the optimizer's swapped gradient fragments through an aligned bounce
+            buffer where the fragment's host address is not O_DIRECT-aligned; stock DeepSpeed
+            0.19.8 loses those transfers silently (:mod:`.aligned_io`). Off reproduces stock
+            exactly, including its results on two ranks.
     """
 
     enable_param_pool: bool = True
@@ -96,11 +101,12 @@ class MemAscendSettings:
     enable_grad_buffer_release: bool = True
     enable_optimizer_buffer_release: bool = True
     reduce_bucket_numel: int | Literal["auto"] | None = "auto"
+    fix_unaligned_gradient_io: bool = True
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name.startswith("enable_") and not isinstance(value, bool):
+            if field.name.startswith(("enable_", "fix_")) and not isinstance(value, bool):
                 raise UserError(f"memascend setting {field.name} must be true or false, got {value!r}")
         slots = self.param_prefetch_slots
         if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
@@ -118,6 +124,13 @@ class MemAscendSettings:
         dram = self.param_dram_numel
         if dram is not None and (isinstance(dram, bool) or not isinstance(dram, int) or dram < 0):
             raise UserError(f"memascend setting param_dram_numel must be an integer >= 0, got {dram!r}")
+
+    @classmethod
+    def baseline(cls) -> MemAscendSettings:
+        """What ``--engine baseline`` applies: every optimization off, DeepSpeed's config left as
+        given, the correctness fixes (``fix_*``) on."""
+        off = {f.name: False for f in dataclasses.fields(cls) if f.name.startswith("enable_")}
+        return cls(**off, optimizer_sub_group_numel=None, reduce_bucket_numel=None)
 
     @classmethod
     def from_mapping(cls, section: Mapping[str, Any]) -> MemAscendSettings:

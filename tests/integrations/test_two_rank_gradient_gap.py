@@ -1,18 +1,15 @@
-"""Characterises a stock DeepSpeed 0.19.8 defect that decides what "equal losses on two ranks" can mean.
+"""A stock DeepSpeed 0.19.8 defect on two ranks, and memascend's fix for it, end to end.
 
 With two CPU ranks, ZeRO-3 and the optimizer state on NVMe, part of each rank's fp32 gradient that
-the optimizer step swaps in is read from memory the step never wrote: it holds whatever the
-optimizer's swap buffer held before. The test shows it by poisoning every buffer that stock's
-``SwapBufferManager.allocate`` hands out with NaN (through a ``sitecustomize`` on ``PYTHONPATH``,
-nothing in memascend): one rank trains on finite losses, two ranks get a NaN loss at step 2.
-Measured on SmolLM2-135M (2 x 128 tokens): in 16 of the 30 layers the three MLP gradient
-fragments of rank 0 (3 x 442,368 elements each, 19,906,656 of 67,257,504) arrive as NaN, although
-the swapper's records cover the whole partition (91 swapped + 181 in-memory fragments).
-
-So stock's two-rank losses depend on the contents of recycled buffers, and memascend, which
-allocates its buffers differently, cannot be bit-identical to them (it is, on one rank and on
-small models). If a DeepSpeed upgrade fixes this, the test fails: then two-rank bit-equality
-becomes a meaningful check again.
+stock's optimizer step swaps in is never read from its swap file: the ``O_DIRECT`` read into an
+unaligned view of the sub-group buffer fails silently (:mod:`memascend.integrations.deepspeed.aligned_io`),
+so the step uses whatever the optimizer's swap buffer held before. The test shows it by poisoning
+every buffer that stock's ``SwapBufferManager.allocate`` hands out with NaN (through a
+``sitecustomize`` on ``PYTHONPATH``): stock (``--engine baseline`` with
+``fix_unaligned_gradient_io: false``) trains on finite losses with one rank and gets a NaN loss at
+step 2 with two; with the fix (the default of both engines) two ranks stay finite. Measured on
+SmolLM2-135M (2 x 128 tokens): in 16 of the 30 layers the three MLP gradient fragments of rank 0
+(3 x 442,368 elements each, 19,906,656 of 67,257,504) arrived as NaN without the fix.
 """
 
 from __future__ import annotations
@@ -51,21 +48,28 @@ SwapBufferManager.allocate = _poisoned
 '''
 
 
-def _losses(tmp: Path, nproc: int) -> list[float]:
+def _losses(tmp: Path, nproc: int, fix: bool) -> list[float]:
     site = tmp / "site"
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(_POISON)
-    out = tmp / f"out-{nproc}"
+    ds_json = tmp / f"ds-fix-{fix}.json"
+    ds_json.write_text(json.dumps({"memascend": {"fix_unaligned_gradient_io": fix}}))
+    out = tmp / f"out-{nproc}-{fix}"
     args = ["finetune", "--engine", "baseline", "--data", "shakespeare", "--seq-len", "128", "--micro-batch", "2",
             "--steps", "2", "--seed", "1234", "--eval-blocks", "0", "--no-save-model", "--nproc", str(nproc),
-            "--output", str(out), "--nvme-path", str(tmp / "swap")]
+            "--output", str(out), "--nvme-path", str(tmp / "swap"), "--deepspeed-config", str(ds_json)]
     proc = run_cli(args, tmp, timeout_s=1200, env={"PYTHONPATH": str(site)})
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [s["loss"] for s in json.loads((out / "report.json").read_text())["steps"]]
 
 
 def test_stock_two_ranks_read_unwritten_gradient_memory(tmp_path):
-    one = _losses(tmp_path, 1)
-    assert all(math.isfinite(x) for x in one), one  # one rank: every gradient element is written
-    two = _losses(tmp_path, 2)
+    one = _losses(tmp_path, 1, fix=False)
+    assert all(math.isfinite(x) for x in one), one  # one rank: every fragment happens to be aligned
+    two = _losses(tmp_path, 2, fix=False)
     assert math.isfinite(two[0]) and math.isnan(two[1]), two  # two ranks: the step used NaN-poisoned memory
+
+
+def test_fixed_two_ranks_read_every_gradient_fragment(tmp_path):
+    two = _losses(tmp_path, 2, fix=True)
+    assert all(math.isfinite(x) for x in two), two
