@@ -47,7 +47,7 @@ def test_plan_names_the_consumers_and_memascend_is_smaller():
     report = json.loads(RECORDED[0].read_text())
     report = {**report, "engine": "baseline"}
     base = plan_for_report(report)
-    mine = plan_for_report({**report, "engine": "memascend"})
+    mine = plan_for_report({**report, "engine": "memascend", "memascend_settings": None})
     names = [c.name for c in base.biggest(3)]
     assert any("optimizer swap buffers" in n for n in names)
     assert mine.peak_locked_bytes < base.peak_locked_bytes
