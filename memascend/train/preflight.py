@@ -48,3 +48,17 @@ def check_memlock_for_run(lock_bytes: int, paths: HostPaths | None = None) -> No
     result = check_memlock(paths or HostPaths(), lock_bytes=lock_bytes)
     if result.status == Status.FAIL:
         raise UserError(f"memlock limit too low: {result.detail}; {result.fix}")
+
+
+def check_aio_for_swap_folder() -> None:
+    """Raise when the kernel refuses the AIO syscalls DeepSpeed's aio needs (e.g. a container's
+    seccomp profile blocks ``io_pgetevents``): DeepSpeed would otherwise hang in its first swap-out.
+
+    Raises:
+        UserError: naming the failed syscall and the fix.
+    """
+    from memascend.host.aio_syscalls import AIO_BLOCKED_FIX, probe_aio_syscalls
+
+    probe = probe_aio_syscalls()
+    if probe.ok is False:
+        raise UserError(f"NVMe swapping through DeepSpeed's aio is impossible here: {probe.detail}; {AIO_BLOCKED_FIX}")

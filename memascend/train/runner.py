@@ -23,7 +23,7 @@ from memascend.telemetry import MemorySampler, read_proc_io
 from memascend.train import dist as dist_setup
 from memascend.train import report as report_mod
 from memascend.train.ds_config import derived_as_dicts, load_user_ds_config, model_shape, render_ds_config
-from memascend.train.preflight import check_memlock_for_run, upfront_locked_bytes
+from memascend.train.preflight import check_aio_for_swap_folder, check_memlock_for_run, upfront_locked_bytes
 from memascend.train.store_target import (
     is_store_target,
     resolve_store_target,
@@ -238,6 +238,7 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
             cleanup.raw_store = raw_store
             swap_dir = raw_store.key_root
         else:
+            check_aio_for_swap_folder()
             # Every rank checks (ranks may have different NVMe paths via the environment); the first
             # rank's folder name is shared so all ranks of one launch use one run folder.
             swap_dir = prepare_swap_dir(cfg.offload.nvme_path, need // info.world_size, run_id)
