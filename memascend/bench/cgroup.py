@@ -3,18 +3,33 @@
 The scaling story's question, "the largest model each engine can train for 3 steps under a cap",
 needs the cap enforced, not inferred from an uncapped peak. :func:`run_capped` puts the child
 (and every rank process it launches, which inherit the cgroup) into a fresh memory cgroup with a
-hard limit and no swap: cgroup v2 (``memory.max``, ``memory.swap.max``, ``memory.peak``,
-``memory.events`` ``oom_kill``) where a v2 hierarchy with the memory controller is writable, else
-cgroup v1 (``memory.limit_in_bytes``, ``memory.memsw.limit_in_bytes`` when present,
-``memory.max_usage_in_bytes``, ``memory.oom_control`` ``oom_kill``). The cgroup counts page
-cache too (the O_DIRECT swap path adds none). The cgroup is removed afterwards, leftover tasks
-killed first.
+hard limit and no swap, before the child allocates anything (the child writes its own pid to
+``cgroup.procs`` between fork and exec):
 
-Command line (what the README's scaling story runs)::
+* cgroup v2 (``memory.max``, ``memory.swap.max`` = 0, ``memory.oom.group``; peak from
+  ``memory.peak``, else sampled ``memory.current``; OOM kills from ``memory.events``) where a v2
+  hierarchy with the memory controller enabled for child groups is writable;
+* else cgroup v1 (``memory.limit_in_bytes``, ``memory.memsw.limit_in_bytes`` when present,
+  ``memory.swappiness`` = 0; peak from ``memory.max_usage_in_bytes``; OOM kills from
+  ``memory.oom_control`` ``oom_kill``, limit hits from ``memory.failcnt``);
+* else nothing is enforced: the result's ``mechanism`` is ``none: cannot enforce: <why>`` and
+  its peak is the process tree's RSS sampled with psutil (the uncapped peak). A watchdog kills
+  the tree when that sample passes the cap (best effort: a spike between two samples is missed),
+  so that an uncapped "does it fit" probe cannot take the whole host down.
 
-    python -m memascend.bench.cgroup --cap 16GiB [--json FILE] -- python -m memascend finetune ...
+The cgroup counts page cache as well as RSS (the O_DIRECT swap path adds none; the kernel reclaims
+cache before it OOM-kills). An OOM kill is told apart from other failures: ``oom-killed`` means
+the kernel's OOM killer killed a task of the cgroup after the cgroup reached its limit
+(``memory.events`` ``oom`` on v2, ``memory.failcnt`` on v1); a kill without the limit reached is
+the host running out of memory (``host-oom-killed``), an unexpected failure like any other.
+The cgroup is removed afterwards (leftover tasks killed first), also on errors and Ctrl-C.
 
-exits with the child's status (137 and ``OOM-killed under the cap`` when the kernel killed it).
+Command line (what ``just capped`` runs)::
+
+    python -m memascend.bench.cgroup --cap 16GiB [--json FILE] [--timeout S] -- python -m memascend finetune ...
+
+exits with the child's status, 137 when the cap stopped it (``OOM-killed under the 16 GiB cap``),
+124 when it timed out.
 """
 
 from __future__ import annotations
@@ -27,12 +42,19 @@ import subprocess
 import sys
 import time
 import uuid
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import psutil
 
 from memascend.errors import UserError
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+"""Where cgroup hierarchies are mounted (read at call time: tests point it elsewhere)."""
+
+PREFIX = "memascend-cap-"
+_CAP_SLACK = 8 << 20  # a v1 peak this close to the limit counts as the limit reached
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40}
 
@@ -45,9 +67,23 @@ def parse_size_bytes(text: str) -> int:
     """
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     unit = m.group(2).lower() if m else None
-    if not m or unit not in _UNITS or float(m.group(1)) <= 0:
+    if not m or unit not in _UNITS or float(m.group(1)) <= 0 or int(float(m.group(1)) * _UNITS[unit]) < 1:
         raise UserError(f"not a memory size: {text!r} (e.g. 16GiB, 300MiB)")
     return int(float(m.group(1)) * _UNITS[unit])
+
+
+def format_size(n: int | None) -> str:
+    """``17179869184`` -> ``"16 GiB"``, ``134217728`` -> ``"128 MiB"``, ``1610612736`` -> ``"1.5 GiB"``."""
+    if n is None:
+        return "?"
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}".rstrip("0").rstrip(".") + f" {unit}"
+    return f"{n} B"
+
+
+OUTCOMES = ("fit", "oom-killed", "over-cap", "host-oom-killed", "timed-out", "failed")
+"""What :attr:`CappedResult.outcome` can be."""
 
 
 @dataclass(frozen=True)
@@ -55,162 +91,412 @@ class CappedResult:
     """Outcome of one capped run.
 
     Attributes:
-        returncode: the child's exit status (negative: killed by that signal).
+        returncode: the child's exit status (negative: killed by that signal; ``None``: timed out).
         cap_bytes: the hard limit.
-        mechanism: ``cgroup-v2``, ``cgroup-v1`` or ``none: <why>`` (not enforced).
-        peak_bytes: the cgroup's peak usage (RSS + page cache of every task in it); ``None``
-            when not enforced.
-        oom_killed: the kernel's OOM killer killed a task of the cgroup (the run did not fit).
+        mechanism: ``cgroup-v2``, ``cgroup-v1`` or ``none: cannot enforce: <why>``.
+        peak_bytes: the peak: the cgroup's (RSS + page cache of every task in it) where enforced,
+            else the sampled RSS of the process tree (``None``: nothing could be sampled).
+        peak_source: where ``peak_bytes`` comes from.
+        oom_kills: tasks of the cgroup the kernel's OOM killer killed (``None``: the kernel does
+            not count them, or not enforced).
+        cap_hit: the cgroup reached its limit at least once (reclaim or OOM).
+        timed_out: killed after ``timeout_s``.
+        watchdog_killed: not enforced, and the watchdog killed the tree when its RSS passed the cap.
         wall_s: seconds the child ran.
     """
 
-    returncode: int
+    returncode: int | None
     cap_bytes: int
     mechanism: str
     peak_bytes: int | None
-    oom_killed: bool
+    peak_source: str
+    oom_kills: int | None
+    cap_hit: bool
+    timed_out: bool
+    watchdog_killed: bool
     wall_s: float
 
     @property
+    def enforced(self) -> bool:
+        return self.mechanism.startswith("cgroup-")
+
+    @property
+    def cap(self) -> str:
+        return format_size(self.cap_bytes)
+
+    @property
+    def outcome(self) -> str:
+        """One of :data:`OUTCOMES`.
+
+        ``fit``: completed (exit 0) within the cap (enforced, or not enforced and its sampled peak
+        within the cap); ``oom-killed``: the cgroup reached the cap and the kernel OOM-killed a task
+        (without an ``oom_kill`` counter: a failure after the cap was reached; on v1 "reached" is
+        ``memory.failcnt`` > 0 or the peak within 8 MiB of the limit); ``over-cap``: not
+        enforced, and the run passed the cap (watchdog kill, or a completed run whose peak is
+        above it); ``host-oom-killed``: OOM-killed without the cap reached (the host ran out);
+        ``timed-out``; ``failed``: any other non-zero exit.
+        """
+        if self.timed_out:
+            return "timed-out"
+        if not self.enforced:
+            if self.watchdog_killed or (self.returncode == 0 and (self.peak_bytes or 0) > self.cap_bytes):
+                return "over-cap"
+            return "fit" if self.returncode == 0 else "failed"
+        if self.oom_kills:
+            return "oom-killed" if self.cap_hit else "host-oom-killed"
+        if self.returncode != 0 and self.oom_kills is None and self.cap_hit:
+            return "oom-killed"
+        return "fit" if self.returncode == 0 else "failed"
+
+    @property
     def fit(self) -> bool:
-        """Completed successfully under an enforced cap."""
-        return self.returncode == 0 and not self.oom_killed and not self.mechanism.startswith("none")
+        """Completed within the cap (enforced by the kernel when :attr:`enforced`, else measured)."""
+        return self.outcome == "fit"
+
+    @property
+    def oom_killed(self) -> bool:
+        """OOM-killed by the enforced cap (not by the host, not a watchdog)."""
+        return self.outcome == "oom-killed"
+
+    @property
+    def stopped_by_cap(self) -> bool:
+        """The run did not fit under the cap: OOM-killed by it, or (not enforced) passed it."""
+        return self.outcome in ("oom-killed", "over-cap")
 
     @property
     def verdict(self) -> str:
-        cap = f"{self.cap_bytes / 2**30:.2f} GiB cap"
-        if self.mechanism.startswith("none"):
-            return f"cap NOT enforced ({self.mechanism[6:]}); exit {self.returncode}"
-        if self.oom_killed:
-            return f"OOM-killed under the {cap} (peak {self.peak_bytes / 2**30:.2f} GiB)"
-        if self.returncode != 0:
-            return f"failed with exit {self.returncode} under the {cap} (not an OOM kill)"
-        return f"fit under the {cap}: peak {self.peak_bytes / 2**30:.2f} GiB"
+        """One line, e.g. ``OOM-killed under the 16 GiB cap (cgroup peak 16 GiB)``."""
+        cap, peak, out = self.cap, format_size(self.peak_bytes), self.outcome
+        if not self.enforced:
+            head = f"cap NOT enforced ({self.mechanism.removeprefix('none: ')}): "
+            if out == "over-cap":
+                how = "stopped by the RSS watchdog" if self.watchdog_killed else "completed"
+                return head + f"exceeded the {cap} cap: uncapped peak {peak} ({how})"
+            if out == "fit":
+                return head + f"completed, uncapped peak {peak} within the {cap} cap"
+            if out == "timed-out":
+                return head + f"timed out after {self.wall_s:.0f} s, uncapped peak {peak}"
+            return head + f"failed with exit {self.returncode}, uncapped peak {peak}"
+        if out == "oom-killed":
+            return f"OOM-killed under the {cap} cap (cgroup peak {peak})"
+        if out == "host-oom-killed":
+            return (f"killed by the host's OOM killer, not by the {cap} cap (cgroup peak {peak}): "
+                    "the host ran out of memory")
+        if out == "timed-out":
+            return f"timed out after {self.wall_s:.0f} s under the {cap} cap (cgroup peak {peak})"
+        if out == "failed":
+            return f"failed with exit {self.returncode} under the {cap} cap (not an OOM kill; cgroup peak {peak})"
+        return f"fit under the {cap} cap: cgroup peak {peak}"
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "cap": self.cap, "enforced": self.enforced, "outcome": self.outcome,
+                "fit": self.fit, "oom_killed": self.oom_killed, "verdict": self.verdict}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CappedResult:
+        names = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def _cgroup_mounts(root: Path) -> tuple[list[Path], list[Path]]:
+    """(cgroup2 mount points, cgroup-v1 memory mount points) to try, in order."""
+    v2 = [r for r in (root, root / "unified") if (r / "cgroup.controllers").is_file()]
+    v1 = [root / "memory"]
+    if root == Path("/sys/fs/cgroup"):
+        try:
+            mounts = Path("/proc/self/mounts").read_text().splitlines()
+        except OSError:
+            mounts = []
+        for line in mounts:
+            parts = line.split()
+            if len(parts) < 4:
+                continue
+            path = Path(parts[1].replace("\\040", " "))
+            if parts[2] == "cgroup2" and path not in v2:
+                v2.append(path)
+            elif parts[2] == "cgroup" and "memory" in parts[3].split(",") and path not in v1:
+                v1.append(path)
+    return v2, v1
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def _keyed(text: str) -> dict[str, int]:
+    out = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if value.strip().lstrip("-").isdigit():
+            out[key] = int(value)
+    return out
+
+
+def _sweep_stale(parent: Path) -> None:
+    """Remove empty ``memascend-cap-<pid>-*`` groups left by a process that no longer runs (SIGKILL)."""
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return
+    for d in entries:
+        m = re.fullmatch(re.escape(PREFIX) + r"(\d+)-[0-9a-f]+", d.name)
+        if m and d.is_dir() and not psutil.pid_exists(int(m.group(1))) and not _read(d / "cgroup.procs").strip():
+            try:
+                d.rmdir()
+            except OSError:
+                pass
 
 
 class _Cgroup:
-    """A fresh memory cgroup (v2 or v1) with a hard limit and no swap."""
+    """A fresh memory cgroup (v2 or v1) with a hard limit and no swap; ``path`` is ``None`` where
+    none could be made (``why`` says why)."""
 
     def __init__(self, root: Path, cap_bytes: int) -> None:
         self.path: Path | None = None
         self.version = 0
-        why = []
-        name = f"memascend-cap-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        v2roots = [r for r in (root, root / "unified") if (r / "cgroup.controllers").is_file()]
+        self.cap_bytes = cap_bytes
+        why: list[str] = []
+        name = f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        v2roots, v1roots = _cgroup_mounts(root)
         for v2root in v2roots:
-            if "memory" not in (v2root / "cgroup.controllers").read_text().split():
-                why.append(f"{v2root}: no memory controller")
+            if "memory" not in _read(v2root / "cgroup.controllers").split():
+                why.append(f"{v2root}: cgroup2 without the memory controller")
                 continue
-            try:
-                path = v2root / name
-                path.mkdir()
-            except OSError as exc:
-                why.append(f"{v2root}: {exc.strerror}")
+            if "memory" not in _read(v2root / "cgroup.subtree_control").split():
+                why.append(f"{v2root}: memory controller not enabled for child groups (cgroup.subtree_control)")
                 continue
-            self.path, self.version = path, 2
-            self._write("memory.max", cap_bytes)
-            self._write("memory.swap.max", 0, optional=True)
-            return
-        v1 = root / "memory"
-        if (v1 / "memory.limit_in_bytes").is_file():
-            try:
-                path = v1 / name
-                path.mkdir()
-            except OSError as exc:
-                why.append(f"{v1}: {exc.strerror}")
-            else:
-                self.path, self.version = path, 1
-                self._write("memory.limit_in_bytes", cap_bytes)
-                self._write("memory.memsw.limit_in_bytes", cap_bytes, optional=True)
-                self._write("memory.swappiness", 0, optional=True)
+            err = self._make(v2root / name, 2, [("memory.max", cap_bytes, True), ("memory.swap.max", 0, False),
+                                                 ("memory.oom.group", 1, False)])
+            if err is None:
                 return
-        else:
-            why.append(f"{v1}: no cgroup-v1 memory controller")
-        self.why = "; ".join(why) or f"no cgroup hierarchy under {root}"
+            why.append(f"{v2root}: {err}")
+        for v1root in v1roots:
+            if not (v1root / "memory.limit_in_bytes").is_file():
+                why.append(f"{v1root}: no cgroup-v1 memory controller")
+                continue
+            # memsw (memory + swap) must be set after the memory limit; absent without swap accounting.
+            err = self._make(v1root / name, 1, [("memory.limit_in_bytes", cap_bytes, True),
+                                                 ("memory.memsw.limit_in_bytes", cap_bytes, False),
+                                                 ("memory.swappiness", 0, False)])
+            if err is None:
+                return
+            why.append(f"{v1root}: {err}")
+        self.why = "cannot enforce: " + ("; ".join(why) or f"no cgroup hierarchy under {root}")
+
+    def _make(self, path: Path, version: int, settings: list[tuple[str, int, bool]]) -> str | None:
+        _sweep_stale(path.parent)
+        try:
+            path.mkdir()
+        except OSError as exc:
+            return f"cannot create a cgroup ({exc.strerror or exc})"
+        for fname, value, required in settings:
+            try:
+                (path / fname).write_text(str(value))
+            except OSError as exc:
+                if required:
+                    try:
+                        path.rmdir()
+                    except OSError:
+                        pass
+                    return f"cannot set {fname} ({exc.strerror or exc})"
+        self.path, self.version = path, version
+        return None
 
     @property
     def mechanism(self) -> str:
         return f"cgroup-v{self.version}" if self.path else f"none: {self.why}"
 
-    def _write(self, name: str, value: int, optional: bool = False) -> None:
-        try:
-            (self.path / name).write_text(str(value))
-        except OSError:
-            if not optional:
-                raise
-
-    def _read(self, name: str) -> str:
-        try:
-            return (self.path / name).read_text()
-        except OSError:
-            return ""
-
     def enter_fn(self):
         procs = str(self.path / "cgroup.procs")
 
-        def enter() -> None:  # runs in the child between fork and exec
-            with open(procs, "w") as f:
-                f.write(str(os.getpid()))
+        def enter() -> None:  # runs in the child between fork and exec: before it allocates anything
+            fd = os.open(procs, os.O_WRONLY)
+            try:
+                os.write(fd, str(os.getpid()).encode())
+            finally:
+                os.close(fd)
 
         return enter
 
-    def peak_bytes(self) -> int | None:
-        text = self._read("memory.peak" if self.version == 2 else "memory.max_usage_in_bytes").strip()
+    def pids(self) -> list[int]:
+        return [int(p) for p in _read(self.path / "cgroup.procs").split() if p.isdigit()]
+
+    def usage_bytes(self) -> int | None:
+        text = _read(self.path / ("memory.current" if self.version == 2 else "memory.usage_in_bytes")).strip()
         return int(text) if text.isdigit() else None
 
-    def oom_kills(self) -> int:
-        name = "memory.events" if self.version == 2 else "memory.oom_control"
-        for line in self._read(name).splitlines():
-            key, _, value = line.partition(" ")
-            if key == "oom_kill" and value.strip().isdigit():
-                return int(value)
-        return 0
+    def peak(self, sampled: int) -> tuple[int | None, str]:
+        if self.version == 2:
+            text = _read(self.path / "memory.peak").strip()
+            if text.isdigit():
+                return max(int(text), sampled), "cgroup memory.peak (RSS + page cache)"
+            return (sampled or None), "cgroup memory.current sampled every poll (RSS + page cache)"
+        text = _read(self.path / "memory.max_usage_in_bytes").strip()
+        if text.isdigit():
+            return max(int(text), sampled), "cgroup memory.max_usage_in_bytes (RSS + page cache)"
+        return (sampled or None), "cgroup memory.usage_in_bytes sampled every poll (RSS + page cache)"
 
-    def remove(self) -> None:
-        if self.path is None:
-            return
-        for _ in range(50):
-            pids = [int(p) for p in self._read("cgroup.procs").split() if p.isdigit()]
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+    def oom_kills(self) -> int | None:
+        name = "memory.events" if self.version == 2 else "memory.oom_control"
+        return _keyed(_read(self.path / name)).get("oom_kill")
+
+    def cap_hit(self) -> bool:
+        if self.version == 2:
+            ev = _keyed(_read(self.path / "memory.events"))
+            return ev.get("oom", 0) > 0 or ev.get("max", 0) > 0
+        # v1: failcnt counts charges refused at the limit, but recent kernels leave it at 0 even when
+        # the group is OOM-killed at its limit; the peak then sits at the limit (within a few charge
+        # batches and one huge page), which a host-wide OOM below the cap does not reach.
+        fails = [_read(self.path / f).strip() for f in ("memory.failcnt", "memory.memsw.failcnt")]
+        peak = _read(self.path / "memory.max_usage_in_bytes").strip()
+        return (any(f.isdigit() and int(f) > 0 for f in fails)
+                or (peak.isdigit() and int(peak) >= self.cap_bytes - _CAP_SLACK)
+                or _keyed(_read(self.path / "memory.oom_control")).get("under_oom", 0) > 0)
+
+    def kill_all(self) -> None:
+        if self.version == 2 and (self.path / "cgroup.kill").is_file():
             try:
-                self.path.rmdir()
+                (self.path / "cgroup.kill").write_text("1")
                 return
             except OSError:
-                time.sleep(0.1)
+                pass
+        for pid in self.pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def remove(self, timeout_s: float = 15.0) -> None:
+        """Kill what is left in the group and remove it (retrying while the tasks exit)."""
+        if self.path is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.kill_all()
+            try:
+                self.path.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError as exc:
+                if time.monotonic() > deadline:
+                    warnings.warn(f"memascend: could not remove cgroup {self.path}: {exc.strerror or exc}",
+                                  RuntimeWarning, stacklevel=2)
+                    return
+                time.sleep(0.05)
+        self.path = None
 
 
-def run_capped(cmd: list[str], cap_bytes: int, root: Path = CGROUP_ROOT, **popen_kwargs) -> CappedResult:
+def probe(cap_bytes: int = 1 << 30, root: Path | None = None) -> str:
+    """The mechanism :func:`run_capped` would use now (a cgroup is created and removed at once)."""
+    group = _Cgroup(Path(root or CGROUP_ROOT), cap_bytes)
+    try:
+        return group.mechanism
+    finally:
+        group.remove()
+
+
+def _tree(proc: psutil.Process | None) -> list[psutil.Process]:
+    if proc is None:
+        return []
+    try:
+        return [proc, *proc.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _tree_rss(proc: psutil.Process | None) -> int:
+    total = 0
+    for p in _tree(proc):
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def _kill_tree(proc: psutil.Process | None) -> None:
+    for p in reversed(_tree(proc)):
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
+def _kill(group: _Cgroup, proc: psutil.Process | None) -> None:
+    if group.path is not None:
+        group.kill_all()
+    else:
+        _kill_tree(proc)
+
+
+def run_capped(cmd: list[str], cap_bytes: int, *, root: Path | None = None, timeout_s: float | None = None,
+               watchdog: bool = True, poll_s: float = 0.1, term_grace_s: float = 20.0, **popen_kwargs) -> CappedResult:
     """Run ``cmd`` (and everything it starts) under a hard memory cap; wait for it.
 
     Args:
         cmd: the command line.
         cap_bytes: hard limit in bytes (RSS + page cache of the whole process tree).
-        root: the cgroup filesystem root (tests point it elsewhere).
+        root: where cgroup hierarchies are mounted [default: :data:`CGROUP_ROOT`] (tests point it
+            at an empty folder to get the not-enforced path).
+        timeout_s: kill everything after this many seconds (``timed_out``).
+        watchdog: where the cap cannot be enforced, kill the process tree when its sampled RSS
+            passes the cap (``over-cap``) instead of letting it take the host's memory.
+        poll_s: sampling interval (peak where the kernel keeps none, watchdog, timeout).
+        term_grace_s: on Ctrl-C (or any exception in the caller), how long the child gets after
+            SIGTERM to clean up (finetune removes its swap files) before everything is killed.
         popen_kwargs: passed to ``subprocess.Popen`` (stdout, env, cwd...).
 
     Returns:
-        The outcome; ``mechanism`` starts with ``none:`` (and nothing is enforced or measured)
-        where no memory cgroup could be created, e.g. without root.
+        The outcome; ``mechanism`` starts with ``none: cannot enforce:`` where no memory cgroup
+        could be made (e.g. without root), and the peak is then the uncapped one.
     """
-    group = _Cgroup(root, cap_bytes)
-    t0 = time.monotonic()
+    group = _Cgroup(Path(root or CGROUP_ROOT), cap_bytes)
     try:
-        if group.path is None:
-            rc = subprocess.run(cmd, check=False, **popen_kwargs).returncode
-            return CappedResult(rc, cap_bytes, group.mechanism, None, False, time.monotonic() - t0)
-        proc = subprocess.Popen(cmd, preexec_fn=group.enter_fn(), **popen_kwargs)
+        t0 = time.monotonic()
+        proc = subprocess.Popen(cmd, preexec_fn=group.enter_fn() if group.path else None, **popen_kwargs)
         try:
-            rc = proc.wait()
+            ps: psutil.Process | None = psutil.Process(proc.pid)
+        except psutil.Error:
+            ps = None
+        sampled, timed_out, watchdog_killed = 0, False, False
+        try:
+            while True:
+                try:
+                    rc = proc.wait(timeout=poll_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                usage = group.usage_bytes() if group.path else _tree_rss(ps)
+                sampled = max(sampled, usage or 0)
+                over = group.path is None and watchdog and sampled > cap_bytes
+                late = timeout_s is not None and time.monotonic() - t0 > timeout_s
+                if over or late:
+                    watchdog_killed, timed_out = over, late and not over
+                    _kill(group, ps)
+                    rc = proc.wait()
+                    break
         except BaseException:
-            proc.kill()
+            # Ctrl-C or an error here: let the child clean up (SIGTERM), then kill what is left.
+            try:
+                proc.terminate()
+                proc.wait(timeout=term_grace_s)
+            except BaseException:  # noqa: BLE001 - a second Ctrl-C: kill at once
+                pass
+            _kill(group, ps)
             proc.wait()
             raise
-        return CappedResult(rc, cap_bytes, group.mechanism, group.peak_bytes(), group.oom_kills() > 0,
-                            time.monotonic() - t0)
+        wall = time.monotonic() - t0
+        if group.path is None:
+            return CappedResult(None if timed_out else rc, cap_bytes, group.mechanism, sampled or None,
+                                f"process-tree RSS sampled every {poll_s:g} s (psutil; not enforced)", None,
+                                sampled > cap_bytes, timed_out, watchdog_killed, wall)
+        peak, source = group.peak(sampled)
+        return CappedResult(None if timed_out else rc, cap_bytes, group.mechanism, peak, source, group.oom_kills(),
+                            group.cap_hit(), timed_out, False, wall)
     finally:
         group.remove()
 
@@ -218,25 +504,36 @@ def run_capped(cmd: list[str], cap_bytes: int, root: Path = CGROUP_ROOT, **popen
 def main(argv: list[str] | None = None) -> int:
     import click
 
+    class _Size(click.ParamType):
+        name = "SIZE"
+
+        def convert(self, value, param, ctx):
+            try:
+                return parse_size_bytes(value)
+            except UserError as exc:
+                self.fail(str(exc), param, ctx)
+
     @click.command(context_settings={"ignore_unknown_options": True})
-    @click.option("--cap", "cap", required=True, help="Hard memory cap, e.g. 16GiB")
+    @click.option("--cap", "cap_bytes", required=True, type=_Size(), help="Hard memory cap, e.g. 16GiB")
     @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
                   help="Write the outcome as JSON here")
+    @click.option("--timeout", "timeout_s", type=float, default=None, help="Kill the run after this many seconds")
     @click.argument("cmd", nargs=-1, type=click.UNPROCESSED, required=True)
-    def cli(cap, json_path, cmd):
-        """Run CMD under a hard memory cap (a fresh memory cgroup) and report whether it fit."""
-        try:
-            cap_bytes = parse_size_bytes(cap)
-        except UserError as exc:
-            raise click.BadParameter(str(exc), param_hint="--cap") from None
-        res = run_capped(list(cmd), cap_bytes)
-        line = f"memascend cap: {res.verdict} ({res.mechanism.split(':')[0]}, {res.wall_s:.0f} s)"
-        click.echo(line, err=True)
+    def cli(cap_bytes, json_path, timeout_s, cmd):
+        """Run CMD under a hard memory cap (a fresh memory cgroup) and report whether it fit.
+
+        Exit status: CMD's; 137 when the cap stopped it (OOM-killed); 124 when it timed out.
+        """
+        res = run_capped(list(cmd), cap_bytes, timeout_s=timeout_s)
+        click.echo(f"memascend cap: {res.verdict} ({res.mechanism.split(':')[0]}, {res.wall_s:.0f} s)", err=True)
         if json_path:
-            Path(json_path).write_text(json.dumps({**asdict(res), "fit": res.fit, "verdict": res.verdict,
-                                                   "cmd": list(cmd)}, indent=2) + "\n")
+            Path(json_path).write_text(json.dumps({**res.to_dict(), "cmd": list(cmd)}, indent=2) + "\n")
         rc = res.returncode
-        sys.exit(137 if res.oom_killed else (rc if rc >= 0 else 128 - rc))
+        if res.stopped_by_cap:
+            sys.exit(137)
+        if rc is None:
+            sys.exit(124)
+        sys.exit(rc if rc >= 0 else 128 - rc)
 
     return cli.main(args=argv, prog_name="python -m memascend.bench.cgroup")
 

@@ -1,64 +1,103 @@
-"""The memory-cap runner: real cgroups, a real child allocating past the cap, cleanup, fallbacks."""
+"""The memory-cap runner: real cgroups, real children allocating past the cap, cleanup, fallbacks."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import psutil
 import pytest
+from cgroup_support import needs_cgroup
 
-from memascend.bench.cgroup import CGROUP_ROOT, _Cgroup, parse_size_bytes, run_capped
+from memascend.bench import cgroup as cg
+from memascend.bench.cgroup import (
+    CGROUP_ROOT,
+    CappedResult,
+    _Cgroup,
+    format_size,
+    parse_size_bytes,
+    run_capped,
+)
 from memascend.errors import UserError
 
-_TOUCH = [sys.executable, "-c", "b = bytearray(300 << 20); print('touched')"]
+MIB = 1 << 20
+# Touches 300 MiB and holds it a moment (so a sampler sees it too).
+_TOUCH = [sys.executable, "-c", "import time; b = bytearray(300 << 20); time.sleep(1.0); print('touched')"]
 
 
-def _can_make_cgroup() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root to create memory cgroups"
-    group = _Cgroup(CGROUP_ROOT, 1 << 30)
-    try:
-        return None if group.path else f"no writable memory cgroup: {group.why}"
-    finally:
-        group.remove()
+def _my_groups() -> set[Path]:
+    """Cgroups this test process created (other jobs on the host may hold their own)."""
+    prefix = f"{cg.PREFIX}{os.getpid()}-"
+    v2, v1 = cg._cgroup_mounts(CGROUP_ROOT)
+    found = set()
+    for parent in [*v2, *v1]:
+        if parent.is_dir():
+            found |= {p for p in parent.iterdir() if p.name.startswith(prefix)}
+    return found
 
 
-_SKIP = _can_make_cgroup()
-needs_cgroup = pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
-
-
-def test_parse_size():
+def test_parse_and_format_size():
     assert parse_size_bytes("16GiB") == 16 << 30
     assert parse_size_bytes("300MiB") == 300 << 20
     assert parse_size_bytes("1.5G") == 3 << 29
     assert parse_size_bytes("4e9") == 4_000_000_000
-    for bad in ("", "0GiB", "-1G", "12XB", "GiB"):
+    for bad in ("", "0GiB", "-1G", "12XB", "GiB", "lots", "0.1b"):
         with pytest.raises(UserError, match="not a memory size"):
             parse_size_bytes(bad)
+    assert [format_size(n) for n in (16 << 30, 128 << 20, 3 << 29, 300 << 20, 512)] == [
+        "16 GiB", "128 MiB", "1.5 GiB", "300 MiB", "512 B"]
+
+
+def _result(**kw) -> CappedResult:
+    base = dict(returncode=0, cap_bytes=16 << 30, mechanism="cgroup-v1", peak_bytes=9 << 30, peak_source="test",
+                oom_kills=0, cap_hit=False, timed_out=False, watchdog_killed=False, wall_s=1.0)
+    return CappedResult(**{**base, **kw})
+
+
+def test_outcomes_tell_an_oom_kill_by_the_cap_from_other_failures():
+    oom = _result(returncode=-9, peak_bytes=16 << 30, oom_kills=1, cap_hit=True)
+    assert oom.outcome == "oom-killed" and oom.stopped_by_cap and not oom.fit
+    assert oom.verdict.startswith("OOM-killed under the 16 GiB cap")
+    host = _result(returncode=-9, peak_bytes=10 << 30, oom_kills=1, cap_hit=False)
+    assert host.outcome == "host-oom-killed" and not host.stopped_by_cap and "not by the 16 GiB cap" in host.verdict
+    crash = _result(returncode=1)
+    assert crash.outcome == "failed" and "not an OOM kill" in crash.verdict and not crash.stopped_by_cap
+    # a kernel without an oom_kill counter: a failure after the limit was reached counts as the cap's
+    assert _result(returncode=1, oom_kills=None, cap_hit=True).outcome == "oom-killed"
+    assert _result(returncode=None, timed_out=True).outcome == "timed-out"
+    fit = _result()
+    assert fit.fit and fit.verdict == "fit under the 16 GiB cap: cgroup peak 9 GiB"
+    assert CappedResult.from_dict(json.loads(json.dumps(oom.to_dict()))) == oom
+    # not enforced: the sampled peak decides, and the verdict says the cap was not enforced
+    loose = _result(mechanism="none: cannot enforce: x", oom_kills=None, peak_bytes=17 << 30)
+    assert loose.outcome == "over-cap" and loose.stopped_by_cap and "cap NOT enforced (cannot enforce: x)" in loose.verdict
 
 
 @pytest.mark.root
 @needs_cgroup
 def test_child_past_the_cap_is_oom_killed_and_the_cgroup_removed():
-    before = set(os.listdir(CGROUP_ROOT / "memory")) if (CGROUP_ROOT / "memory").is_dir() else set()
-    res = run_capped(_TOUCH, 128 << 20, stdout=subprocess.DEVNULL)
-    assert res.oom_killed and not res.fit and res.returncode != 0
+    res = run_capped(_TOUCH, 128 * MIB, stdout=subprocess.DEVNULL)
+    assert res.outcome == "oom-killed" and res.oom_kills and not res.fit and res.returncode != 0
     assert res.mechanism in ("cgroup-v1", "cgroup-v2")
-    assert res.peak_bytes is not None and res.peak_bytes <= 128 << 20
-    assert "OOM-killed under the 0.12 GiB cap" in res.verdict
-    after = set(os.listdir(CGROUP_ROOT / "memory")) if (CGROUP_ROOT / "memory").is_dir() else set()
-    assert not {n for n in after - before if n.startswith("memascend-cap-")}
+    assert res.peak_bytes is not None and 120 * MIB <= res.peak_bytes <= 128 * MIB
+    assert res.verdict.startswith("OOM-killed under the 128 MiB cap")
+    assert not _my_groups()
 
 
 @pytest.mark.root
 @needs_cgroup
 def test_child_under_the_cap_fits_with_its_peak():
     res = run_capped(_TOUCH, 1 << 30, stdout=subprocess.PIPE, text=True)
-    assert res.fit and res.returncode == 0 and not res.oom_killed
-    assert 300 << 20 <= res.peak_bytes < 1 << 30  # the bytearray is in the peak
+    assert res.fit and res.returncode == 0 and not res.oom_kills and res.outcome == "fit"
+    assert 300 * MIB <= res.peak_bytes < 1 << 30  # the bytearray is in the peak
+    assert res.verdict.startswith("fit under the 1 GiB cap")
+    assert not _my_groups()
 
 
 @pytest.mark.root
@@ -66,14 +105,81 @@ def test_child_under_the_cap_fits_with_its_peak():
 def test_grandchildren_are_capped_too():
     # A launcher spawning rank processes: the allocation happens in a grandchild.
     cmd = [sys.executable, "-c", "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)", *_TOUCH]
-    res = run_capped(cmd, 128 << 20, stdout=subprocess.DEVNULL)
-    assert res.oom_killed and res.returncode != 0
+    res = run_capped(cmd, 128 * MIB, stdout=subprocess.DEVNULL)
+    assert res.outcome == "oom-killed" and res.returncode != 0
 
 
-def test_without_a_writable_cgroup_the_run_is_reported_uncapped(tmp_path):
+@pytest.mark.root
+@needs_cgroup
+def test_timeout_kills_the_whole_group():
+    cmd = [sys.executable, "-c", "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time; "
+           "time.sleep(60)']); time.sleep(60)"]
+    t0 = time.monotonic()
+    res = run_capped(cmd, 256 * MIB, timeout_s=1.0)
+    assert res.outcome == "timed-out" and res.returncode is None and time.monotonic() - t0 < 20
+    assert not _my_groups()
+
+
+@pytest.mark.root
+@needs_cgroup
+def test_ctrl_c_removes_the_cgroup_and_the_child(tmp_path):
+    pidfile = tmp_path / "pid"
+    cmd = [sys.executable, "-c", f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(60)"]
+
+    def interrupt():
+        for _ in range(100):
+            if pidfile.is_file() and pidfile.read_text():
+                break
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        run_capped(cmd, 256 * MIB, term_grace_s=2.0)
+    child = int(pidfile.read_text())
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+    assert not _my_groups()
+
+
+@pytest.mark.root
+@needs_cgroup
+def test_a_stale_group_of_a_dead_process_is_swept():
+    probe = _Cgroup(CGROUP_ROOT, 1 << 30)
+    parent = probe.path.parent
+    probe.remove()
+    stale = parent / f"{cg.PREFIX}4999999-0123abcd"  # above pid_max: that process cannot exist
+    stale.mkdir()
+    try:
+        assert run_capped([sys.executable, "-c", "pass"], 256 * MIB).fit
+        assert not stale.exists()
+    finally:
+        if stale.exists():
+            stale.rmdir()
+
+
+def test_without_a_writable_cgroup_the_run_reports_its_uncapped_peak(tmp_path):
+    res = run_capped(_TOUCH, 1 << 30, root=tmp_path, stdout=subprocess.DEVNULL)
+    assert res.returncode == 0 and not res.enforced and res.outcome == "fit"
+    assert res.mechanism.startswith("none: cannot enforce:") and str(tmp_path) in res.mechanism
+    assert res.verdict.startswith("cap NOT enforced (cannot enforce:") and "uncapped peak" in res.verdict
+    assert res.peak_bytes is not None and res.peak_bytes >= 250 * MIB  # sampled process-tree RSS
+    assert "psutil" in res.peak_source
+
+
+def test_without_a_writable_cgroup_the_watchdog_stops_a_run_past_the_cap(tmp_path):
+    hold = [sys.executable, "-c", "import time; b = bytearray(300 << 20); time.sleep(30)"]
+    t0 = time.monotonic()
+    res = run_capped(hold, 128 * MIB, root=tmp_path)
+    assert res.outcome == "over-cap" and res.watchdog_killed and time.monotonic() - t0 < 15
+    assert "exceeded the 128 MiB cap" in res.verdict and "stopped by the RSS watchdog" in res.verdict
+
+
+def test_a_cgroup2_root_without_the_memory_controller_is_explained(tmp_path):
+    (tmp_path / "cgroup.controllers").write_text("cpu io pids\n")
     res = run_capped([sys.executable, "-c", "pass"], 1 << 30, root=tmp_path)
-    assert res.returncode == 0 and not res.fit and res.peak_bytes is None
-    assert res.mechanism.startswith("none:") and "cap NOT enforced" in res.verdict
+    assert res.returncode == 0 and not res.enforced
+    assert f"{tmp_path}: cgroup2 without the memory controller" in res.mechanism
+    assert cg.probe(1 << 30, root=tmp_path) == res.mechanism
 
 
 def test_cli_bad_cap_is_one_line_error():
@@ -88,6 +194,7 @@ def test_cli_reports_oom_and_writes_json(tmp_path):
     out = tmp_path / "cap.json"
     proc = subprocess.run([sys.executable, "-m", "memascend.bench.cgroup", "--cap", "128MiB", "--json", str(out),
                            "--", *_TOUCH], capture_output=True, text=True)
-    assert proc.returncode == 137 and "OOM-killed" in proc.stderr
+    assert proc.returncode == 137 and "OOM-killed under the 128 MiB cap" in proc.stderr
     doc = json.loads(Path(out).read_text())
-    assert doc["oom_killed"] and not doc["fit"] and doc["cap_bytes"] == 128 << 20
+    assert doc["oom_kills"] and doc["outcome"] == "oom-killed" and not doc["fit"] and doc["cap_bytes"] == 128 << 20
+    assert doc["oom_killed"] and doc["cmd"] == _TOUCH
