@@ -203,6 +203,8 @@ class ConfigResult:
         checks: pair and golden checks.
         errors: why a run produced no report (exit status and log tail).
         commands: the exact command of each engine's run.
+        runs: per engine, how the run ended (``status``: ok, capped, skipped or error; ``outcome``:
+            one line; ``wall_s``; ``cap``: the memory-cap outcome under ``--memory-cap``).
     """
 
     config: BenchConfig
@@ -211,6 +213,7 @@ class ConfigResult:
     checks: list[Check] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     commands: dict[str, str] = field(default_factory=dict)
+    runs: dict[str, dict] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -228,11 +231,32 @@ class ConfigResult:
             "checks": [asdict(c) for c in self.checks],
             "errors": self.errors,
             "commands": self.commands,
+            "runs": self.runs,
         }
 
 
+def check_memory_cap(stopped: dict[str, tuple[str, str]], completed: set[str]) -> Check:
+    """The verdict of a configuration where the memory cap stopped an engine.
+
+    Args:
+        stopped: ``{engine: (status, one line)}`` of the engines that did not complete because of the
+            cap: ``capped`` (OOM-killed under it, or not enforced and over it) or ``skipped`` (a capped
+            search stopped the engine at a smaller model).
+        completed: the engines that completed within the cap.
+
+    Memascend stopped by the cap where stock completed under the same cap is a regression; stock
+    stopped (memascend completing or not) is what the cap is for, not a failure.
+    """
+    lines = "; ".join(f"{e}: {line}" for e, (_, line) in sorted(stopped.items()))
+    mine = stopped.get("memascend")
+    if mine is not None and mine[0] == "capped" and "baseline" in completed:
+        return Check("memory_cap", False, None, None, f"memascend did not fit under the cap where stock did ({lines})")
+    return Check("memory_cap", True, None, None, f"stopped by the memory cap, not compared ({lines})")
+
+
 def evaluate(cfg: BenchConfig, base_report: dict | None, mine_report: dict | None, golden: dict | None,
-             tol: GoldenTolerances, errors: list[str] | None = None) -> ConfigResult:
+             tol: GoldenTolerances, errors: list[str] | None = None,
+             stopped: dict[str, tuple[str, str]] | None = None) -> ConfigResult:
     """Build the :class:`ConfigResult` of one configuration from its two reports.
 
     Args:
@@ -240,14 +264,20 @@ def evaluate(cfg: BenchConfig, base_report: dict | None, mine_report: dict | Non
         golden: this configuration's golden entry, or ``None`` (no golden check).
         tol: golden tolerances.
         errors: run failures already known (they make the result fail).
+        stopped: engines the memory cap stopped (see :func:`check_memory_cap`): the pair is not
+            compared, and the result is one ``memory_cap`` check.
     """
     res = ConfigResult(cfg, errors=list(errors or []))
+    res.baseline = RunMetrics.from_report(base_report) if base_report is not None else None
+    res.memascend = RunMetrics.from_report(mine_report) if mine_report is not None else None
+    if stopped:
+        completed = {e for e, rep in (("baseline", base_report), ("memascend", mine_report)) if rep is not None}
+        res.checks.append(check_memory_cap(stopped, completed))
+        return res
     if base_report is None or mine_report is None:
         if not res.errors:
             res.errors.append("a run produced no report")
         return res
-    res.baseline = RunMetrics.from_report(base_report)
-    res.memascend = RunMetrics.from_report(mine_report)
     res.checks = compare_pair(cfg, res.baseline, res.memascend)
     if golden is not None:
         res.checks += compare_golden(golden, res.baseline, res.memascend, tol)

@@ -70,6 +70,15 @@ SMALL_MODEL_THRESHOLDS = Thresholds(max_peak_rss_ratio=0.80, max_peak_locked_rat
 holds (no issue gives a number; these points are for the scaling fit, not the promise)."""
 
 
+SCALING_SEARCH_THRESHOLDS = Thresholds(max_peak_rss_ratio=1.0, max_peak_locked_ratio=1.0, max_step_time_ratio=2.0,
+                                       step_time_noise=0.25)
+"""The capped scaling search (matrix ``scaling``) asks which model fits, not issue 3's ratios (``cpu-full``
+checks those on the same configurations): where both engines fit it gates correctness (bit-for-bit
+losses, same parameter dtype) and gross regressions only: memascend must not need more host memory
+or locked memory than stock, nor take more than 2x its step time (+0.25 for a noisy host; medians of
+two steady steps)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class BenchConfig:
     """One configuration: run once with ``--engine baseline`` and once with ``--engine memascend``.
@@ -128,6 +137,18 @@ class BenchConfig:
             args += ["--nproc", str(self.nproc)]
         return args
 
+    @property
+    def param_numel(self) -> int | None:
+        """Parameters of a ``from_scratch`` preset or spec (``None`` for pretrained models: known after the run)."""
+        if not self.from_scratch:
+            return None
+        from memascend.config import parse_from_scratch
+
+        try:
+            return parse_from_scratch(self.from_scratch).param_numel
+        except UserError:
+            return None
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -137,19 +158,26 @@ class Matrix:
     """A named list of configurations.
 
     Attributes:
-        name: ``smoke``, ``cpu-full`` or ``gpu``.
+        name: ``smoke``, ``cpu-full``, ``gpu`` or ``scaling``.
         description: what it is for and roughly how long it takes.
         configs: the configurations, run in this order.
+        capped_search: a largest-model search: needs ``--memory-cap``; configs are in ascending
+            model size and each engine stops at its first run the cap stops (OOM kill).
     """
 
     name: str
     description: str
     configs: tuple[BenchConfig, ...]
+    capped_search: bool = False
 
     def __post_init__(self) -> None:
         names = [c.name for c in self.configs]
         if len(set(names)) != len(names):
             raise ValueError(f"matrix {self.name}: duplicate config names")
+        if self.capped_search:
+            sizes = [c.param_numel for c in self.configs]
+            if None in sizes or sizes != sorted(sizes):
+                raise ValueError(f"matrix {self.name}: a capped search needs from-scratch configs in ascending size")
 
     def select(self, pattern: str | None) -> tuple[BenchConfig, ...]:
         """Configurations whose name matches the shell-style ``pattern`` (all when ``None``).
@@ -228,7 +256,26 @@ def _gpu() -> Matrix:
     )
 
 
-MATRICES: dict[str, Matrix] = {m.name: m for m in (_smoke(), _cpu_full(), _gpu())}
+SCALING_PRESETS = ("llama-tiny", "llama-0.1b", "llama-0.3b", "llama-0.5b", "llama-1b", "llama-2b", "llama-3b")
+"""The from-scratch Llama presets of the scaling story, in ascending size."""
+
+
+def _scaling() -> Matrix:
+    # cpu-full's scaling series (same names, same shape), searched under a memory cap.
+    configs = tuple(BenchConfig(name=f"{preset}-bf16-256x1", from_scratch=preset, micro_batch=1, steps=3,
+                                activation_checkpointing=True, thresholds=SCALING_SEARCH_THRESHOLDS, scaling=True)
+                    for preset in SCALING_PRESETS)
+    return Matrix(
+        name="scaling",
+        description="largest model each engine trains for 3 steps under --memory-cap: from-scratch Llama "
+                    "3M-2.8B, bf16, 1 x 256 tokens, activation checkpointing, ascending, each engine stopping at "
+                    "its first OOM kill; ~25 min under 16 GiB on a 2-core CPU",
+        configs=configs,
+        capped_search=True,
+    )
+
+
+MATRICES: dict[str, Matrix] = {m.name: m for m in (_smoke(), _cpu_full(), _gpu(), _scaling())}
 """Every named matrix, by name."""
 
 

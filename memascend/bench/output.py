@@ -37,9 +37,137 @@ def table_rows(results: list[ConfigResult]) -> list[list[str]]:
             _fmt_ratio(r, "step_time_ratio"),
             ("equal" if losses.ok else "DIFFER") if losses else "-",
             golden,
-            "PASS" if r.ok else ("ERROR" if r.errors else "FAIL"),
+            ("PASS" if r.ok else ("ERROR" if r.errors else "FAIL")) + _stopped_note(r),
         ])
     return rows
+
+
+_SHORT = {"baseline": "base", "memascend": "ma"}
+
+
+def _stopped_note(r: ConfigResult) -> str:
+    notes = [f"{_SHORT[e]} {short_outcome(run)}" for e, run in r.runs.items()
+             if run.get("status") in ("capped", "skipped")]
+    return f" ({', '.join(notes)})" if notes else ""
+
+
+def short_outcome(run: dict) -> str:
+    """A few words for one engine's run: ``fit``, ``OOM-killed``, ``over cap``, ``skipped``, ``failed (exit 1)``..."""
+    status, cap = run.get("status"), run.get("cap") or {}
+    if status == "skipped":
+        return "skipped"
+    outcome = cap.get("outcome")
+    if outcome:
+        return {"fit": "fit" if status == "ok" else "completed, no report", "oom-killed": "OOM-killed",
+                "over-cap": "over cap (not enforced)", "host-oom-killed": "host OOM-killed",
+                "timed-out": "timed out", "failed": f"failed (exit {cap.get('returncode')})"}[outcome]
+    return "ok" if status == "ok" else "failed"
+
+
+def format_params(n: int | None) -> str:
+    """``452256000`` -> ``"0.45 B"``, ``3277120`` -> ``"3.3 M"``."""
+    if not n:
+        return "-"
+    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.1f} M"
+
+
+def _gib(n: int | None) -> str:
+    return f"{n / GIB:.2f}" if n is not None else "-"
+
+
+def cap_rows(results: list[ConfigResult]) -> list[list[str]]:
+    """Rows of the memory-cap table: per configuration, each engine's outcome and peak under the cap."""
+    rows = []
+    for r in results:
+        numel = (r.baseline or r.memascend).param_numel if (r.baseline or r.memascend) else r.config.param_numel
+        row = [r.config.name, format_params(numel)]
+        for engine in ("baseline", "memascend"):
+            run = r.runs.get(engine) or {}
+            metrics = getattr(r, engine)
+            row += [short_outcome(run), _gib((run.get("cap") or {}).get("peak_bytes")),
+                    _gib(metrics.peak_rss_bytes if metrics else None),
+                    f"{run['wall_s']:.0f}" if run.get("wall_s") and run.get("status") != "skipped" else "-"]
+        rows.append(row)
+    return rows
+
+
+CAP_HEADERS = ["config", "params", "base outcome", "base cap peak GiB", "base RSS GiB", "base wall s",
+               "ma outcome", "ma cap peak GiB", "ma RSS GiB", "ma wall s"]
+
+
+def largest_under_cap(results: list[ConfigResult]) -> dict[str, dict]:
+    """Per engine, the largest configuration of a capped search that completed, and where it stopped.
+
+    ``results`` are in the search's (ascending) order; an engine's search ends at its first run that
+    did not complete (the cap stopped it, or it failed) or was skipped.
+
+    Returns:
+        ``{engine: {"largest": {config, model, param_numel, cap_peak_bytes, peak_rss_bytes, wall_s} | None,
+        "stopped_at": {config, model, param_numel, status, outcome} | None, "fit_all": bool}}``;
+        ``stopped_at`` with status ``error`` means the search ended on a failure, not the cap, so
+        ``largest`` is only a lower bound.
+    """
+    out = {}
+    for engine in ("baseline", "memascend"):
+        largest = stopped = None
+        for r in results:
+            run = r.runs.get(engine) or {}
+            metrics = getattr(r, engine)
+            numel = metrics.param_numel if metrics else r.config.param_numel
+            base = {"config": r.config.name, "model": r.config.from_scratch or r.config.model, "param_numel": numel,
+                    "steps": r.config.steps}
+            status = run.get("status")
+            if status == "ok":
+                largest = {**base, "cap_peak_bytes": (run.get("cap") or {}).get("peak_bytes"),
+                           "peak_rss_bytes": metrics.peak_rss_bytes if metrics else None, "wall_s": run.get("wall_s")}
+                continue
+            if status in ("capped", "error"):
+                stopped = {**base, "status": status, "outcome": run.get("outcome"), "wall_s": run.get("wall_s")}
+            break
+        out[engine] = {"largest": largest, "stopped_at": stopped,
+                       "fit_all": stopped is None and largest is not None and largest["config"] == results[-1].config.name}
+    return out
+
+
+def largest_summary(largest: dict[str, dict], cap: str) -> str:
+    """One line: ``under the 16 GiB cap: baseline llama-0.5b (0.45 B), memascend llama-3b (2.77 B): 6.1x``."""
+    parts = []
+    for engine, e in largest.items():
+        lg = e["largest"]
+        parts.append(f"{engine} " + (f"{lg['model']} ({format_params(lg['param_numel'])} params)" if lg else "none"))
+        if e["stopped_at"] and e["stopped_at"]["status"] == "error":
+            parts[-1] += f" (search ended on a failure at {e['stopped_at']['model']})"
+        elif e["fit_all"]:
+            parts[-1] += " (every model searched fit)"
+    b, m = (largest.get(k, {}).get("largest") for k in ("baseline", "memascend"))
+    ratio = ""
+    if b and m and b["param_numel"] and m["param_numel"]:
+        x = m["param_numel"] / b["param_numel"]
+        ratio = (f": memascend trains a {x:.1f}x larger model" if x > 1 else
+                 ": the same model" if x == 1 else f": memascend's largest is {1 / x:.1f}x SMALLER")
+    return f"largest model trainable under the {cap} cap: " + ", ".join(parts) + ratio
+
+
+LARGEST_HEADERS = ["engine", "largest model that trained {steps} steps under {cap}", "params", "cap peak GiB",
+                   "peak RSS GiB", "wall s", "next model"]
+
+
+def largest_rows(largest: dict[str, dict]) -> list[list[str]]:
+    rows = []
+    for engine, e in largest.items():
+        lg, st = e["largest"], e["stopped_at"]
+        label = "stock (`--engine baseline`)" if engine == "baseline" else "memascend"
+        nxt = (f"{st['model']}: {st['outcome']}" + (f" after {st['wall_s']:.0f} s" if st.get("wall_s") else "") if st else
+               ("- (every model searched fit)" if e["fit_all"] else "-"))
+        rows.append([label, lg["model"] if lg else "none", format_params(lg["param_numel"]) if lg else "-",
+                     _gib(lg["cap_peak_bytes"]) if lg else "-", _gib(lg["peak_rss_bytes"]) if lg else "-",
+                     f"{lg['wall_s']:.0f}" if lg and lg.get("wall_s") else "-", nxt])
+    return rows
+
+
+def _md(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows]) + "\n"
 
 
 HEADERS = ["config", "base RSS GiB", "ma RSS GiB", "RSS ratio", "base locked GiB", "ma locked GiB",
@@ -48,9 +176,7 @@ HEADERS = ["config", "base RSS GiB", "ma RSS GiB", "RSS ratio", "base locked GiB
 
 def markdown_table(results: list[ConfigResult]) -> str:
     """GitHub markdown table of :func:`table_rows` (ratios are memascend / baseline, same run)."""
-    lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
-    lines += ["| " + " | ".join(row) + " |" for row in table_rows(results)]
-    return "\n".join(lines) + "\n"
+    return _md(HEADERS, table_rows(results))
 
 
 def rich_table(results: list[ConfigResult], title: str):
@@ -62,8 +188,20 @@ def rich_table(results: list[ConfigResult], title: str):
         table.add_column(h, justify="left" if h in ("config", "golden", "verdict", "losses") else "right")
     for row in table_rows(results):
         verdict = row[-1]
-        style = "green" if verdict == "PASS" else "bold red"
+        style = "green" if verdict.startswith("PASS") else "bold red"
         table.add_row(*row[:-1], f"[{style}]{verdict}[/{style}]")
+    return table
+
+
+def rich_plain_table(headers: list[str], rows: list[list[str]], title: str):
+    """A ``rich.table.Table`` of string rows (memory-cap and largest-model tables)."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for h in headers:
+        table.add_column(h)
+    for row in rows:
+        table.add_row(*[c.replace("`", "") for c in row])
     return table
 
 
@@ -142,13 +280,38 @@ def write_outputs(results: list[ConfigResult], out_dir: Path, meta: dict, timeli
     if fit:
         plot_scaling(fit, out_dir / "scaling.png", f"{meta.get('matrix', '')}: peak host RSS vs model size")
         plots.append("scaling.png")
+    cap = meta.get("memory_cap")
+    largest = largest_under_cap(results) if cap and meta.get("capped_search") else None
     doc = {**meta, "ok": all(r.ok for r in results), "configs": [r.to_dict() for r in results],
            "scaling_fit": fit, "plots": plots}
+    if largest is not None:
+        doc["largest_under_cap"] = largest
     (out_dir / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
-    md = [f"# memascend regress: {meta.get('matrix')} on {meta.get('profile')}", "",
-          "Ratios are memascend / baseline measured in the same run.", "", markdown_table(results)]
+    md = [f"# memascend regress: {meta.get('matrix')} on {meta.get('profile')}", ""]
+    if cap:
+        md += [f"Memory cap: {cap['cap']} per run, {cap_enforcement(cap)}.", ""]
+    if largest is not None:
+        steps = max(r.config.steps for r in results)
+        md += [f"## Largest model trainable for {steps} steps under the {cap['cap']} cap", "",
+               _md([h.format(steps=steps, cap=cap["cap"]) for h in LARGEST_HEADERS], largest_rows(largest)), "",
+               largest_summary(largest, cap["cap"]) + ".", ""]
+    if cap:
+        peak = ("cap peak: the cgroup's peak (RSS + page cache)" if cap.get("enforced")
+                else "cap peak: the process tree's sampled RSS (not enforced)")
+        md += [f"## Runs under the {cap['cap']} cap", "", f"{peak}; RSS: the run's own peak RSS (report.json).", "",
+               _md(CAP_HEADERS, cap_rows(results)), ""]
+    md += (["## memascend / baseline", ""] if cap else []) + [
+        "Ratios are memascend / baseline measured in the same run.", "", markdown_table(results)]
     if fit:
         for engine, f in fit.items():
             md.append(f"- {engine}: {f['bytes_per_param']:.2f} bytes/param + {f['intercept_bytes'] / GIB:.2f} GiB")
     (out_dir / "results.md").write_text("\n".join(md) + "\n")
     return doc
+
+
+def cap_enforcement(cap: dict) -> str:
+    """``enforced by cgroup-v1 (hard limit, no swap)`` or ``NOT enforced (cannot enforce: ...)``."""
+    if cap.get("enforced"):
+        return f"enforced by {cap['mechanism']} (hard limit, no swap; a run past it is OOM-killed)"
+    return (f"NOT enforced ({cap['mechanism'].removeprefix('none: ')}); peaks are uncapped, and a run whose "
+            "sampled RSS passed the cap was stopped by a watchdog")

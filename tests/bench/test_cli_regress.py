@@ -16,7 +16,7 @@ ONLY = "smollm2-shakespeare-r1"
 
 
 def _fake_runs(monkeypatch, reports: dict[str, dict], calls: list):
-    def run_one(cfg, engine, out_root, nvme_path, timeout_s, resume=False):
+    def run_one(cfg, engine, out_root, nvme_path, timeout_s, resume=False, memory_cap=None):
         calls.append((cfg.name, engine))
         out = Path(out_root) / cfg.name / engine
         out.mkdir(parents=True, exist_ok=True)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from memascend.bench.matrix import MATRICES, BenchConfig, get_matrix
+from memascend.bench.matrix import MATRICES, BenchConfig, Matrix, get_matrix
 from memascend.errors import UserError
 
 
 def test_named_matrices_exist_and_smoke_is_smollm2_one_and_two_ranks():
-    assert set(MATRICES) == {"smoke", "cpu-full", "gpu"}
+    assert set(MATRICES) == {"smoke", "cpu-full", "gpu", "scaling"}
     smoke = get_matrix("smoke")
     assert {c.data for c in smoke.configs} == {"shakespeare", "chitchat"}
     assert {c.nproc for c in smoke.configs} == {1, 2}
@@ -58,3 +58,25 @@ def test_select_and_errors():
         get_matrix("huge")
     with pytest.raises(ValueError):
         BenchConfig(name="x", steps=2)
+
+
+def test_scaling_search_is_cpu_fulls_llama_series_in_ascending_size():
+    scaling = get_matrix("scaling")
+    assert scaling.capped_search and not get_matrix("cpu-full").capped_search
+    assert [c.from_scratch for c in scaling.configs] == ["llama-tiny", "llama-0.1b", "llama-0.3b", "llama-0.5b",
+                                                         "llama-1b", "llama-2b", "llama-3b"]
+    sizes = [c.param_numel for c in scaling.configs]
+    assert sizes == sorted(sizes) and sizes[0] < 5e6 and 2.7e9 < sizes[-1] < 2.8e9
+    full = {c.name: c for c in get_matrix("cpu-full").configs}
+    for c in scaling.configs:
+        # the same runs as cpu-full's scaling series: bf16, 1 x 256, activation checkpointing, 3 steps, eval off
+        kw = dict(engine="memascend", output_dir="o", nvme_path="s")
+        assert c.finetune_args(**kw) == full[c.name].finetune_args(**kw)
+        args = c.finetune_args(**kw)
+        assert (c.dtype, c.micro_batch, c.seq_len, c.steps) == ("bf16", 1, 256, 3)
+        assert "--activation-checkpointing" in args and "--no-save-model" in args
+        assert args[args.index("--eval-blocks") + 1] == "0"
+        # where both engines fit: bitwise losses, and memascend never above stock's memory
+        assert c.thresholds.bitwise_losses and c.thresholds.max_peak_rss_ratio == 1.0
+    with pytest.raises(ValueError, match="ascending"):
+        Matrix(name="x", description="", configs=tuple(reversed(scaling.configs)), capped_search=True)

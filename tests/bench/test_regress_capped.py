@@ -1,0 +1,217 @@
+"""``memascend regress --memory-cap``: the capped largest-model search (matrix ``scaling``).
+
+The decision logic runs on synthetic outcomes (which engine fit, which was OOM-killed); the last two
+tests run the real thing: llama-tiny trained by both engines under a cgroup cap it fits and one it
+cannot fit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from bench_reports import LOSSES, make_report
+from cgroup_support import needs_cgroup
+from click.testing import CliRunner
+
+from memascend.bench import cgroup as cg
+from memascend.bench import runner as runner_mod
+from memascend.bench.cgroup import CappedResult
+from memascend.bench.matrix import get_matrix
+from memascend.cli.main import cli
+
+GIB = 1 << 30
+CAP = 16 * GIB
+SCALING = [c.name for c in get_matrix("scaling").configs]
+
+
+def _cap(outcome: str, peak_gib: float) -> CappedResult:
+    rc, kills, hit = {"fit": (0, 0, False), "oom": (-9, 1, True), "host-oom": (-9, 1, False),
+                      "crash": (1, 0, False)}[outcome]
+    return CappedResult(rc, CAP, "cgroup-v1", int(peak_gib * GIB), "test", kills, hit, False, False, 5.0)
+
+
+def _fake_capped_runs(monkeypatch, plan, calls: list):
+    """``plan(cfg, engine) -> (outcome, peak GiB)``: a run that "fit" writes a report of that peak."""
+    monkeypatch.setattr(cg, "probe", lambda cap, root=None: "cgroup-v1")
+
+    def run_one(cfg, engine, out_root, nvme_path, timeout_s, resume=False, memory_cap=None):
+        assert memory_cap == CAP
+        calls.append((cfg.name, engine))
+        outcome, peak = plan(cfg, engine)
+        out = Path(out_root) / cfg.name / engine
+        out.mkdir(parents=True, exist_ok=True)
+        if outcome == "fit":
+            rep = make_report(rss_gib=peak, locked_gib=peak / 4, step_s=5.0, losses=LOSSES,
+                              param_numel=cfg.param_numel or 134_515_008)
+            (out / "report.json").write_text(json.dumps(rep))
+        log = Path(out_root) / cfg.name / f"{engine}.log"
+        log.write_text("fake run\n")
+        cap = _cap(outcome, CAP / GIB if outcome == "oom" else peak)
+        return runner_mod.RunOutcome(engine, cap.returncode, out, log, 5.0, cap)
+
+    monkeypatch.setattr(runner_mod, "run_one", run_one)
+
+
+def _invoke(tmp_path, *extra, matrix="scaling"):
+    return CliRunner().invoke(cli, ["regress", "--matrix", matrix, "--output", str(tmp_path / "out"),
+                                    "--baselines", str(tmp_path / "baselines"), "--profile", "test-host", *extra])
+
+
+def _stock_stops_at_1b(cfg, engine):
+    numel = cfg.param_numel
+    if engine == "baseline":
+        return ("oom", 0) if numel > 0.9e9 else ("fit", 2 + 30 * numel / GIB)
+    return "fit", 1 + 6 * numel / GIB
+
+
+def test_search_stops_each_engine_at_its_first_oom_and_reports_the_largest_side_by_side(tmp_path, monkeypatch):
+    calls = []
+    _fake_capped_runs(monkeypatch, _stock_stops_at_1b, calls)
+    res = _invoke(tmp_path, "--memory-cap", "16GiB")
+    assert res.exit_code == 0, res.output
+    # stock is not run past its first OOM kill; memascend runs every size
+    assert [c for c, e in calls if e == "baseline"] == SCALING[:5]
+    assert [c for c, e in calls if e == "memascend"] == SCALING
+    assert ("largest model trainable under the 16 GiB cap: baseline llama-0.5b (0.45 B params), memascend llama-3b "
+            "(2.77 B params) (every model searched fit): memascend trains a 6.1x larger model") in " ".join(res.output.split())
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert doc["ok"] and doc["memory_cap"] == {"cap_bytes": CAP, "cap": "16 GiB", "mechanism": "cgroup-v1",
+                                               "enforced": True}
+    largest = doc["largest_under_cap"]
+    assert largest["baseline"]["largest"]["config"] == "llama-0.5b-bf16-256x1"
+    assert largest["baseline"]["stopped_at"]["config"] == "llama-1b-bf16-256x1"
+    assert largest["baseline"]["stopped_at"]["status"] == "capped"
+    assert largest["memascend"]["largest"]["model"] == "llama-3b" and largest["memascend"]["fit_all"]
+    by_name = {c["config"]["name"]: c for c in doc["configs"]}
+    one_b = by_name["llama-1b-bf16-256x1"]
+    assert one_b["ok"] and one_b["runs"]["baseline"]["cap"]["outcome"] == "oom-killed"
+    assert by_name["llama-3b-bf16-256x1"]["runs"]["baseline"]["status"] == "skipped"
+    # where both fit, the pair is compared as usual
+    assert {c["name"] for c in by_name["llama-0.5b-bf16-256x1"]["checks"]} >= {"losses", "peak_rss_ratio"}
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "## Largest model trainable for 3 steps under the 16 GiB cap" in md
+    assert "| stock (`--engine baseline`) | llama-0.5b | 0.45 B |" in md
+    assert "llama-1b: OOM-killed under the 16 GiB cap (cgroup peak 16 GiB) after 5 s" in md
+    assert "enforced by cgroup-v1" in md
+
+
+def test_memascend_oom_killed_where_stock_fits_is_a_regression(tmp_path, monkeypatch):
+    calls = []
+    _fake_capped_runs(monkeypatch, lambda cfg, e: ("oom", 0) if e == "memascend" and "0.3b" in cfg.name
+                      else ("fit", 3.0 if e == "baseline" else 1.0), calls)
+    res = _invoke(tmp_path, "--memory-cap", "16GiB")
+    assert res.exit_code == 1, res.output
+    assert "REGRESSION llama-0.3b-bf16-256x1: memory_cap: memascend did not fit under the cap where stock did" in res.output
+    assert [c for c, e in calls if e == "memascend"] == SCALING[:3]
+
+
+@pytest.mark.parametrize("failure", ["crash", "host-oom"])
+def test_a_failure_that_is_not_the_caps_oom_kill_fails_and_ends_that_engines_search(tmp_path, monkeypatch, failure):
+    calls = []
+    _fake_capped_runs(monkeypatch, lambda cfg, e: (failure, 5.0) if e == "baseline" and "0.1b" in cfg.name
+                      else ("fit", 3.0 if e == "baseline" else 1.0), calls)
+    res = _invoke(tmp_path, "--memory-cap", "16GiB")
+    assert res.exit_code == 1, res.output
+    assert "ERROR llama-0.1b-bf16-256x1: baseline:" in res.output
+    if failure == "host-oom":
+        assert "killed by the host's OOM killer, not by the 16 GiB cap" in " ".join(res.output.split())
+    assert [c for c, e in calls if e == "baseline"] == SCALING[:2]
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert doc["largest_under_cap"]["baseline"]["stopped_at"]["status"] == "error"
+
+
+def test_a_capped_regular_matrix_runs_every_config_and_stock_oom_is_no_failure(tmp_path, monkeypatch):
+    calls = []
+    _fake_capped_runs(monkeypatch, lambda cfg, e: ("oom", 0) if e == "baseline" else ("fit", 2.0), calls)
+    res = _invoke(tmp_path, "--memory-cap", "16GiB", "--only", "smollm2-*-r1", matrix="smoke")
+    assert res.exit_code == 0, res.output
+    assert len(calls) == 4  # not a search: no engine is stopped
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert "largest_under_cap" not in doc and doc["memory_cap"]["cap"] == "16 GiB"
+    assert "PASS (base OOM-killed)" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_scaling_needs_a_cap_and_a_bad_cap_is_one_line(tmp_path):
+    res = _invoke(tmp_path)
+    assert res.exit_code == 2 and "--matrix scaling is a search under a memory cap: give --memory-cap" in res.output
+    res = _invoke(tmp_path, "--memory-cap", "lots")
+    assert res.exit_code == 2
+    err = [line for line in res.output.splitlines() if line.startswith("Error")]
+    assert err == ["Error: Invalid value for '--memory-cap': not a memory size: 'lots' (e.g. 16GiB, 300MiB)"]
+    assert "Traceback" not in res.output
+
+
+def test_resume_under_a_cap_reuses_oom_kills_of_the_same_cap_only(tmp_path):
+    cfg = get_matrix("scaling").configs[4]
+    (tmp_path / cfg.name).mkdir()
+    (tmp_path / cfg.name / "baseline.cap.json").write_text(json.dumps(_cap("oom", 16).to_dict()))
+    # resume must not start a process (the nvme path is not even creatable)
+    out = runner_mod.run_one(cfg, "baseline", tmp_path, Path("/proc/no-such"), 1.0, resume=True, memory_cap=CAP)
+    assert out.status == "capped" and out.wall_s == 0.0 and out.cap.outcome == "oom-killed"
+    earlier = runner_mod._earlier(tmp_path / cfg.name / "baseline", tmp_path / "log",
+                                  tmp_path / cfg.name / "baseline.cap.json", "baseline", 8 * GIB)
+    assert earlier is None  # another cap: run again
+
+
+def test_swap_folders_of_killed_runs_are_removed_live_ones_kept(tmp_path):
+    keep_old = tmp_path / "memascend-20260101-000000-4999999"
+    keep_old.mkdir()
+    before = runner_mod._swap_dirs(tmp_path)
+    dead = tmp_path / "memascend-20260101-000001-4999998"  # no such process: its run was killed
+    live = tmp_path / f"memascend-20260101-000002-{os.getpid()}"  # a live run sharing the NVMe path
+    for d in (dead, live):
+        (d / "sub").mkdir(parents=True)
+        (d / "sub" / "x.swp").write_bytes(b"0" * 4096)
+    assert runner_mod._remove_leftover_swap(tmp_path, before) == [dead]
+    assert keep_old.exists() and live.exists() and not dead.exists()
+
+
+# --- the real thing: llama-tiny trained by both engines under a cgroup cap ----------------------------
+
+def _regress(tmp_path: Path, cap: str) -> tuple[int, str, dict, str]:
+    import subprocess
+
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "memascend", "regress", "--matrix", "scaling", "--only",
+                           "llama-tiny-bf16-256x1", "--memory-cap", cap, "--output", str(out), "--baselines",
+                           str(tmp_path / "bl"), "--profile", "test-host", "--timeout", "600"],
+                          capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore", "COLUMNS": "200"})
+    doc = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else {}
+    md = (out / "results.md").read_text() if (out / "results.md").is_file() else ""
+    return proc.returncode, proc.stdout + proc.stderr, doc, md
+
+
+@pytest.mark.root
+@needs_cgroup
+def test_real_llama_tiny_fits_under_4gib(tmp_path):
+    rc, output, doc, md = _regress(tmp_path, "4GiB")
+    assert rc == 0, output[-3000:]
+    assert doc["memory_cap"]["enforced"] and doc["memory_cap"]["cap_bytes"] == 4 * GIB
+    (cfg,) = doc["configs"]
+    for engine in ("baseline", "memascend"):
+        run = cfg["runs"][engine]
+        assert run["status"] == "ok" and run["cap"]["outcome"] == "fit", run
+        assert 100 << 20 < run["cap"]["peak_bytes"] < 4 * GIB
+        assert doc["largest_under_cap"][engine]["largest"]["model"] == "llama-tiny"
+    assert next(c for c in cfg["checks"] if c["name"] == "losses")["ok"]
+    assert "largest model trainable under the 4 GiB cap: baseline llama-tiny (3.3 M params)" in " ".join(output.split())
+    assert not list((tmp_path / "out" / "swap").glob("memascend-*"))
+
+
+@pytest.mark.root
+@needs_cgroup
+def test_real_llama_tiny_is_oom_killed_under_300mib_and_nothing_fits(tmp_path):
+    rc, output, doc, md = _regress(tmp_path, "300MiB")
+    assert rc == 0, output[-3000:]  # an OOM kill under the cap is the search's answer, not a crash
+    (cfg,) = doc["configs"]
+    for engine in ("baseline", "memascend"):
+        cap = cfg["runs"][engine]["cap"]
+        assert cap["outcome"] == "oom-killed" and cap["oom_kills"] >= 1, cap
+        assert doc["largest_under_cap"][engine]["largest"] is None
+    assert "largest model trainable under the 300 MiB cap: baseline none, memascend none" in " ".join(output.split())
+    assert "llama-tiny: OOM-killed under the 300 MiB cap" in md
