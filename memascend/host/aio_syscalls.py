@@ -70,3 +70,22 @@ def probe_aio_syscalls() -> AioProbe:
 AIO_BLOCKED_FIX = ("allow io_pgetevents in the container's seccomp profile (docker/podman run "
                    "--security-opt seccomp=PROFILE, or seccomp=unconfined), or swap to a raw store "
                    "(--nvme-path /dev/XXX or FILE.store), which does not use DeepSpeed's aio")
+
+
+def check_aio_syscalls(required: bool = True):
+    """Doctor row ``aio syscalls``: PASS when the probe passes, FAIL (with the fix) when the kernel
+    or a seccomp profile refuses one, SKIP on an architecture whose numbers are not known.
+
+    Args:
+        required: whether the run swaps through DeepSpeed's aio (a swap folder); a raw store
+            does not need it.
+    """
+    from memascend.host.result import CheckResult, Status
+
+    probe = probe_aio_syscalls()
+    if probe.ok is None:
+        return CheckResult(name="aio syscalls", status=Status.SKIP, detail=probe.detail, required=False)
+    if probe.ok:
+        return CheckResult(name="aio syscalls", status=Status.PASS, detail=probe.detail, required=required)
+    return CheckResult(name="aio syscalls", status=Status.FAIL, detail=probe.detail, fix=AIO_BLOCKED_FIX,
+                       required=required)

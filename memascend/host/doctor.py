@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from memascend.host.aio_syscalls import check_aio_syscalls
 from memascend.host.devices import check_device
 from memascend.host.extensions import check_extension, op_names
 from memascend.host.gpu import check_cuda, check_gds
@@ -49,7 +50,8 @@ def run_checks(options: DoctorOptions) -> list[CheckResult]:
     """Run all checks in table order.
 
     Returns:
-        One result per check: memlock, hugepages, each device, libaio, liburing, each op, cuda,
+        One result per check: memlock, hugepages, each device, libaio, liburing, aio syscalls
+        (required with an NVMe folder: DeepSpeed's aio swaps there), each op, cuda,
         gds, and the NVMe folder when given.
     """
     paths = options.paths
@@ -60,6 +62,7 @@ def run_checks(options: DoctorOptions) -> list[CheckResult]:
     results += [check_device(dev, paths, user=options.device_user) for dev in options.devices]
     results.append(check_library("aio", "libaio.h", required=True))
     results.append(check_library("uring", "liburing.h", required=False))
+    results.append(check_aio_syscalls(required=options.nvme_path is not None))
     results += [check_extension(name) for name in op_names()]
     results.append(check_cuda(paths, required=options.require_gpu))
     results.append(check_gds(paths))

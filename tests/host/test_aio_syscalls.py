@@ -35,3 +35,15 @@ def test_unknown_architecture_is_not_probed(monkeypatch):
     monkeypatch.setattr(aio_syscalls.platform, "machine", lambda: "riscv128")
     assert aio_syscalls.probe_aio_syscalls().ok is None
     check_aio_for_swap_folder()  # unknown: no error, DeepSpeed decides
+
+
+def test_doctor_row_fails_with_the_fix_only_where_a_folder_needs_it(monkeypatch):
+    from memascend.host.aio_syscalls import check_aio_syscalls
+    from memascend.host.result import Status
+
+    assert check_aio_syscalls().status is Status.PASS
+    io_setup, io_destroy, _ = aio_syscalls._SYSCALLS[platform.machine()]
+    monkeypatch.setitem(aio_syscalls._SYSCALLS, platform.machine(), (io_setup, io_destroy, 100_000))
+    row = check_aio_syscalls(required=True)
+    assert row.status is Status.FAIL and row.blocks_run and "seccomp" in row.fix
+    assert not check_aio_syscalls(required=False).blocks_run  # a raw store does not need it
