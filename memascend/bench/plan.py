@@ -15,6 +15,9 @@ Locked (VmLck; aio ``new_cpu_locked_tensor``, exact size):
 Unlocked:
   * fp16 flat param memory: ``min(partition, max_in_cpu)`` elements (``_create_param_groups_fp16_flat_cpu_memory``);
   * ``grad_partitions_flat_buffer``: the whole gradient partition in the gradient-accumulation dtype;
+  * the reduce (IPG) bucket: ``reduce_bucket_size`` elements of the gradient dtype allocated on every
+    rank, of which the whole, unpartitioned gradients touch ``min(bucket, total_numel)`` (per rank,
+    not divided by the rank count; stock's 5e8-element bucket in fp32 is 4 bytes/param);
   * the optimizer step's fp32 gradient of the largest sub-group;
   * activations (per micro-batch, Korthikanti et al. 2022's per-layer estimate, plus the fp32
     logits/loss of the vocabulary projection);
@@ -30,7 +33,7 @@ partitions at most) and sizes the write-back buffer from partition sizes; its op
 buffers are allocated on demand (Adam holds ``OPTIMIZER_BUFFERS_IN_USE`` at once).
 
 The constants that are not read from the source (framework baseline, model build, corpus, the
-resident shares of the activation estimate) are calibrated against real runs' ``report.json`` on this project's CPU
+resident shares of the activation estimate, stock's step temporaries) are calibrated against real runs' ``report.json`` on this project's CPU
 host (see ``baselines/``); the accuracy target is 15 % of the measured peak.
 """
 
@@ -72,18 +75,30 @@ The three shares are a minimax fit (worst relative error of the planned peak RSS
 recorded reports in ``baselines/cpu-2c-24g`` (smoke, cpu-full incl. SmolLM2 4 x 256 in bf16/fp32 on
 one and two ranks and llama-0.1b at 256/1024/4096 tokens, llama-1b), every other component fixed;
 worst error 12.9 %. (They replace one 0.5 factor fitted on 256-token micro-batches only, which
-underestimated 1024- and 4096-token runs by up to 27 %.)"""
-MEMASCEND_FRAMEWORK_RSS_BYTES = int(0.47 * GIB)
-"""The same under memascend's malloc policy (fixed mmap/trim thresholds, ``malloc_trim`` per step)."""
+underestimated 1024- and 4096-token runs by up to 27 %.) With the reduce bucket modelled on its own
+(see :data:`MODEL_BUILD_BYTES_PER_PARAM`) a grid search finds the same shares minimax-optimal: the
+worst error, 13.1 % (smoke chitchat-r1 memascend, whose activations are 14 % of its peak), no longer
+depends on them."""
+MEMASCEND_FRAMEWORK_RSS_BYTES = FRAMEWORK_RSS_BYTES
+"""The same under memascend's malloc policy: equal to stock's. It was 0.47 GiB while the reduce bucket
+was not a component of its own: the extra 0.05 GiB was memascend's bucket (the largest parameter,
+SmolLM2's 28.3M-element embedding in bf16 = 0.053 GiB), now modelled from the config."""
 CORPUS_BYTES_PER_TOKEN = 130
 """Per rank, resident bytes per corpus token after reading and tokenizing (documents, Python token
 lists, blocks): measured as the load-phase RSS of chitchat (3.80M tokens) over Shakespeare (1.70M)."""
 BUILTIN_CORPUS_TOKENS = {"shakespeare": 1_702_472, "chitchat": 3_802_092}
 """Tokens of the built-in corpora with the SmolLM2 tokenizer (report.json ``data.tokens``)."""
-MODEL_BUILD_BYTES_PER_PARAM = 6.5
+MODEL_BUILD_BYTES_PER_PARAM = 4.5
 """Per rank, building the model (every rank materialises whole fp32 tensors, pretrained weights read
 from the checkpoint or random init, before ``zero.Init`` partitions 16-bit copies) leaves this
-many bytes per parameter resident in glibc's heap."""
+many bytes per parameter resident in glibc's heap (bytes/param of the whole model).
+
+It was fitted as 6.5 while the reduce bucket was folded into it: every stock calibration run was
+bf16 with fewer than 5e8 parameters, where the touched bucket is exactly 2 bytes/param (report.json
+``memory_breakdown.gradient_buffers.reduce_buckets.resident_at_end_bytes`` = param_numel x 2 in
+every stock bf16 report). With the bucket modelled on its own (capped at ``reduce_bucket_size``,
+4 bytes/param in fp32) the stock bf16 plans are unchanged, fp32 gets its larger bucket and models
+past 5e8 parameters no longer grow a bucket beyond its allocation."""
 MEMASCEND_MODEL_BUILD_BYTES_PER_PARAM = 1.5
 """The same under memascend's malloc policy (the trim before the first forward hands most of it back).
 
@@ -297,6 +312,13 @@ def plan_engine(engine: str, cfg: RunConfig, dims: ModelDims, ds_cfg: dict, worl
             add("param write-back buffer", _aligned(wb_numel, e) * e, True, "reserve_partitioned_swap_space")
     elif op.get("device") == "cpu":
         add("params in CPU memory", part * e, False, "offload_param device cpu")
+    # The reduce (IPG) bucket: allocated at ``reduce_bucket_size`` elements of the gradient dtype on
+    # every rank, but gradients are copied into it whole and unpartitioned, so only the first
+    # ``min(bucket, total_numel)`` elements' pages are ever written (report.json
+    # ``memory_breakdown.gradient_buffers.reduce_buckets.resident_at_end_bytes``).
+    bucket_numel = int(z.get("reduce_bucket_size", DS_DEFAULT_REDUCE_BUCKET_NUMEL))
+    add(f"reduce bucket ({min(bucket_numel, dims.total_numel):,} of {bucket_numel:,} elements touched)",
+        min(bucket_numel, dims.total_numel) * e, False, "DeepSpeedZeroOptimizer_Stage3 ipg_buckets (reduce_bucket_size)")
     if release_grads and cfg.train.dtype == "bf16":
         # Pages of each reduced bucket's partitions are handed back as soon as they are swapped out:
         # about one bucket (its partition on this rank) is resident during backward.

@@ -95,3 +95,21 @@ def test_largest_preset_under_cap():
     assert fits["memascend"][0] == "llama-tiny"
     big = largest_preset_under_cap(cfg, 1 << 50)
     assert big["baseline"][0] == big["memascend"][0] == "llama-3b"
+
+
+def test_reduce_bucket_matches_the_recorded_touched_pages_and_is_capped():
+    """The reduce bucket is modelled from the config: per rank ``min(reduce_bucket_size, params)``
+    elements of the gradient dtype, as measured (``reduce_buckets.resident_at_end_bytes``)."""
+    from memascend.bench.plan import plan_run
+    from memascend.config import build_run_config
+
+    for path in RECORDED:
+        report = json.loads(path.read_text())
+        measured = report["memory_breakdown"]["gradient_buffers"]["reduce_buckets"]["resident_at_end_bytes"]
+        planned = [c.bytes for c in plan_for_report(report).components if c.name.startswith("reduce bucket")]
+        per_rank = planned[0] / int(report["host"]["world_size"])
+        assert abs(per_rank - measured) <= 0.01 * measured, f"{path.name}: {per_rank} vs {measured}"
+    cfg = build_run_config({}, {"model": {"from_scratch": "llama-1b"}, "data": {"seq_len": 64},
+                                "train": {"micro_batch": 1}})
+    bucket = [c for c in plan_run(cfg)["baseline"].components if c.name.startswith("reduce bucket")]
+    assert bucket[0].bytes == 500_000_000 * 2  # stock's 5e8-element bf16 bucket, not 1 B params
