@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from memascend.errors import UserError
+from memascend.host.storage import o_direct_works
 
 # Bytes per parameter on the NVMe path under ZeRO-Infinity with Adam: the 16-bit parameter
 # (params offloaded) plus the fp32 master copy, two Adam moments and the fp32 gradient swapped by
@@ -36,7 +37,8 @@ def prepare_swap_dir(nvme_path: str, need_bytes: int, run_id: str) -> Path:
     """Create ``<nvme_path>/memascend-<run_id>`` after checking the folder is writable and large enough.
 
     Raises:
-        UserError: the path is not a folder, not writable, or lacks ``need_bytes`` of free space.
+        UserError: the path is not a folder, not writable, refuses O_DIRECT, or lacks ``need_bytes``
+            of free space.
     """
     base = Path(nvme_path).expanduser()
     if base.exists() and not base.is_dir():
@@ -47,6 +49,15 @@ def prepare_swap_dir(nvme_path: str, need_bytes: int, run_id: str) -> Path:
         raise UserError(f"cannot create --nvme-path {nvme_path}: {exc.strerror}") from None
     if not os.access(base, os.W_OK | os.X_OK):
         raise UserError(f"--nvme-path is not writable: {nvme_path}")
+    # DeepSpeed's aio opens every swap file with O_DIRECT; where that is refused its swapper fails
+    # deep inside zero.Init with a bare assertion. Probe one block now and say what to do instead.
+    refused = o_direct_works(base)
+    if refused is not None:
+        raise UserError(
+            f"--nvme-path {nvme_path} does not take O_DIRECT I/O: {refused}; use a folder on a local "
+            "disk filesystem such as ext4 or xfs (in a container: a bind mount or volume, "
+            "docker run -v HOST_DIR:/swap ... --nvme-path /swap) or a raw store (a block device or FILE.store)"
+        )
     free = shutil.disk_usage(base).free
     if free < need_bytes:
         raise UserError(

@@ -29,6 +29,37 @@ def test_prepare_checks_space_and_writability(tmp_path):
         prepare_swap_dir(str(f), 1, "r3")
 
 
+def test_folder_refusing_o_direct_is_a_one_line_error_before_any_swap(tmp_path, monkeypatch):
+    """DeepSpeed's aio opens swap files with O_DIRECT; a folder refusing it must stop the run up front."""
+    real_open = os.open
+
+    def no_direct(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            raise OSError(22, "Invalid argument", path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    with pytest.raises(UserError, match=r"does not take O_DIRECT I/O: O_DIRECT open refused \(Invalid argument\)"):
+        prepare_swap_dir(str(tmp_path / "nvme"), 1, "r")
+    assert not (tmp_path / "nvme" / "memascend-r").exists() and not list((tmp_path / "nvme").iterdir())
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a ramfs needs root")
+def test_real_ramfs_refusing_o_direct(tmp_path):
+    """ramfs has no O_DIRECT (open gives EINVAL): the real kernel refusal, not a stand-in."""
+    mnt = tmp_path / "ramfs"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mnt)], capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a ramfs here")
+    try:
+        with pytest.raises(UserError, match="does not take O_DIRECT I/O") as err:
+            prepare_swap_dir(str(mnt), 1, "r")
+        assert "\n" not in str(err.value) and "--nvme-path /swap" in str(err.value)
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
 def test_unwritable_path(tmp_path):
     ro = tmp_path / "ro"
