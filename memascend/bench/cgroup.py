@@ -4,7 +4,9 @@ The scaling story's question, "the largest model each engine can train for 3 ste
 needs the cap enforced, not inferred from an uncapped peak. :func:`run_capped` puts the child
 (and every rank process it launches, which inherit the cgroup) into a fresh memory cgroup with a
 hard limit and no swap, before the child allocates anything (the child writes its own pid to
-``cgroup.procs`` between fork and exec):
+``cgroup.procs`` between fork and exec). The group is made inside the caller's own cgroup where
+that is writable (so any limit, accounting or kill of the caller's group still covers the run), else
+at the hierarchy's root:
 
 * cgroup v2 (``memory.max``, ``memory.swap.max`` = 0, ``memory.oom.group``; peak from
   ``memory.peak``, else sampled ``memory.current``; OOM kills from ``memory.events``) where a v2
@@ -219,6 +221,30 @@ def _cgroup_mounts(root: Path) -> tuple[list[Path], list[Path]]:
     return v2, v1
 
 
+def _own_group(mount: Path, version: int) -> Path | None:
+    """This process's own cgroup under ``mount`` (from ``/proc/self/cgroup``), where it is a folder
+    below the mount's root; ``None`` at the root or where it cannot be told."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, rel = (line.split(":", 2) + ["", ""])[:3]
+        if (controllers == "" if version == 2 else "memory" in controllers.split(",")):
+            rel = rel.strip().strip("/")
+            if rel and ".." not in rel.split("/") and (mount / rel).is_dir():
+                return mount / rel
+    return None
+
+
+def _parents(mount: Path, version: int) -> list[Path]:
+    """Where to create the capped group under ``mount``: inside this process's own cgroup first, so
+    the run stays inside whatever limit and accounting the caller's group has (a job scheduler or a
+    session killing its group's tasks still reaches the training processes), then the mount's root."""
+    own = _own_group(mount, version)
+    return [own, mount] if own is not None and own != mount else [mount]
+
+
 def _read(path: Path) -> str:
     try:
         return path.read_text()
@@ -265,25 +291,29 @@ class _Cgroup:
             if "memory" not in _read(v2root / "cgroup.controllers").split():
                 why.append(f"{v2root}: cgroup2 without the memory controller")
                 continue
-            if "memory" not in _read(v2root / "cgroup.subtree_control").split():
-                why.append(f"{v2root}: memory controller not enabled for child groups (cgroup.subtree_control)")
-                continue
-            err = self._make(v2root / name, 2, [("memory.max", cap_bytes, True), ("memory.swap.max", 0, False),
-                                                 ("memory.oom.group", 1, False)])
-            if err is None:
-                return
-            why.append(f"{v2root}: {err}")
+            for parent in _parents(v2root, 2):
+                # A v2 group holding processes cannot enable controllers for children: usually only
+                # the root qualifies.
+                if "memory" not in _read(parent / "cgroup.subtree_control").split():
+                    why.append(f"{parent}: memory controller not enabled for child groups (cgroup.subtree_control)")
+                    continue
+                err = self._make(parent / name, 2, [("memory.max", cap_bytes, True), ("memory.swap.max", 0, False),
+                                                     ("memory.oom.group", 1, False)])
+                if err is None:
+                    return
+                why.append(f"{parent}: {err}")
         for v1root in v1roots:
             if not (v1root / "memory.limit_in_bytes").is_file():
                 why.append(f"{v1root}: no cgroup-v1 memory controller")
                 continue
-            # memsw (memory + swap) must be set after the memory limit; absent without swap accounting.
-            err = self._make(v1root / name, 1, [("memory.limit_in_bytes", cap_bytes, True),
-                                                 ("memory.memsw.limit_in_bytes", cap_bytes, False),
-                                                 ("memory.swappiness", 0, False)])
-            if err is None:
-                return
-            why.append(f"{v1root}: {err}")
+            for parent in _parents(v1root, 1):
+                # memsw (memory + swap) must be set after the memory limit; absent without swap accounting.
+                err = self._make(parent / name, 1, [("memory.limit_in_bytes", cap_bytes, True),
+                                                     ("memory.memsw.limit_in_bytes", cap_bytes, False),
+                                                     ("memory.swappiness", 0, False)])
+                if err is None:
+                    return
+                why.append(f"{parent}: {err}")
         self.why = "cannot enforce: " + ("; ".join(why) or f"no cgroup hierarchy under {root}")
 
     def _make(self, path: Path, version: int, settings: list[tuple[str, int, bool]]) -> str | None:

@@ -36,7 +36,8 @@ def _my_groups() -> set[Path]:
     prefix = f"{cg.PREFIX}{os.getpid()}-"
     v2, v1 = cg._cgroup_mounts(CGROUP_ROOT)
     found = set()
-    for parent in [*v2, *v1]:
+    parents = {q for m in v2 for q in cg._parents(m, 2)} | {q for m in v1 for q in cg._parents(m, 1)}
+    for parent in parents:
         if parent.is_dir():
             found |= {p for p in parent.iterdir() if p.name.startswith(prefix)}
     return found
@@ -97,6 +98,31 @@ def test_child_under_the_cap_fits_with_its_peak():
     assert res.fit and res.returncode == 0 and not res.oom_kills and res.outcome == "fit"
     assert 300 * MIB <= res.peak_bytes < 1 << 30  # the bytearray is in the peak
     assert res.verdict.startswith("fit under the 1 GiB cap")
+    assert not _my_groups()
+
+
+def _cgroup_of(lines: str, version: int) -> str:
+    for line in lines.splitlines():
+        _, controllers, rel = line.split(":", 2)
+        if (controllers == "" if version == 2 else "memory" in controllers.split(",")):
+            return rel.strip()
+    raise AssertionError(f"no cgroup-v{version} memory line in {lines!r}")
+
+
+@pytest.mark.root
+@needs_cgroup
+def test_the_capped_group_is_made_inside_the_callers_own_cgroup(tmp_path):
+    # The run must not leave the caller's group (its limits, its accounting, a kill of its tasks).
+    version = 2 if cg.probe(256 * MIB) == "cgroup-v2" else 1
+    mine = _cgroup_of(Path("/proc/self/cgroup").read_text(), version)
+    log = tmp_path / "cgroup.txt"
+    with open(log, "w") as fh:
+        assert run_capped(["cat", "/proc/self/cgroup"], 256 * MIB, stdout=fh).fit
+    child = _cgroup_of(log.read_text(), version)
+    assert child.rsplit("/", 1)[1].startswith(f"{cg.PREFIX}{os.getpid()}-")
+    parent = child.rsplit("/", 1)[0] or "/"
+    # inside our own group; at the hierarchy's root only where ours cannot hold a capped child (v2)
+    assert parent == mine or (version == 2 and parent == "/"), (child, mine)
     assert not _my_groups()
 
 
