@@ -18,23 +18,36 @@ Unlocked:
   * the reduce (IPG) bucket: ``reduce_bucket_size`` elements of the gradient dtype allocated on every
     rank, of which the whole, unpartitioned gradients touch ``min(bucket, total_numel)`` (per rank,
     not divided by the rank count; stock's 5e8-element bucket in fp32 is 4 bytes/param);
-  * the optimizer step's fp32 gradient of the largest sub-group;
-  * activations (per micro-batch, Korthikanti et al. 2022's per-layer estimate, plus the fp32
-    logits/loss of the vocabulary projection);
-  * a fixed framework baseline (Python, torch, DeepSpeed, transformers, ops, tokenizer, data).
+  * the optimizer step's fp32 gradient of the largest sub-group (and stock's overflow check);
+  * activations of one micro-batch (:func:`activation_parts`: the tensors autograd keeps, counted
+    for a Hugging Face Llama with SDPA and measured, plus the three fp32 ``tokens x vocab`` tensors
+    of the loss at the start of backward) and the vocabulary projection's weight gradient;
+  * on several ranks, every parameter all-gathered in full on every rank during forward/backward;
+  * a fixed framework baseline (Python, torch, DeepSpeed, transformers, ops, tokenizer), the corpus
+    and, for stock, the model build's fp32 garbage in the heap.
 
-Activations (forward/backward) are freed before the optimizer step, whose own transients (the fp32
-gradient of a sub-group, stock's overflow-check temporaries) take their place: the peak is the
-resident set plus the larger of the two phases.
+Every rank runs its own interpreter, reads the corpus, builds the whole model and gathers whole
+parameters: those are per-rank costs, multiplied by the rank count; partitioned buffers are divided.
+
+Phases: building the engine (``initialize``), forward/backward (``backward``) and the optimizer step
+(``step``) have their own transients, which do not overlap: the peak is the resident set plus the
+largest of the three. Stock never hands freed heap memory back, so its forward/backward tensors
+below glibc's mmap threshold stay resident after the first step
+(:data:`GLIBC_MMAP_THRESHOLD_MAX_BYTES`); memascend's malloc policy returns them.
 
 memascend (``--engine memascend``, defaults of :class:`MemAscendSettings`) replaces the parameter
 slab with the adaptive pool (slots of the real partition sizes, the prefetch budget's largest
 partitions at most) and sizes the write-back buffer from partition sizes; its optimizer swap
-buffers are allocated on demand (Adam holds ``OPTIMIZER_BUFFERS_IN_USE`` at once).
+buffers are allocated on demand (Adam holds ``OPTIMIZER_BUFFERS_IN_USE`` at once in the step,
+``STAGING_BUFFERS_IN_USE`` stream the initial write-out and the gradients), and the gradient
+buffer's pages are returned after construction.
 
-The constants that are not read from the source (framework baseline, model build, corpus, the
-resident shares of the activation estimate, stock's step temporaries) are calibrated against real runs' ``report.json`` on this project's CPU
-host (see ``baselines/``); the accuracy target is 15 % of the measured peak.
+The constants that are not read from the source (framework baseline, corpus, stock's model build
+and step temporaries, memascend's step temporaries) are calibrated on real runs' ``report.json`` on
+this project's CPU host (``baselines/cpu-2c-24g``), each from the phase it belongs to (between-step
+RSS, step-phase rise), not fitted to the peaks; the activation terms are counted and measured
+(:func:`activation_parts`). The accuracy target is 15 % of the measured peak;
+``python -m memascend.bench.plan`` prints the error on every recorded report.
 """
 
 from __future__ import annotations
@@ -61,56 +74,74 @@ DS_SUB_GROUP_NUMEL = 1_000_000_000
 # --- calibrated on this project's CPU host (report.json of real runs; see module docstring) -------
 FRAMEWORK_RSS_BYTES = int(0.42 * GIB)
 """RSS of a rank that is not any of the components below: interpreter, torch/DeepSpeed/transformers
-code and their allocator caches, loaded ops, tokenizer, token blocks, gloo, NVMe aio handles."""
-ACTIVATION_LINEAR_SHARE = 0.875
-"""Measured share of Korthikanti et al.'s per-layer ``34*s*b*h`` term (and of the checkpointed layer
-inputs) that is resident at the backward peak on this host's bf16/fp32 CPU kernels."""
-ACTIVATION_ATTENTION_SHARE = 1.0
-"""The same for the ``5*a*s*s`` attention term."""
-LOGITS_SHARE = 0.575
-"""The same for the vocabulary projection's 3 fp32 ``b*s*vocab`` tensors (logits, log-softmax,
-gradient): about 1.7 of the three are resident at once.
+code and their allocator caches, loaded ops, tokenizer, gloo, NVMe aio handles (bytes per rank).
 
-The three shares are a minimax fit (worst relative error of the planned peak RSS) over all 27
-recorded reports in ``baselines/cpu-2c-24g`` (smoke, cpu-full incl. SmolLM2 4 x 256 in bf16/fp32 on
-one and two ranks and llama-0.1b at 256/1024/4096 tokens, llama-1b), every other component fixed;
-worst error 12.9 %. (They replace one 0.5 factor fitted on 256-token micro-batches only, which
-underestimated 1024- and 4096-token runs by up to 27 %.) With the reduce bucket modelled on its own
-(see :data:`MODEL_BUILD_BYTES_PER_PARAM`) a grid search finds the same shares minimax-optimal: the
-worst error, 13.1 % (smoke chitchat-r1 memascend, whose activations are 14 % of its peak), no longer
-depends on them."""
+Calibrated where nothing else is unknown: memascend's between-step RSS (report.json
+``steps[].rss_bytes``; its malloc policy trims after every step) minus its modelled buffers is
+0.552 GiB (median, 0.549-0.559) in the 10 Shakespeare one- and two-rank reports of SmolLM2 and
+llama-0.1b/0.3b/0.5b in ``baselines/cpu-2c-24g`` and 0.714 GiB in the 3 chitchat ones; that is
+0.42 GiB plus :data:`MEMASCEND_CORPUS_BYTES_PER_TOKEN` x corpus tokens. Stock runs the same code,
+so the constant is shared; what stock leaves in its heap on top is modelled separately."""
 MEMASCEND_FRAMEWORK_RSS_BYTES = FRAMEWORK_RSS_BYTES
-"""The same under memascend's malloc policy: equal to stock's. It was 0.47 GiB while the reduce bucket
-was not a component of its own: the extra 0.05 GiB was memascend's bucket (the largest parameter,
-SmolLM2's 28.3M-element embedding in bf16 = 0.053 GiB), now modelled from the config."""
+"""The same under memascend's malloc policy: equal to stock's (see :data:`FRAMEWORK_RSS_BYTES`)."""
 CORPUS_BYTES_PER_TOKEN = 130
 """Per rank, resident bytes per corpus token after reading and tokenizing (documents, Python token
-lists, blocks): measured as the load-phase RSS of chitchat (3.80M tokens) over Shakespeare (1.70M)."""
+lists, blocks): measured as the load-phase RSS of chitchat (3.80M tokens) over Shakespeare (1.70M).
+Stock never hands the freed token lists back, so this stays for the whole run."""
+MEMASCEND_CORPUS_BYTES_PER_TOKEN = 82
+"""The same once memascend's malloc policy has trimmed the freed token lists: between-step RSS of
+the chitchat reports over the Shakespeare ones, (0.714 - 0.552) GiB / 2.10M tokens."""
 BUILTIN_CORPUS_TOKENS = {"shakespeare": 1_702_472, "chitchat": 3_802_092}
 """Tokens of the built-in corpora with the SmolLM2 tokenizer (report.json ``data.tokens``)."""
-MODEL_BUILD_BYTES_PER_PARAM = 4.5
+MODEL_BUILD_BYTES_PER_PARAM = 4.0
 """Per rank, building the model (every rank materialises whole fp32 tensors, pretrained weights read
-from the checkpoint or random init, before ``zero.Init`` partitions 16-bit copies) leaves this
-many bytes per parameter resident in glibc's heap (bytes/param of the whole model).
+from the checkpoint or random init, before ``zero.Init`` partitions 16-bit copies) leaves about one
+fp32 copy of the model, 4 bytes per parameter of the whole model, in stock's glibc heap.
 
-It was fitted as 6.5 while the reduce bucket was folded into it: every stock calibration run was
-bf16 with fewer than 5e8 parameters, where the touched bucket is exactly 2 bytes/param (report.json
-``memory_breakdown.gradient_buffers.reduce_buckets.resident_at_end_bytes`` = param_numel x 2 in
-every stock bf16 report). With the bucket modelled on its own (capped at ``reduce_bucket_size``,
-4 bytes/param in fp32) the stock bf16 plans are unchanged, fp32 gets its larger bucket and models
-past 5e8 parameters no longer grow a bucket beyond its allocation."""
-MEMASCEND_MODEL_BUILD_BYTES_PER_PARAM = 1.5
-"""The same under memascend's malloc policy (the trim before the first forward hands most of it back).
-
-The stock constants are a least-squares fit over 14 real runs on this host (SmolLM2-135M smoke
-matrix, from-scratch llama-tiny/0.1b/0.3b; baselines/cpu-2c-24g), with every other component fixed
-by the model. The two memascend constants were refitted (smallest worst-case relative error) over
-the 9 memascend runs of the current engine: smoke (4), cpu-full llama-tiny/0.1b/0.3b/0.5b and a
-llama-1b run; worst error 12 %."""
+Calibrated: stock's between-step RSS (median of ``steps[].rss_bytes``) minus every other resident
+component (incl. the activations it keeps in the heap, :data:`GLIBC_MMAP_THRESHOLD_MAX_BYTES`), per
+parameter, over the 13 stock reports in ``baselines/cpu-2c-24g``: median 4.15 (from -1.4 to 9.7:
+glibc's heap state varies from run to run and is the main uncertainty of stock plans). memascend's
+malloc policy returns all of it: its between-step RSS leaves nothing per parameter (see
+:data:`FRAMEWORK_RSS_BYTES`), so memascend has no such component."""
+GLIBC_MMAP_THRESHOLD_MAX_BYTES = 32 << 20
+"""glibc's ``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit: stock runs with the dynamic mmap threshold, which
+rises with every freed mmapped block up to this size. A tensor below it comes from the heap and its
+pages stay resident after it is freed (stock never trims), so stock's forward/backward tensors under
+it are resident from the first step on; larger ones are mmapped and unmapped on free (transient)."""
 STOCK_STEP_TEMP_BYTES_PER_PARAM = 4
-"""Extra step-phase bytes per partition element of stock DeepSpeed over memascend (calibrated)."""
+"""Stock's overflow check (``_has_inf_or_nan``: ``x.float()`` of the 16-bit gradient partition) in
+bytes per partition element. With the fp32 gradient (4 bytes per sub-group element) it makes the
+measured step-phase rise of stock bf16 runs over their between-step RSS, 7.9-8.5 bytes per
+partition element (llama-0.1b/0.3b/0.5b, SmolLM2 4 x 256; sub-group = partition there)."""
+MEMASCEND_STEP_TEMP_BYTES_PER_SUB_GROUP_NUMEL = 5
+"""memascend's step-phase RSS above its between-step level beyond the four swap buffers and the fp32
+gradient, per element of the (auto-sized) sub-group: calibrated, 5.0-5.25 in the one-rank bf16
+memascend reports (llama-0.1b, SmolLM2, llama-0.3b, llama-0.5b; 7.7-8.2 on two ranks, 4.0 in fp32).
+Unlocked memory the step touches per sub-group that the source does not name one buffer for."""
 OPTIMIZER_BUFFERS_IN_USE = 4
 """Optimizer swap buffers Adam holds at once under memascend's on-demand manager (param, 2 moments, grad)."""
+STAGING_BUFFERS_IN_USE = 2
+"""Swap buffers memascend's on-demand manager hands out to stream data through outside the step
+(``allocate_all``: at least two): the initial fp32 write-out at construction and the gradient
+swap-out during backward. Measured (``phase_peak_locked_bytes``): VmLck in the backward phase is
+the param pool plus exactly two sub-group buffers in the memascend reports of SmolLM2 and
+llama-0.1b to 1b, in the initialize phase at most that."""
+
+# --- stage 3 defaults that decide how many gathered parameters stay alive ---------------------------
+DS_MAX_LIVE_PARAMETERS = 1_000_000_000
+"""``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` (0.19.8 zero/config.py): once the
+trace is complete, a gathered parameter is released only if it is not used again within this many
+elements, so every parameter gathered in the forward stays gathered until its backward use."""
+
+# --- activation model (HF Llama, SDPA, measured with torch.profiler; see activation_parts) ----------
+LOGITS_FP32_TENSORS = 3
+"""fp32 ``b*s*vocab`` tensors alive at the start of backward: the log-softmax output autograd keeps
+for ``cross_entropy``, the NLL gradient and the log-softmax gradient (HF's loss upcasts the logits
+to fp32). Measured: 12.0 bytes per vocabulary entry per token, bf16 and fp32 alike."""
+
+
+TRANSIENT_PHASES = ("initialize", "backward", "step")
 
 
 @dataclass(frozen=True)
@@ -122,8 +153,9 @@ class Component:
         bytes: host bytes it holds at the peak.
         locked: whether it is page-locked (counts towards VmLck).
         source: the DeepSpeed/memascend allocation it models.
-        phase: ``resident`` (held for the whole run), ``backward`` (forward/backward transients)
-            or ``step`` (optimizer-step transients); the two transient phases do not overlap.
+        phase: ``resident`` (held for the whole run), ``initialize`` (transients of building the
+            engine), ``backward`` (forward/backward transients) or ``step`` (optimizer-step
+            transients); the transient phases do not overlap.
     """
 
     name: str
@@ -152,16 +184,16 @@ class EnginePlan:
 
     @property
     def peak_rss_bytes(self) -> int:
-        """Resident bytes plus the larger of the backward and the step transients."""
-        return self.phase_bytes("resident") + max(self.phase_bytes("backward"), self.phase_bytes("step"))
+        """Resident bytes plus the largest of the initialize, backward and step transients."""
+        return self.phase_bytes("resident") + max(self.phase_bytes(p) for p in TRANSIENT_PHASES)
 
     def _locked(self, phase: str) -> int:
         return sum(c.bytes for c in self.components if c.locked and c.phase == phase)
 
     @property
     def peak_locked_bytes(self) -> int:
-        """Resident locked bytes plus the larger locked transient phase."""
-        return self._locked("resident") + max(self._locked("backward"), self._locked("step"))
+        """Resident locked bytes plus the largest locked transient phase."""
+        return self._locked("resident") + max(self._locked(p) for p in TRANSIENT_PHASES)
 
     def biggest(self, n: int = 3) -> tuple[Component, ...]:
         return tuple(sorted(self.components, key=lambda c: -c.bytes)[:n])
@@ -181,6 +213,9 @@ class ModelDims:
         param_numels: every parameter's element count, in registration order.
         module_param_counts: per module, its direct trainable parameters.
         hidden_size / num_layers / num_heads / vocab_size: architecture (activation estimate).
+        intermediate_size: MLP width (``None``: ``4 * hidden_size``).
+        kv_size: width of the key (and of the value) projection, ``num_key_value_heads * head_dim``
+            (``None``: ``hidden_size``, no grouped-query attention).
     """
 
     total_numel: int
@@ -190,6 +225,8 @@ class ModelDims:
     num_layers: int
     num_heads: int
     vocab_size: int
+    intermediate_size: int | None = None
+    kv_size: int | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -212,8 +249,12 @@ def model_dims(cfg: RunConfig) -> ModelDims:
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(hf_cfg)
     shape = model_shape(meta)
-    return ModelDims(shape.total_numel, shape.param_numels, shape.module_param_counts, hf_cfg.hidden_size,
-                     hf_cfg.num_hidden_layers, hf_cfg.num_attention_heads, hf_cfg.vocab_size)
+    h, heads = hf_cfg.hidden_size, hf_cfg.num_attention_heads
+    head_dim = getattr(hf_cfg, "head_dim", None) or h // heads
+    kv_heads = getattr(hf_cfg, "num_key_value_heads", None) or heads
+    return ModelDims(shape.total_numel, shape.param_numels, shape.module_param_counts, h,
+                     hf_cfg.num_hidden_layers, heads, hf_cfg.vocab_size,
+                     getattr(hf_cfg, "intermediate_size", None), kv_heads * head_dim)
 
 
 def _aligned(numel: int, elem_bytes: int) -> int:
@@ -221,28 +262,77 @@ def _aligned(numel: int, elem_bytes: int) -> int:
     return -(-numel // per) * per
 
 
+@dataclass(frozen=True)
+class Activations:
+    """Forward/backward tensors of one micro-batch, per rank (bytes).
+
+    Attributes:
+        saved: what autograd keeps for backward in the transformer layers and the final norm, all
+            alive at the start of backward.
+        logits: the vocabulary projection's fp32 tensors (:data:`LOGITS_FP32_TENSORS`), alive at
+            the start of backward.
+        recompute: with activation checkpointing, one layer's full set, recomputed during backward
+            after the logits are freed (0 without checkpointing).
+        largest_saved_tensor / largest_logits_tensor: the largest single tensor of the layers and of
+            the logits (whether glibc serves it from the heap or mmap,
+            :data:`GLIBC_MMAP_THRESHOLD_MAX_BYTES`).
+    """
+
+    saved: int
+    logits: int
+    recompute: int
+    largest_saved_tensor: int
+    largest_logits_tensor: int
+
+    @property
+    def total(self) -> int:
+        """The backward peak: saved tensors plus the larger of the logits and a recomputed layer."""
+        return self.saved + max(self.logits, self.recompute)
+
+
+def activation_parts(dims: ModelDims, micro_batch: int, seq_len: int, dtype_bytes: int,
+                     checkpointing: bool) -> Activations:
+    """Activation memory of one micro-batch of a Hugging Face Llama-style model (bytes, per rank).
+
+    Counted per token (``T = micro_batch * seq_len``; ``e`` = ``dtype_bytes``; ``h`` hidden, ``kv``
+    key/value width, ``i`` MLP width, ``a`` heads, ``V`` vocabulary), as kept by autograd with
+    SDPA attention (torch's flash kernel on CPU: no ``s*s`` score matrix, memory linear in ``s``):
+
+    * per layer ``2*(2*e*h + 4*h) + e*(2*h + 2*kv + 4*i) + 4*a``: each of the two RMSNorms keeps
+      its fp32 input (the upcast copy in 16-bit) and its normalised and weighted outputs; q, k, v
+      and the attention output; the SwiGLU MLP's gate, up, ``silu(gate)`` and product; the flash
+      kernel's fp32 log-sum-exp per head;
+    * with activation checkpointing instead ``e*h`` per layer (the layer input), and one layer's
+      full set while it is recomputed during backward (after the logits are freed);
+    * the final norm, ``2*e*h + 4*h``;
+    * the logits: :data:`LOGITS_FP32_TENSORS` fp32 ``T x V`` tensors at the start of backward.
+
+    Measured with ``torch.profiler`` (``profile_memory``, peak of live CPU tensor bytes, weight
+    gradients dropped as stage 3 does) on transformers 5.23 / torch 2.13: the per-layer term to
+    within 8 bytes per token at SmolLM2's shape (h 576, kv 192, i 1536: bf16 24,617 and fp32 44,588
+    bytes measured) and at h 1024, kv 512, i 2816; checkpointed layers exactly ``e*h``; the
+    vocabulary term 12.0 bytes per entry per token in bf16 and fp32, linear in ``s`` from 1024 to
+    4096 tokens.
+    """
+    t, h, a = micro_batch * seq_len, dims.hidden_size, dims.num_heads
+    e = dtype_bytes
+    kv = dims.kv_size or h
+    i = dims.intermediate_size or 4 * h
+    norm = 2 * e * h + 4 * h
+    full_layer = 2 * norm + e * (2 * h + 2 * kv + 4 * i) + 4 * a
+    per_layer = e * h if checkpointing else full_layer
+    saved = t * (dims.num_layers * per_layer + norm)
+    recompute = t * full_layer if checkpointing else 0
+    logits_tensor = t * dims.vocab_size * _FP32
+    return Activations(saved, LOGITS_FP32_TENSORS * logits_tensor, recompute, t * max(e * i, 4 * h),
+                       logits_tensor)
+
+
 def activation_bytes(dims: ModelDims, micro_batch: int, seq_len: int, dtype_bytes: int,
                      checkpointing: bool) -> int:
-    """Activation memory of one micro-batch's forward+backward (bytes, per rank).
-
-    Per layer ``s*b*(34*h + 5*a*s)`` bytes in 16-bit (Korthikanti et al. 2022, no flash attention),
-    scaled by ``dtype_bytes / 2``; with checkpointing only each layer's input is kept (``2*s*b*h``)
-    plus one layer's full set. The vocabulary projection adds fp32 logits, their log-softmax and
-    gradient (3 x ``b*s*vocab`` x 4 bytes). Each term is scaled by its measured resident share
-    (:data:`ACTIVATION_LINEAR_SHARE`, :data:`ACTIVATION_ATTENTION_SHARE`, :data:`LOGITS_SHARE`).
-    """
-    s, b, h, a = seq_len, micro_batch, dims.hidden_size, dims.num_heads
-    scale = dtype_bytes / 2
-    linear_layer = s * b * 34 * h * scale
-    attention_layer = s * b * 5 * a * s * scale
-    if checkpointing:
-        linear = dims.num_layers * 2 * s * b * h * scale + linear_layer
-        attention = attention_layer
-    else:
-        linear = dims.num_layers * linear_layer
-        attention = dims.num_layers * attention_layer
-    logits = 3 * b * s * dims.vocab_size * _FP32
-    return int(ACTIVATION_LINEAR_SHARE * linear + ACTIVATION_ATTENTION_SHARE * attention + LOGITS_SHARE * logits)
+    """Peak activation memory of one micro-batch's forward+backward (bytes, per rank): saved tensors
+    plus the fp32 logits at the start of backward (:func:`activation_parts`)."""
+    return activation_parts(dims, micro_batch, seq_len, dtype_bytes, checkpointing).total
 
 
 def corpus_tokens(source: str) -> int:
@@ -259,6 +349,47 @@ def corpus_tokens(source: str) -> int:
 def _sub_group_numel(ds_cfg: dict, partition_numel: int) -> int:
     sub = int(ds_cfg.get("zero_optimization", {}).get("sub_group_size", DS_SUB_GROUP_NUMEL))
     return min(partition_numel, sub)
+
+
+def _add_forward_backward(add, dims: ModelDims, cfg: RunConfig, e: int, w: int, trimmed: bool) -> None:
+    """The forward/backward consumers of one rank: activations, the vocabulary projection's weight
+    gradient and, on several ranks, the gathered parameters.
+
+    Where freed memory is not handed back (stock), the tensors below
+    :data:`GLIBC_MMAP_THRESHOLD_MAX_BYTES` stay in the heap after the first step and are modelled
+    as resident; the larger ones (mmapped) and everything under memascend's malloc policy are
+    backward-phase transients.
+    """
+    act = activation_parts(dims, cfg.train.micro_batch, cfg.data.seq_len, e, cfg.train.activation_checkpointing)
+    heap = 0 if trimmed else GLIBC_MMAP_THRESHOLD_MAX_BYTES
+    src = "autograd saved tensors (activation_parts)"
+    saved_kept = act.largest_saved_tensor < heap
+    logits_kept = act.largest_logits_tensor < heap
+    if saved_kept:
+        add("activations kept in the heap (saved layer tensors)", act.saved + act.recompute, False, src)
+    if logits_kept:
+        add("fp32 logits kept in the heap", act.logits, False, src)
+    transient = (0 if saved_kept else act.saved) + max(0 if logits_kept else act.logits,
+                                                       0 if saved_kept else act.recompute)
+    what = "fp32 logits at the start of backward" if saved_kept else \
+        "activations (saved tensors, fp32 logits at the start of backward)"
+    add(what, transient, False, src, "backward")
+    add("vocabulary projection weight gradient (held to the tied embedding's)", dims.vocab_size * dims.hidden_size * e,
+        False, "autograd, lm_head backward", "backward")
+    if w > 1:
+        # Each rank all-gathers every parameter in full (one rank aliases its partition instead:
+        # NoGatherCoalescedHandle); with the default reuse distance they stay until their backward use.
+        budget, kept, transient_params = DS_MAX_LIVE_PARAMETERS, 0, 0
+        for n in dims.param_numels:
+            n = min(n, budget)
+            budget -= n
+            if n * e < heap:
+                kept += n * e
+            else:
+                transient_params += n * e
+        source = "stage 3 all-gather (stage3_max_live_parameters / max_reuse_distance)"
+        add("gathered parameters kept in the heap", kept, False, source)
+        add("gathered parameters (full, every rank)", transient_params, False, source, "backward")
 
 
 def plan_engine(engine: str, cfg: RunConfig, dims: ModelDims, ds_cfg: dict, world_size: int,
@@ -285,14 +416,18 @@ def plan_engine(engine: str, cfg: RunConfig, dims: ModelDims, ds_cfg: dict, worl
         if per_rank_bytes > 0:
             comps.append(Component(name, int(per_rank_bytes * w), locked, source, phase))
 
+    # memascend's malloc policy (fixed 4 MiB mmap threshold, trims after every step and before each
+    # gradient bucket) hands freed memory back; stock's glibc heap keeps it (GLIBC_MMAP_THRESHOLD_MAX_BYTES).
     trimmed = ma and settings.enable_malloc_policy
-    add("framework baseline (interpreter, torch, DeepSpeed, ops, data)",
+    add("framework baseline (interpreter, torch, DeepSpeed, ops, tokenizer)",
         MEMASCEND_FRAMEWORK_RSS_BYTES if trimmed else FRAMEWORK_RSS_BYTES, False, "calibrated constant")
-    add("corpus and token blocks", corpus_tokens(cfg.data.source) * CORPUS_BYTES_PER_TOKEN, False,
-        "memascend.data readers (calibrated)")
-    per = MEMASCEND_MODEL_BUILD_BYTES_PER_PARAM if trimmed else MODEL_BUILD_BYTES_PER_PARAM
-    add("model build (fp32 weights, loaded or initialised) left in the heap", dims.total_numel * per, False,
-        "from_pretrained / from_config under zero.Init (calibrated)")
+    add("corpus and token blocks",
+        corpus_tokens(cfg.data.source) * (MEMASCEND_CORPUS_BYTES_PER_TOKEN if trimmed else CORPUS_BYTES_PER_TOKEN),
+        False, "memascend.data readers (calibrated)")
+    if not trimmed:
+        add("model build (fp32 weights, loaded or initialised) left in the heap",
+            dims.total_numel * MODEL_BUILD_BYTES_PER_PARAM, False,
+            "from_pretrained / from_config under zero.Init (calibrated)")
     if op.get("device") == "nvme":
         max_in_cpu = int(op.get("max_in_cpu", DS_MAX_IN_CPU_NUMEL))
         if not (ma and settings.enable_param_pool):
@@ -319,6 +454,11 @@ def plan_engine(engine: str, cfg: RunConfig, dims: ModelDims, ds_cfg: dict, worl
     bucket_numel = int(z.get("reduce_bucket_size", DS_DEFAULT_REDUCE_BUCKET_NUMEL))
     add(f"reduce bucket ({min(bucket_numel, dims.total_numel):,} of {bucket_numel:,} elements touched)",
         min(bucket_numel, dims.total_numel) * e, False, "DeepSpeedZeroOptimizer_Stage3 ipg_buckets (reduce_bucket_size)")
+    if release_grads:
+        # Allocated with torch.zeros (every page written) when stage 3 is constructed; memascend hands
+        # its pages back only after construction.
+        add("grad_partitions_flat_buffer (zero-filled at construction)", part * e, False,
+            "DeepSpeedZeroOptimizer_Stage3 gradient partition, before release_grad_buffer_pages", "initialize")
     if release_grads and cfg.train.dtype == "bf16":
         # Pages of each reduced bucket's partitions are handed back as soon as they are swapped out:
         # about one bucket (its partition on this rank) is resident during backward.
@@ -340,16 +480,23 @@ def plan_engine(engine: str, cfg: RunConfig, dims: ModelDims, ds_cfg: dict, worl
             "step" if ma and settings.enable_optimizer_pool else "resident")
         add("optimizer step fp32 gradient", sub * _FP32, False, "stage3 fp32 grad of the swapped-in sub-group",
             "step")
+        if ma and settings.enable_optimizer_pool:
+            staging = STAGING_BUFFERS_IN_USE * _aligned(sub, _FP32) * _FP32
+            add(f"optimizer swap buffers streaming the fp32 write-out ({STAGING_BUFFERS_IN_USE} x {sub:,} fp32)",
+                staging, True, "OnDemandSwapBufferManager.allocate_all (initialize_parameters)", "initialize")
+            add(f"optimizer swap buffers streaming gradients out ({STAGING_BUFFERS_IN_USE} x {sub:,} fp32)",
+                staging, True, "OnDemandSwapBufferManager.allocate_all (swap_out_gradients)", "backward")
+            add("optimizer step temporaries", sub * MEMASCEND_STEP_TEMP_BYTES_PER_SUB_GROUP_NUMEL, False,
+                "calibrated (MEMASCEND_STEP_TEMP_BYTES_PER_SUB_GROUP_NUMEL)", "step")
     elif oo.get("device") == "cpu":
         add("optimizer state in CPU memory (fp32 master, 2 moments, grad)", part * 4 * _FP32, False,
             "offload_optimizer device cpu")
     if not (ma and settings.enable_fused_overflow_check):
-        # Measured: the stock step phase peaks ~4 bytes/param of the partition above memascend's,
-        # whose only step-phase change is the fused, allocation-free overflow/inf-nan check.
+        # Stock's _has_inf_or_nan takes an fp32 copy of the 16-bit gradient partition; memascend's
+        # fused check allocates nothing.
         add("overflow-check temporaries", part * STOCK_STEP_TEMP_BYTES_PER_PARAM, False,
             "DeepSpeedZeroOptimizer_Stage3.has_overflow / _has_inf_or_nan", "step")
-    add("activations", activation_bytes(dims, cfg.train.micro_batch, cfg.data.seq_len, e,
-                                        cfg.train.activation_checkpointing), False, "forward/backward", "backward")
+    _add_forward_backward(add, dims, cfg, e, w, trimmed)
     nvme = 0
     if op.get("device") == "nvme":
         nvme += dims.total_numel * e
@@ -422,3 +569,60 @@ def largest_preset_under_cap(cfg: RunConfig, cap_bytes: int, world_size: int = 1
             if p.peak_rss_bytes <= cap_bytes:
                 best[engine] = (name, p.peak_rss_bytes)
     return best
+
+
+def recorded_errors(paths) -> list[dict]:
+    """Planned vs measured for recorded ``report.json`` files (e.g. ``baselines/**/reports/*.json``).
+
+    Returns:
+        One dict per report: ``name``, and for ``rss``, ``locked`` and ``nvme`` the planned and
+        measured bytes (``memory.sum_rank_peak_rss_bytes``, ``memory.sum_rank_peak_locked_bytes``,
+        ``nvme.swap_folder_bytes``) and the relative error (``None`` where nothing was measured).
+    """
+    import json
+    from pathlib import Path
+
+    rows = []
+    for path in paths:
+        report = json.loads(Path(path).read_text())
+        plan = plan_for_report(report)
+        mem = report["memory"]
+        row = {"name": str(path)}
+        for key, planned, measured in (("rss", plan.peak_rss_bytes, mem["sum_rank_peak_rss_bytes"]),
+                                       ("locked", plan.peak_locked_bytes, mem["sum_rank_peak_locked_bytes"]),
+                                       ("nvme", plan.nvme_bytes, report["nvme"]["swap_folder_bytes"])):
+            row[key] = (planned, measured, (planned - measured) / measured if measured else None)
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m memascend.bench.plan [REPORT.json ...]``: the planner's error on recorded runs
+    (default: every ``baselines/**/reports/*.json`` of the repository)."""
+    import sys
+    from pathlib import Path
+
+    args = sys.argv[1:] if argv is None else argv
+    paths = [Path(a) for a in args] or sorted(Path(__file__).resolve().parents[2].glob("baselines/**/reports/*.json"))
+    if not paths:
+        print("no recorded reports found (baselines/**/reports/*.json)")
+        return 1
+    rows = recorded_errors(paths)
+    worst = {"rss": 0.0, "locked": 0.0, "nvme": 0.0}
+    print(f"{'report':58} {'RSS GiB plan / meas':>19} {'RSS':>7} {'locked':>7} {'NVMe':>7}")
+    for row in rows:
+        for key in worst:
+            if row[key][2] is not None:
+                worst[key] = max(worst[key], abs(row[key][2]))
+        pct = {k: "-" if row[k][2] is None else f"{row[k][2] * 100:+.1f}%" for k in worst}
+        where = Path(row["name"])
+        name = ("/".join(where.parts[-3:-2] + (where.stem,)))[-58:]
+        print(f"{name:58} {row['rss'][0] / GIB:8.2f} /{row['rss'][1] / GIB:8.2f} {pct['rss']:>7} "
+              f"{pct['locked']:>7} {pct['nvme']:>7}")
+    print(f"worst of {len(rows)} reports: RSS {worst['rss'] * 100:.1f} %, locked {worst['locked'] * 100:.1f} %, "
+          f"NVMe {worst['nvme'] * 100:.1f} %")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -113,3 +113,79 @@ def test_reduce_bucket_matches_the_recorded_touched_pages_and_is_capped():
                                 "train": {"micro_batch": 1}})
     bucket = [c for c in plan_run(cfg)["baseline"].components if c.name.startswith("reduce bucket")]
     assert bucket[0].bytes == 500_000_000 * 2  # stock's 5e8-element bf16 bucket, not 1 B params
+
+
+def _smollm2_dims(layers: int = 30, vocab: int = 49152):
+    from memascend.bench.plan import ModelDims
+
+    return ModelDims(0, (), (), hidden_size=576, num_layers=layers, num_heads=9, vocab_size=vocab,
+                     intermediate_size=1536, kv_size=192)
+
+
+def test_activations_match_the_profiler_measurements():
+    """The activation terms against torch.profiler measurements (HF Llama, SDPA, transformers 5.23 /
+    torch 2.13 on CPU; peak live tensor bytes): per layer and token 24,617 B in bf16 and 44,588 B in
+    fp32 at SmolLM2's shape, e*h with checkpointing, 12 B per vocabulary entry and token."""
+    from memascend.bench.plan import activation_parts
+
+    for e, measured in ((2, 24_617), (4, 44_588)):
+        one = activation_parts(_smollm2_dims(layers=1), 1, 1, e, False)
+        two = activation_parts(_smollm2_dims(layers=2), 1, 1, e, False)
+        assert abs((two.saved - one.saved) - measured) <= 8
+        ckpt = activation_parts(_smollm2_dims(layers=2), 1, 1, e, True).saved \
+            - activation_parts(_smollm2_dims(layers=1), 1, 1, e, True).saved
+        assert ckpt == e * 576
+    small, large = (activation_parts(_smollm2_dims(vocab=v), 1, 1024, 2, False).logits for v in (4096, 8192))
+    assert large - small == 12 * 4096 * 1024
+
+
+def test_activations_grow_with_tokens_not_with_the_square_of_the_sequence():
+    """SDPA's flash kernel on CPU keeps no s x s scores: 1 x 4096 tokens cost what 4 x 1024 cost."""
+    from memascend.bench.plan import activation_parts
+
+    for ckpt in (False, True):
+        long = activation_parts(_smollm2_dims(), 1, 4096, 2, ckpt)
+        wide = activation_parts(_smollm2_dims(), 4, 1024, 2, ckpt)
+        assert long == wide
+        assert activation_parts(_smollm2_dims(), 1, 8192, 2, ckpt).total == 2 * long.total
+
+
+def test_per_rank_costs_are_duplicated_and_gathered_parameters_appear_on_two_ranks():
+    from memascend.bench.plan import plan_run
+    from memascend.config import build_run_config
+
+    cfg = build_run_config({}, {"model": {"from_scratch": "llama-tiny"}, "data": {"seq_len": 64},
+                                "train": {"micro_batch": 1}})
+    one, two = plan_run(cfg, 1), plan_run(cfg, 2)
+    for engine in ("baseline", "memascend"):
+        by_name = {c.name: c.bytes for c in one[engine].components}
+        by_name2 = {c.name: c.bytes for c in two[engine].components}
+        for name in ("framework baseline", "corpus and token blocks", "reduce bucket"):
+            key = next(n for n in by_name if n.startswith(name))
+            key2 = next(n for n in by_name2 if n.startswith(name))
+            assert by_name2[key2] == 2 * by_name[key]
+        assert not any(n.startswith("gathered parameters") for n in by_name)
+        assert any(n.startswith("gathered parameters") for n in by_name2)
+
+
+def test_stock_keeps_small_activations_in_the_heap_memascend_does_not():
+    from memascend.bench.plan import plan_run
+    from memascend.config import build_run_config
+
+    cfg = build_run_config({}, {"model": {"from_scratch": "llama-0.1b"}, "data": {"seq_len": 1024},
+                                "train": {"micro_batch": 1, "activation_checkpointing": True}})
+    plans = plan_run(cfg)
+    stock = {c.name: c for c in plans["baseline"].components}
+    mine = {c.name: c for c in plans["memascend"].components}
+    assert stock["activations kept in the heap (saved layer tensors)"].phase == "resident"
+    assert stock["fp32 logits at the start of backward"].phase == "backward"  # 201 MB tensors: mmapped
+    assert not any(c.phase == "resident" and c.name.startswith("activations") for c in mine.values())
+    assert any(c.phase == "initialize" for c in mine.values())
+
+
+def test_recorded_errors_command(capsys):
+    from memascend.bench.plan import main
+
+    assert main([str(RECORDED[0])]) == 0
+    out = capsys.readouterr().out
+    assert RECORDED[0].stem in out and "worst of 1 reports: RSS" in out
