@@ -5,6 +5,7 @@
 #   cuda  CUDA devel base for the build stage, CUDA runtime base, CUDA torch==2.13.0
 # Run (GPU host provisioned with `just provision HOST`; no --privileged needed):
 #   docker run --gpus all --device /dev/nvme0n1p3 --ulimit memlock=-1 memascend:cuda finetune ...
+#   swap folder instead of a raw partition: docker run -v /mnt/nvme/swap:/swap ... (--nvme-path defaults to /swap)
 ARG BUILD_BASE=docker.io/library/debian:12.12-slim
 ARG RUNTIME_BASE=docker.io/library/debian:12.12-slim
 
@@ -56,9 +57,15 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN --mount=type=bind,from=scripts,target=/scripts \
     /scripts/install-system.sh runtime
 COPY --from=build /opt/memascend /opt/memascend
+# Swap folder (--nvme-path default): a volume, not the container's writable overlay layer, where
+# GiBs of swap files would pile up and O_DIRECT depends on the storage driver. Bind a host folder
+# on the NVMe disk there: docker run -v /mnt/nvme/swap:/swap ... (unbound: an anonymous volume).
 ENV PATH=/opt/memascend/venv/bin:${PATH} \
     MEMASCEND_PREBUILT_DIR=/opt/memascend/prebuilt \
+    MEMASCEND_NVME_PATH=/swap \
     PYTHONUNBUFFERED=1
+RUN install -d -m 0775 -o 2300 -g 2300 /swap
+VOLUME /swap
 # Non-root: the user reaches raw partitions through group memascend (GID 2300, as on the host).
 USER 2300:2300
 WORKDIR /home/memascend

@@ -123,6 +123,9 @@ def test_image_finetunes_on_the_defaults(aio_container):
     assert report["model"]["source"] == "smollm2-135m" and not report["model"]["from_scratch"]
     assert report["data"]["source"] == "shakespeare"
     assert report["config"]["offload"]["param"] == "nvme" and report["config"]["offload"]["optimizer"] == "nvme"
+    # The default swap folder is the image's /swap volume, not the container's overlay layer.
+    assert report["config"]["offload"]["nvme_path"] == "/swap", report["config"]["offload"]
+    assert _run(aio_container, "stat", "-f", "-c", "%T", "/swap").stdout.strip() not in ("overlayfs", "")
     assert report["num_steps"] == 2 and report["skipped_steps"] == 0
     # Pretrained SmolLM2 on Shakespeare: loss well below ln(vocab)=10.8 and finite after training.
     assert 1.0 < report["eval"]["loss_before"] < 8.0 and 1.0 < report["eval"]["loss_after"] < 8.0
