@@ -135,21 +135,23 @@ std::int64_t Engine::submit(OpKind op, void* buf, std::size_t nbytes, std::uint6
                                 " bytes)");
   if (nbytes > 0 && buf == nullptr) throw std::invalid_argument("null buffer");
 
-  auto job = std::make_unique<Job>();
+  auto job = std::make_shared<Job>();
   job->op = op;
   job->buf = static_cast<unsigned char*>(buf);
   job->nbytes = nbytes;
   job->want_crc = want_crc;
   job->keep_alive = std::move(keep_alive);
-  if (want_crc && op == OpKind::kWrite) {
-    job->result.crc32c = crc32c(0, buf, nbytes);
-  }
+  // A write's checksum is computed below, after its requests are queued, while they are in flight
+  // (the device only reads the buffer); wait() does not return before it is stored.
+  const bool crc_after_queue = want_crc && op == OpKind::kWrite && nbytes > 0;
+  job->crc_pending = crc_after_queue;
 
   std::vector<Request*> reqs;
   const bool mem_aligned = reinterpret_cast<std::uintptr_t>(buf) % align_bytes_ == 0;
   for (std::size_t pos = 0; pos < nbytes; pos += config_.request_bytes) {
     auto* r = new Request();
     r->job = job.get();
+    r->index = reqs.size();
     r->user = job->buf + pos;
     r->user_bytes = std::min(config_.request_bytes, nbytes - pos);
     r->offset = offset + pos;
@@ -162,23 +164,33 @@ std::int64_t Engine::submit(OpKind op, void* buf, std::size_t nbytes, std::uint6
     reqs.push_back(r);
   }
   job->remaining = reqs.size();
+  if (want_crc && op == OpKind::kRead) job->request_done.assign(reqs.size(), 0);
 
-  std::lock_guard<std::mutex> lk(mu_);
-  if (closed_) {
-    for (auto* r : reqs) delete r;
-    throw std::logic_error("engine for " + config_.path + " is closed");
+  std::int64_t id = 0;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_) {
+      for (auto* r : reqs) delete r;
+      throw std::logic_error("engine for " + config_.path + " is closed");
+    }
+    id = next_id_++;
+    job->id = id;
+    job->result.job_id = id;
+    if (reqs.empty()) {
+      job->finished = true;
+      if (want_crc) job->result.crc32c = 0;
+    }
+    jobs_.emplace(id, job);
+    for (auto* r : reqs) pending_.push_back(r);
+    issue_pending_locked();
   }
-  const std::int64_t id = next_id_++;
-  job->id = id;
-  job->result.job_id = id;
-  if (reqs.empty()) {
-    job->finished = true;
-    if (want_crc) job->result.crc32c = 0;
+  if (crc_after_queue) {
+    const std::uint32_t crc = crc32c(0, buf, nbytes);
+    std::lock_guard<std::mutex> lk(mu_);
+    job->result.crc32c = crc;
+    job->crc_pending = false;
   }
-  jobs_.emplace(id, std::move(job));
-  for (auto* r : reqs) pending_.push_back(r);
-  issue_pending_locked();
-  if (reqs.empty()) cv_.notify_all();
+  if (reqs.empty() || crc_after_queue) cv_.notify_all();
   return id;
 }
 
@@ -276,6 +288,7 @@ void Engine::complete_locked(Request* r, int res) {
   }
   if (job->op == OpKind::kRead && r->bounce >= 0) std::memcpy(r->user, bounce_[r->bounce], r->user_bytes);
   job->result.bytes_done += r->user_bytes;
+  if (!job->request_done.empty()) job->request_done[r->index] = 1;
   finish_request_locked(r);
 }
 
@@ -361,24 +374,41 @@ void Engine::worker_loop_aio() {
 }
 
 JobResult Engine::wait(std::int64_t job_id) {
-  std::unique_ptr<Job> job;
-  {
-    std::unique_lock<std::mutex> lk(mu_);
-    auto it = jobs_.find(job_id);
-    if (it == jobs_.end()) throw std::out_of_range("unknown or already waited job id " + std::to_string(job_id));
-    Job* j = it->second.get();
-    cv_.wait(lk, [j] { return j->finished; });
-    job = std::move(it->second);
-    jobs_.erase(it);
-  }
-  JobResult r = job->result;
-  const bool ok = r.error == 0 && !r.short_transfer;
-  if (job->want_crc && ok) {
-    if (job->op == OpKind::kRead) r.crc32c = crc32c(0, job->buf, job->nbytes);
-    r.has_crc = true;
+  std::unique_lock<std::mutex> lk(mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end() || it->second->waited)
+    throw std::out_of_range("unknown or already waited job id " + std::to_string(job_id));
+  std::shared_ptr<Job> job = it->second;  // alive while the lock is dropped below
+  job->waited = true;
+  Job* j = job.get();
+  if (j->want_crc && j->op == OpKind::kRead) {
+    // Checksum the job's leading requests as they complete, while the later ones are in flight.
+    std::uint32_t crc = 0;
+    std::size_t covered = 0;  // requests checksummed
+    for (;;) {
+      std::size_t k = covered;
+      while (k < j->request_done.size() && j->request_done[k]) ++k;
+      if (k > covered && j->result.error == 0 && !j->result.short_transfer) {
+        const std::size_t begin = covered * config_.request_bytes;
+        const std::size_t end = std::min(j->nbytes, k * config_.request_bytes);
+        lk.unlock();
+        crc = crc32c(crc, j->buf + begin, end - begin);
+        lk.lock();
+        covered = k;
+        continue;
+      }
+      if (j->finished) break;
+      cv_.wait(lk);
+    }
+    j->result.crc32c = crc;
   } else {
-    r.has_crc = false;
+    cv_.wait(lk, [j] { return j->finished && !j->crc_pending; });
   }
+  jobs_.erase(job_id);
+  lk.unlock();
+  JobResult r = j->result;
+  r.has_crc = j->want_crc && r.error == 0 && !r.short_transfer;
+  if (!r.has_crc) r.crc32c = 0;
   return r;
 }
 
@@ -386,7 +416,7 @@ bool Engine::done(std::int64_t job_id) {
   std::lock_guard<std::mutex> lk(mu_);
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) throw std::out_of_range("unknown or already waited job id " + std::to_string(job_id));
-  return it->second->finished;
+  return it->second->finished && !it->second->crc_pending;
 }
 
 std::size_t Engine::outstanding() {

@@ -72,8 +72,10 @@ class Engine {
   // `offset` must be a multiple of align_bytes(); the device range [offset, offset +
   // round_up(nbytes, align_bytes())) must lie inside size_bytes(). For a write the tail of the last
   // block past nbytes is written as zeros. With `want_crc`, the CRC32C of the buffer is computed
-  // (before a write is queued; after a read completes, in wait()). `keep_alive` is held until the
-  // job is waited for (the bindings put the tensor owning `buf` there).
+  // on the calling threads: for a write by submit(), after its requests are queued, while they are
+  // in flight; for a read by wait(), over each leading run of completed requests while the rest
+  // are in flight. `keep_alive` is held until the job is waited for (the bindings put the tensor
+  // owning `buf` there).
   // Throws std::invalid_argument on a misaligned or out-of-range request, std::logic_error after
   // close().
   std::int64_t submit(OpKind op, void* buf, std::size_t nbytes, std::uint64_t offset, bool want_crc,
@@ -112,6 +114,7 @@ class Engine {
     std::size_t io_bytes;    // bytes moved on the device (user_bytes rounded up to the block)
     std::uint64_t offset;    // device byte offset of the request's first byte
     std::size_t done_bytes = 0;
+    std::size_t index = 0;   // position of the request in its job
     int bounce = -1;         // bounce slot in use, or -1 for in-place
     bool needs_bounce = false;
     iocb cb{};               // libaio control block (must live until the request completes)
@@ -124,6 +127,9 @@ class Engine {
     bool want_crc;
     std::size_t remaining;  // requests not finished
     bool finished = false;
+    bool crc_pending = false;  // a write's checksum is still being computed by its submitter
+    bool waited = false;       // wait() has been called for it
+    std::vector<unsigned char> request_done;  // reads with a checksum: which requests completed
     JobResult result;
     std::shared_ptr<void> keep_alive;
   };
@@ -155,7 +161,7 @@ class Engine {
   bool stopping_ = false;
   bool closed_ = false;
   std::int64_t next_id_ = 1;
-  std::unordered_map<std::int64_t, std::unique_ptr<Job>> jobs_;
+  std::unordered_map<std::int64_t, std::shared_ptr<Job>> jobs_;
   std::vector<unsigned char*> bounce_;  // slots, allocated on first need
   std::vector<int> free_bounce_;
 };

@@ -24,6 +24,28 @@ def crc32c_reference(data: bytes, crc: int = 0) -> int:
     return crc ^ 0xFFFFFFFF
 
 
+def _crc32c_table() -> list[int]:
+    table = []
+    for b in range(256):
+        c = b
+        for _ in range(8):
+            c = (c >> 1) ^ (0x82F63B78 & -(c & 1))
+        table.append(c)
+    return table
+
+
+CRC32C_TABLE = _crc32c_table()
+
+
+def crc32c_reference_fast(data: bytes, crc: int = 0) -> int:
+    """Byte-at-a-time table CRC32C (the same function, ~10x faster in Python) for long inputs."""
+    table = CRC32C_TABLE
+    crc ^= 0xFFFFFFFF
+    for b in data:
+        crc = (crc >> 8) ^ table[(crc ^ b) & 0xFF]
+    return crc ^ 0xFFFFFFFF
+
+
 @pytest.fixture(scope="module")
 def op():
     return nvme_io.load()
@@ -52,6 +74,41 @@ def test_crc32c_matches_reference(op, data, split, shift):
     # tensor path at an unaligned start address
     t = torch.tensor(list(b"\0" * shift + data) or [0], dtype=torch.uint8)[shift : shift + len(data)]
     assert op.crc32c(t) == expected
+
+
+@pytest.mark.parametrize(
+    "nbytes",
+    # Around the thresholds of the three-chain hardware path: 3 x 256 and 3 x 8192 bytes.
+    [
+        767,
+        768,
+        769,
+        3 * 256 + 7,
+        3 * 8192 - 1,
+        3 * 8192,
+        3 * 8192 + 8,
+        3 * 8192 + 3 * 256 + 5,
+        2 * 3 * 8192 + 13,
+        100_003,
+    ],
+)
+@pytest.mark.parametrize("shift", [0, 5])
+def test_crc32c_long_inputs_match_reference(op, nbytes, shift):
+    base = op.aligned_empty(nbytes + shift)
+    base.random_(0, 256, generator=torch.Generator().manual_seed(nbytes))
+    t = base[shift:]  # an unaligned start address when shift > 0
+    data = t.numpy().tobytes()
+    assert op.crc32c(t) == crc32c_reference_fast(data) == op.crc32c_bytes(data)
+    assert crc32c_reference_fast(data[:999]) == crc32c_reference(data[:999])
+
+
+def test_crc32c_continues_across_any_split(op):
+    t = op.aligned_empty(5 * MiB + 123)
+    t.random_(0, 256, generator=torch.Generator().manual_seed(7))
+    whole = op.crc32c(t)
+    for cut in (1, 7, 767, 4096, 3 * 8192 + 1, 1 * MiB + 3, 5 * MiB + 122):
+        assert op.crc32c(t[cut:], -1, op.crc32c(t, cut)) == whole, cut
+    assert op.crc32c_bytes(t.numpy().tobytes()) == whole
 
 
 def test_aligned_empty_is_aligned(op):
@@ -112,15 +169,19 @@ def test_many_jobs_in_flight_from_threads(op, store_file, backend):
 
     def worker(ids):
         try:
-            jobs = [(i, e.submit_write(tensors[i], i * slot)) for i in ids]
-            for _, j in jobs:
-                assert e.wait(j).error == 0
+            jobs = [(i, e.submit_write(tensors[i], i * slot, -1, i % 2 == 0)) for i in ids]
+            for i, j in jobs:
+                r = e.wait(j)
+                assert r.error == 0
+                assert r.has_crc == (i % 2 == 0) and (not r.has_crc or r.crc32c == op.crc32c(tensors[i]))
             outs = {i: torch.empty_like(tensors[i]) for i in ids}
-            jobs = [(i, e.submit_read(outs[i], i * slot)) for i in ids]
+            jobs = [(i, e.submit_read(outs[i], i * slot, -1, True)) for i in ids]
             assert e.outstanding() >= 1
             for i, j in jobs:
-                assert e.wait(j).bytes_done == tensors[i].nbytes
+                r = e.wait(j)
+                assert r.bytes_done == tensors[i].nbytes
                 assert torch.equal(outs[i], tensors[i])
+                assert r.has_crc and r.crc32c == op.crc32c(tensors[i])
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             errors.append(exc)
 
@@ -170,7 +231,36 @@ def test_short_read_past_end_of_file(op, tmp_path, backend):
     os.truncate(path, 256 << 10)  # the file shrinks under the engine: reads past it return 0 bytes
     r = e.wait(e.submit_read(op.aligned_empty(512 << 10), 0))
     assert r.short_transfer and r.error_offset == 256 << 10 and r.bytes_done == 256 << 10
+    # With a checksum asked for: the completed leading requests are checksummed, then dropped.
+    r = e.wait(e.submit_read(op.aligned_empty(512 << 10), 0, -1, True))
+    assert r.short_transfer and (r.has_crc, r.crc32c) == (False, 0)
     e.close()
+
+
+@pytest.mark.parametrize("backend", ["io_uring", "libaio"])
+def test_checksums_of_jobs_split_into_many_requests(op, store_file, backend):
+    """A job of many requests, completing out of order: the read's checksum, computed over leading
+    runs of completed requests while the rest are in flight, equals the whole buffer's; so does the
+    write's, computed while its requests are in flight."""
+    e = op.Engine(str(store_file), queue_depth=16, request_bytes=64 << 10, backend=backend)
+    try:
+        for nbytes, shift in ((8 * MiB, 0), (8 * MiB - 5, 0), (3 * MiB + 1, 3)):
+            src = op.aligned_empty(nbytes + shift)[shift:]
+            src.random_(0, 256)
+            expected = op.crc32c(src)
+            w = e.wait(e.submit_write(src, 4096, -1, True))
+            assert (w.error, w.has_crc, w.crc32c) == (0, True, expected)
+            out = op.aligned_empty(nbytes + shift)[shift:]
+            jobs = [e.submit_read(out, 4096, -1, True) for _ in range(3)]
+            assert e.outstanding() == 3
+            for j in jobs:
+                r = e.wait(j)
+                assert (r.error, r.bytes_done, r.has_crc, r.crc32c) == (0, nbytes, True, expected)
+            assert torch.equal(out, src)
+            with pytest.raises(IndexError):
+                e.wait(jobs[0])
+    finally:
+        e.close()
 
 
 def test_open_errors(op, tmp_path):
