@@ -15,8 +15,9 @@ REPO = Path(__file__).resolve().parent.parent
 def run_cli(args: list[str], cwd: Path, timeout_s: float = 900, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``python -m memascend ARGS`` in a fresh process; returns the completed process (text mode)."""
     full_env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        full_env.pop(key, None)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "THP_MEM_ALLOC_ENABLE"):
+        if key not in (env or {}):
+            full_env.pop(key, None)
     return subprocess.run(
         [sys.executable, "-m", "memascend", *args],
         cwd=cwd,

@@ -10,19 +10,26 @@ memory cgroup with that hard limit (its outcome, ``<engine>.cap.json`` next to t
 whether it fit or was OOM-killed and its cgroup peak). A capped search (:func:`run_matrix` with
 ``search``) runs the configurations in order and stops an engine at its first run that did not
 complete: larger models are not tried for it.
+
+With ``repeats`` > 1 the pair runs that many times, alternating the order (baseline first, then
+memascend first, ...) so that a drift of the machine's load hits both engines alike; repeat ``k``
+> 0 writes to ``<engine>.r<k>``. Each engine's report is then the merge of its repeats
+(:func:`merge_repeat_reports`): medians of step time and memory peaks, every repeat's values kept.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psutil
@@ -45,6 +52,7 @@ class RunOutcome:
         wall_s: seconds the process ran.
         cap: the memory-cap outcome where the run ran under a cap.
         skipped: why the run was not started (a capped search stopped this engine earlier).
+        repeats: the same engine's later runs of the configuration (``regress --repeats``).
     """
 
     engine: str
@@ -54,11 +62,12 @@ class RunOutcome:
     wall_s: float
     cap: CappedResult | None = None
     skipped: str | None = None
+    repeats: tuple[RunOutcome, ...] = ()
 
     @property
     def ok(self) -> bool:
         return (self.skipped is None and self.returncode == 0 and self.report_path.is_file()
-                and (self.cap is None or self.cap.fit))
+                and (self.cap is None or self.cap.fit) and all(r.ok for r in self.repeats))
 
     @property
     def status(self) -> str:
@@ -75,6 +84,9 @@ class RunOutcome:
         """One line: ``ok``, the cap's verdict, ``skipped: ...`` or ``FAILED (exit N)``."""
         if self.skipped is not None:
             return f"skipped ({self.skipped})"
+        for k, r in enumerate(self.repeats, start=1):
+            if not r.ok:
+                return f"repeat {k}: {r.describe()}"
         if self.cap is not None and self.cap.outcome != "fit":
             return self.cap.verdict
         if self.ok:
@@ -92,14 +104,57 @@ class RunOutcome:
         return self.output_dir / "memory_timeline.csv"
 
     def report(self) -> dict | None:
-        return json.loads(self.report_path.read_text()) if self.ok else None
+        """The run's ``report.json`` (merged over the repeats, if any), ``None`` unless ok."""
+        if not self.ok:
+            return None
+        first = json.loads(self.report_path.read_text())
+        if not self.repeats:
+            return first
+        return merge_repeat_reports([first, *(json.loads(r.report_path.read_text()) for r in self.repeats)])
 
     def log_tail(self, lines: int = 5) -> str:
+        failed = next((r for r in self.repeats if not r.ok), None)
+        if failed is not None and self.returncode == 0:
+            return failed.log_tail(lines)
         try:
             text = self.log_path.read_text(errors="replace")
         except OSError:
             return ""
         return "\n".join(text.strip().splitlines()[-lines:])
+
+
+#: Report entries replaced by their median over the repeats (``memory`` keys are per-run peaks).
+_MEDIAN_MEMORY_KEYS = ("peak_rss_bytes", "peak_locked_bytes", "sum_rank_peak_rss_bytes",
+                       "sum_rank_peak_locked_bytes")
+
+
+def merge_repeat_reports(reports: list[dict]) -> dict:
+    """One report for several runs of the same configuration and engine.
+
+    The first report, with ``median_step_s``, ``median_tokens_per_s`` and the memory peaks
+    replaced by their medians over the runs, and a ``repeats`` entry holding every run's values
+    and whether their per-step losses were identical (same seed and data: they must be).
+
+    Raises:
+        ValueError: no reports.
+    """
+    if not reports:
+        raise ValueError("no reports to merge")
+    merged = copy.deepcopy(reports[0])
+    step_s = [float(r["median_step_s"]) for r in reports]
+    merged["median_step_s"] = statistics.median(step_s)
+    tokens = [r.get("median_tokens_per_s") for r in reports]
+    if all(t is not None for t in tokens):
+        merged["median_tokens_per_s"] = statistics.median(tokens)
+    per_run: dict[str, list] = {"median_step_s": step_s}
+    for key in _MEDIAN_MEMORY_KEYS:
+        values = [r["memory"].get(key) for r in reports]
+        if all(v is not None for v in values):
+            merged["memory"][key] = int(statistics.median(values))
+            per_run[key] = values
+    losses = [[s["loss"] for s in r["steps"]] for r in reports]
+    merged["repeats"] = {"n": len(reports), **per_run, "losses_equal": all(x == losses[0] for x in losses)}
+    return merged
 
 
 def finetune_command(cfg: BenchConfig, engine: str, output_dir: Path, nvme_path: Path) -> list[str]:
@@ -109,8 +164,8 @@ def finetune_command(cfg: BenchConfig, engine: str, output_dir: Path, nvme_path:
 
 
 def run_one(cfg: BenchConfig, engine: str, out_root: Path, nvme_path: Path, timeout_s: float,
-            resume: bool = False, memory_cap: int | None = None) -> RunOutcome:
-    """Run ``cfg`` with ``engine`` in a subprocess; output under ``out_root/<cfg.name>/<engine>``.
+            resume: bool = False, memory_cap: int | None = None, tag: str = "") -> RunOutcome:
+    """Run ``cfg`` with ``engine`` in a subprocess; output under ``out_root/<cfg.name>/<engine><tag>``.
 
     With ``memory_cap`` (bytes) the run is confined to a fresh memory cgroup with that hard limit
     (see :mod:`memascend.bench.cgroup`); its outcome is written to ``<cfg.name>/<engine>.cap.json``.
@@ -119,9 +174,9 @@ def run_one(cfg: BenchConfig, engine: str, out_root: Path, nvme_path: Path, time
     ``report.json`` (uncapped), or under a cap the ``.cap.json`` of a run with the same cap that
     completed or was stopped by the cap.
     """
-    out_dir = out_root / cfg.name / engine
-    log_path = out_root / cfg.name / f"{engine}.log"
-    cap_path = out_root / cfg.name / f"{engine}.cap.json"
+    out_dir = out_root / cfg.name / f"{engine}{tag}"
+    log_path = out_root / cfg.name / f"{engine}{tag}.log"
+    cap_path = out_root / cfg.name / f"{engine}{tag}.cap.json"
     if resume:
         earlier = _earlier(out_dir, log_path, cap_path, engine, memory_cap)
         if earlier is not None:
@@ -191,37 +246,52 @@ def _earlier(out_dir: Path, log_path: Path, cap_path: Path, engine: str, memory_
 
 def run_pair(cfg: BenchConfig, out_root: Path, nvme_path: Path, timeout_s: float,
              on_event: Callable[[str], None] | None = None, resume: bool = False, memory_cap: int | None = None,
-             skip: dict[str, str] | None = None) -> dict[str, RunOutcome]:
-    """Baseline then memascend for one configuration; engines in ``skip`` (engine -> why) are not run."""
-    outcomes = {}
-    for engine in ENGINES:
-        if skip and engine in skip:
-            outcomes[engine] = RunOutcome(engine, None, out_root / cfg.name / engine,
-                                          out_root / cfg.name / f"{engine}.log", 0.0, skipped=skip[engine])
-        else:
+             skip: dict[str, str] | None = None, repeats: int = 1) -> dict[str, RunOutcome]:
+    """Baseline then memascend for one configuration, ``repeats`` times in alternating order (the
+    later repeats in each outcome's ``repeats``); engines in ``skip`` (engine -> why) are not run.
+
+    Raises:
+        ValueError: ``repeats`` < 1.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    runs: dict[str, list[RunOutcome]] = {}
+    for rep in range(repeats):
+        tag = "" if rep == 0 else f".r{rep}"
+        label = "" if repeats == 1 else f" (repeat {rep + 1}/{repeats})"
+        for engine in ENGINES if rep % 2 == 0 else ENGINES[::-1]:
+            if skip and engine in skip:
+                if rep == 0:
+                    runs[engine] = [RunOutcome(engine, None, out_root / cfg.name / engine,
+                                               out_root / cfg.name / f"{engine}.log", 0.0, skipped=skip[engine])]
+                    if on_event:
+                        on_event(f"{cfg.name}: {engine} {runs[engine][0].describe()}")
+                continue
             if on_event:
-                on_event(f"{cfg.name}: {engine} ...")
-            outcomes[engine] = run_one(cfg, engine, out_root, nvme_path, timeout_s, resume, memory_cap=memory_cap)
-        if on_event:
-            o = outcomes[engine]
-            on_event(f"{cfg.name}: {engine} {o.describe()}" + ("" if o.skipped else f" in {o.wall_s:.0f} s"))
-    return outcomes
+                on_event(f"{cfg.name}: {engine}{label} ...")
+            o = run_one(cfg, engine, out_root, nvme_path, timeout_s, resume, memory_cap=memory_cap, tag=tag)
+            runs.setdefault(engine, []).append(o)
+            if on_event:
+                on_event(f"{cfg.name}: {engine}{label} {o.describe()} in {o.wall_s:.0f} s")
+    return {e: replace(runs[e][0], repeats=tuple(runs[e][1:])) for e in ENGINES}
 
 
 def run_matrix(configs: Iterable[BenchConfig], out_root: Path, nvme_path: Path, timeout_s: float = 3600.0,
                on_event: Callable[[str], None] | None = None, resume: bool = False, memory_cap: int | None = None,
-               search: bool = False) -> dict[str, dict[str, RunOutcome]]:
+               search: bool = False, repeats: int = 1) -> dict[str, dict[str, RunOutcome]]:
     """Run every configuration (sequentially) and return ``{config name: {engine: outcome}}``.
 
     Args:
         memory_cap: run each process under this hard memory cap (bytes).
         search: a largest-model search: ``configs`` are in ascending size, and an engine whose run
             does not complete (stopped by the cap, or failed) is not run on the configs after it.
+        repeats: runs of each pair (see :func:`run_pair`).
     """
     results: dict[str, dict[str, RunOutcome]] = {}
     stopped: dict[str, str] = {}
     for cfg in configs:
-        pair = run_pair(cfg, out_root, nvme_path, timeout_s, on_event, resume, memory_cap, skip=dict(stopped))
+        pair = run_pair(cfg, out_root, nvme_path, timeout_s, on_event, resume, memory_cap, skip=dict(stopped),
+                        repeats=repeats)
         results[cfg.name] = pair
         if search:
             for engine, o in pair.items():

@@ -51,10 +51,13 @@ class MemorySize(click.ParamType):
 @click.option("--resume", is_flag=True, help="Reuse each run's report.json already in --output (an interrupted "
               "or partial regress into the same folder; under --memory-cap the recorded outcome of a run with the "
               "same cap, OOM kills included) and run only what is missing")
+@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Run each baseline/memascend pair this many times in alternating order (not with --memory-cap); "
+              "step time and memory peaks are the medians over the repeats, losses must agree in every repeat")
 @click.option("--timeout", "timeout_s", type=float, default=3600.0, show_default=True,
               help="Seconds after which one training run counts as failed")
 def regress(matrix_name, output_dir, only, memory_cap, update_golden, baselines_dir, profile, nvme_path, resume,
-            timeout_s) -> None:
+            repeats, timeout_s) -> None:
     """Run every config of a matrix with stock DeepSpeed (baseline) and with memascend, each in its own
     process with the same seed and data, and compare.
 
@@ -107,6 +110,8 @@ def regress(matrix_name, output_dir, only, memory_cap, update_golden, baselines_
     if matrix.capped_search and memory_cap is None:
         raise click.UsageError(f"--matrix {matrix.name} is a search under a memory cap: give --memory-cap SIZE "
                                "(e.g. 16GiB)")
+    if repeats > 1 and memory_cap is not None:
+        raise click.UsageError("--repeats measures time and memory without a cap: leave out --memory-cap")
     configs = matrix.select(only)
     out_root = Path(output_dir)
     swap = Path(nvme_path or os.environ.get("MEMASCEND_NVME_PATH") or out_root / "swap")
@@ -126,23 +131,27 @@ def regress(matrix_name, output_dir, only, memory_cap, update_golden, baselines_
                       + ("[/bold yellow]" if style else ""))
     t0 = time.monotonic()
     outcomes = run_matrix(configs, out_root, swap, timeout_s, on_event=lambda s: console.print(f"  {s}"),
-                          resume=resume, memory_cap=memory_cap, search=matrix.capped_search)
+                          resume=resume, memory_cap=memory_cap, search=matrix.capped_search, repeats=repeats)
 
     results, timelines, commands = [], {}, {}
     for cfg in configs:
         pair = outcomes[cfg.name]
         stopped = {e: (o.status, o.describe()) for e, o in pair.items() if o.status in ("capped", "skipped")}
         errors = [f"{e}: {o.describe()}: {o.log_tail(3)}" for e, o in pair.items() if o.status == "error"]
-        res = evaluate(cfg, pair["baseline"].report(), pair["memascend"].report(),
+        reports = {e: o.report() for e, o in pair.items()}
+        errors += [f"{e}: per-step losses differ between repeats (same seed and data)" for e, r in reports.items()
+                   if r is not None and not r.get("repeats", {}).get("losses_equal", True)]
+        res = evaluate(cfg, reports["baseline"], reports["memascend"],
                        None if update_golden else golden.get(cfg.name), tol, errors, stopped)
         res.commands = {e: " ".join(finetune_command(cfg, e, o.output_dir, swap)) for e, o in pair.items()}
         res.runs = {e: {"status": o.status, "outcome": o.describe(), "wall_s": o.wall_s,
-                        "cap": o.cap.to_dict() if o.cap else None} for e, o in pair.items()}
+                        "cap": o.cap.to_dict() if o.cap else None,
+                        "repeats": (reports[e] or {}).get("repeats")} for e, o in pair.items()}
         commands[cfg.name] = res.commands
         results.append(res)
         timelines[cfg.name] = {e: o.timeline_path for e, o in pair.items() if o.ok and o.timeline_path.is_file()}
 
-    meta = {"matrix": matrix.name, "profile": prof, "golden_path": str(gpath) if golden else None,
+    meta = {"matrix": matrix.name, "repeats": repeats, "profile": prof, "golden_path": str(gpath) if golden else None,
             "golden_tolerances": vars(tol), "wall_s": time.monotonic() - t0, "memory_cap": cap_meta,
             "capped_search": matrix.capped_search}
     write_outputs(results, out_root, meta, timelines)

@@ -9,6 +9,7 @@ from importlib import metadata
 import psutil
 
 from memascend.config import RunConfig
+from memascend.memory import torch_thp
 
 REPORT_VERSION = 1
 
@@ -65,6 +66,8 @@ def build_report(
             "memory_total_bytes": psutil.virtual_memory().total,
             "device_type": info.device_type,
             "world_size": info.world_size,
+            # Whether torch's host tensors of >= 2 MiB were advised MADV_HUGEPAGE (enable_torch_thp).
+            "torch_thp": torch_thp.status(),
         },
         "model": {
             "source": cfg.model.name_or_path,

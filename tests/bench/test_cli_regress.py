@@ -16,7 +16,7 @@ ONLY = "smollm2-shakespeare-r1"
 
 
 def _fake_runs(monkeypatch, reports: dict[str, dict], calls: list):
-    def run_one(cfg, engine, out_root, nvme_path, timeout_s, resume=False, memory_cap=None):
+    def run_one(cfg, engine, out_root, nvme_path, timeout_s, resume=False, memory_cap=None, tag=""):
         calls.append((cfg.name, engine))
         out = Path(out_root) / cfg.name / engine
         out.mkdir(parents=True, exist_ok=True)
@@ -93,3 +93,76 @@ def test_resume_reuses_existing_reports(tmp_path, good_pair):
     out = runner_mod.run_pair(cfg, tmp_path, Path("/proc/no-such"), 1.0, resume=True)
     assert all(o.ok and o.wall_s == 0.0 for o in out.values())
     assert out["memascend"].report()["memory"] == good_pair[1]["memory"]
+
+
+def _fake_repeat_runs(monkeypatch, make, calls: list):
+    """``make(engine, repeat) -> report``: each run writes its own report into its own folder."""
+
+    def run_one(cfg, engine, out_root, nvme_path, timeout_s, resume=False, memory_cap=None, tag=""):
+        rep = int(tag[2:]) if tag else 0
+        calls.append((engine, rep))
+        out = Path(out_root) / cfg.name / f"{engine}{tag}"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.json").write_text(json.dumps(make(engine, rep)))
+        log = Path(out_root) / cfg.name / f"{engine}{tag}.log"
+        log.write_text("fake run\n")
+        return runner_mod.RunOutcome(engine, 0, out, log, 0.1)
+
+    monkeypatch.setattr(runner_mod, "run_one", run_one)
+
+
+def test_repeats_alternate_the_order_and_compare_medians(tmp_path, monkeypatch):
+    # memascend is 1.6x stock in one repeat (a noisy moment) and 1.0x in the two others: the
+    # medians pass where the single noisy pair would fail the step-time check.
+    base_s = {0: 6.0, 1: 6.0, 2: 6.0}
+    mine_s = {0: 9.6, 1: 6.0, 2: 6.0}
+
+    def make(engine, rep):
+        if engine == "baseline":
+            return make_report(rss_gib=6.0, locked_gib=3.0, step_s=base_s[rep], losses=LOSSES)
+        return make_report(rss_gib=2.0 + rep, locked_gib=0.5, step_s=mine_s[rep], losses=LOSSES)
+
+    calls = []
+    _fake_repeat_runs(monkeypatch, make, calls)
+    res = _invoke(tmp_path, "--repeats", "3")
+    assert res.exit_code == 0, res.output
+    assert calls == [("baseline", 0), ("memascend", 0), ("memascend", 1), ("baseline", 1), ("baseline", 2),
+                     ("memascend", 2)]
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    runs = doc["configs"][0]["runs"]
+    assert runs["memascend"]["repeats"]["median_step_s"] == [9.6, 6.0, 6.0]
+    assert runs["memascend"]["repeats"]["losses_equal"] is True
+    assert doc["repeats"] == 3
+    # One noisy pair alone fails the same check.
+    calls.clear()
+    res = _invoke(tmp_path / "single")
+    assert res.exit_code == 1 and "step_time_ratio" in res.output
+
+
+def test_repeats_with_different_losses_fail(tmp_path, monkeypatch):
+    def make(engine, rep):
+        losses = list(LOSSES)
+        if engine == "memascend" and rep == 1:
+            losses[1] += 1e-6
+        return make_report(rss_gib=2.0, locked_gib=0.5, step_s=6.0, losses=losses)
+
+    _fake_repeat_runs(monkeypatch, make, [])
+    res = _invoke(tmp_path, "--repeats", "2")
+    assert res.exit_code == 1
+    assert "losses differ between repeats" in res.output
+
+
+def test_repeats_exclude_a_memory_cap(tmp_path):
+    res = _invoke(tmp_path, "--repeats", "2", "--memory-cap", "16GiB")
+    assert res.exit_code == 2 and "--repeats" in res.output
+
+
+def test_merge_repeat_reports_takes_medians():
+    reports = [make_report(rss_gib=g, locked_gib=1.0, step_s=s, losses=LOSSES) for g, s in ((2, 5.0), (4, 9.0), (3, 6.0))]
+    merged = runner_mod.merge_repeat_reports(reports)
+    assert merged["median_step_s"] == 6.0
+    assert merged["memory"]["peak_rss_bytes"] == 3 << 30 and merged["memory"]["sum_rank_peak_rss_bytes"] == 3 << 30
+    assert merged["repeats"]["n"] == 3 and merged["repeats"]["losses_equal"]
+    assert reports[0]["median_step_s"] == 5.0  # inputs untouched
+    with pytest.raises(ValueError):
+        runner_mod.merge_repeat_reports([])

@@ -38,7 +38,7 @@ def _fake_capped_runs(monkeypatch, plan, calls: list):
     """``plan(cfg, engine) -> (outcome, peak GiB)``: a run that "fit" writes a report of that peak."""
     monkeypatch.setattr(cg, "probe", lambda cap, root=None: "cgroup-v1")
 
-    def run_one(cfg, engine, out_root, nvme_path, timeout_s, resume=False, memory_cap=None):
+    def run_one(cfg, engine, out_root, nvme_path, timeout_s, resume=False, memory_cap=None, tag=""):
         assert memory_cap == CAP
         calls.append((cfg.name, engine))
         outcome, peak = plan(cfg, engine)

@@ -42,6 +42,9 @@ def _check_pair(tmp: Path, dtype: str, nproc: int = 1) -> None:
     mem_hex = [[x.hex() for x in s["rank_losses"]] for s in mem["steps"]]
     assert len(base_hex) == 3 and mem_hex == base_hex
     assert base["host"]["world_size"] == mem["host"]["world_size"] == nproc
+    # enable_torch_thp: memascend's processes (every rank) load torch with THP_MEM_ALLOC_ENABLE=1; stock's do not.
+    assert mem["host"]["torch_thp"]["THP_MEM_ALLOC_ENABLE"] == "1"
+    assert base["host"]["torch_thp"]["THP_MEM_ALLOC_ENABLE"] is None
     # memascend ran with several optimizer sub-groups (the stock config has one) and still matched.
     sub_group = mem["memascend_settings"]["optimizer_sub_group_numel"]
     assert sub_group < mem["model"]["param_numel"] // 2

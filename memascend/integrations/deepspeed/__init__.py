@@ -113,7 +113,24 @@ def apply(settings: MemAscendSettings | None = None) -> MemAscendSettings:
             _registry.restore_all()
             raise
         _applied = settings
-        return settings
+    _warn_torch_thp(settings)
+    return settings
+
+
+def _warn_torch_thp(settings: MemAscendSettings) -> None:
+    """Say once, on stderr, that ``enable_torch_thp`` cannot take effect from here: c10 reads
+    ``THP_MEM_ALLOC_ENABLE`` when torch loads, before any code can call :func:`apply`."""
+    from memascend.memory import torch_thp
+
+    if not settings.enable_torch_thp or torch_thp.requested() or torch_thp.thp_mode() in (None, "never"):
+        return
+    if getattr(_warn_torch_thp, "done", False):
+        return
+    _warn_torch_thp.done = True  # type: ignore[attr-defined]
+    import sys
+
+    print(f"memascend: enable_torch_thp: set {torch_thp.ENV_VAR}=1 in the environment that starts this "
+          "process (torch reads it when it loads); host tensors use 4 KiB pages until then", file=sys.stderr)
 
 
 def apply_from_config(ds_config: Mapping[str, Any] | str | Path) -> MemAscendSettings:

@@ -82,6 +82,14 @@ class MemAscendSettings:
             first hands freed activation memory back (:mod:`.step_memory`). Gradient values do
             not depend on the bucketing (each parameter is reduced on its own with
             ``reduce_scatter``, the default). ``None``: keep the config's.
+        enable_torch_thp: torch's CPU allocator (c10 ``alloc_cpu``) advises ``MADV_HUGEPAGE`` on
+            every host tensor of 2 MiB or more (``THP_MEM_ALLOC_ENABLE=1``),
+            so memory handed back between phases is faulted in again one 2 MiB page at a time
+            instead of 512 4 KiB ones. c10 reads the variable once, when torch loads: ``memascend
+            finetune`` sets it before importing torch; a program driving DeepSpeed itself sets it
+            in its launcher's environment (:func:`torch_thp_env`), and :func:`apply` warns when it
+            is missing. A no-op where ``/sys/kernel/mm/transparent_hugepage/enabled`` is
+            ``never``.
         fix_unaligned_gradient_io: a correctness fix, not an optimization, on for both engines:
             read and write the optimizer's swapped gradient fragments through an aligned bounce
             buffer where the fragment's host address is not O_DIRECT-aligned; stock DeepSpeed
@@ -101,6 +109,7 @@ class MemAscendSettings:
     enable_grad_buffer_release: bool = True
     enable_optimizer_buffer_release: bool = True
     reduce_bucket_numel: int | Literal["auto"] | None = "auto"
+    enable_torch_thp: bool = True
     fix_unaligned_gradient_io: bool = True
 
     def __post_init__(self) -> None:
