@@ -47,6 +47,7 @@ import json
 import math
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -137,6 +138,10 @@ class Row:
     region_bytes: int = 0
     samples: dict[str, list[float]] = field(default_factory=dict, compare=False)
     """Every repeat's bandwidth per tool, in repeat order."""
+    cpu_ms_per_gib: dict[str, float] = field(default_factory=dict, compare=False)
+    """Median CPU time (user + system, milliseconds) per GiB moved, per tool: the tool's own
+    threads (the engine's and DeepSpeed's in this process, fio's as fio reports it), not the
+    device's service time (a loop device's kernel worker)."""
 
     def ratios(self, num: str, den: str) -> list[float]:
         """``num / den`` bandwidth of each repeat where both were measured."""
@@ -244,13 +249,27 @@ def fio_command(target: str, case: Case) -> list[str]:
     ]
 
 
+def fio_result(target: str, case: Case) -> tuple[float, float]:
+    """fio at the case's offsets, block size and queue depth: (MiB/s, CPU seconds of its job,
+    user + system, from its ``usr_cpu``/``sys_cpu`` percentages of ``job_runtime``)."""
+    out = subprocess.run(fio_command(target, case), capture_output=True, text=True, check=True)
+    job = json.loads(out.stdout[out.stdout.index("{") :])["jobs"][0]
+    io = job[case.op]
+    if io["io_bytes"] != case.total_bytes:
+        raise RuntimeError(f"fio moved {io['io_bytes']} bytes, expected {case.total_bytes}")
+    cpu_s = (float(job.get("usr_cpu", 0.0)) + float(job.get("sys_cpu", 0.0))) / 100 * job.get("job_runtime", 0) / 1000
+    return io["bw_bytes"] / MiB, cpu_s
+
+
 def fio_mib_s(target: str, case: Case) -> float:
     """Bandwidth of fio at the case's offsets, block size and queue depth."""
-    out = subprocess.run(fio_command(target, case), capture_output=True, text=True, check=True)
-    job = json.loads(out.stdout[out.stdout.index("{") :])["jobs"][0][case.op]
-    if job["io_bytes"] != case.total_bytes:
-        raise RuntimeError(f"fio moved {job['io_bytes']} bytes, expected {case.total_bytes}")
-    return job["bw_bytes"] / MiB
+    return fio_result(target, case)[0]
+
+
+def _cpu_s() -> float:
+    """User + system CPU seconds of this process so far (all its threads)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def _ds_file(folder: Path, i: int) -> str:
@@ -418,11 +437,14 @@ def run(
                             ds_bufs,
                         )
                     samples: dict[tuple[str, str], list[float]] = {}
+                    cpu: dict[tuple[str, str], list[float]] = {}
                     for rep in range(repeats):
                         k = rep % len(case_tools)
                         order = case_tools[k:] + case_tools[:k]
                         for op, case in cases.items():
                             for tool in order:
+                                cpu0 = _cpu_s()
+                                fio_cpu_s = None
                                 if tool in ("engine", "engine_crc", "engine_fs"):
                                     v = engine_mib_s(
                                         fs_store if tool == "engine_fs" else target,
@@ -432,10 +454,12 @@ def run(
                                         bufs=eng_bufs,
                                     )
                                 elif tool in ("fio", "fio_fs"):
-                                    v = fio_mib_s(fs_store if tool == "fio_fs" else target, case)
+                                    v, fio_cpu_s = fio_result(fs_store if tool == "fio_fs" else target, case)
                                 else:
                                     v = deepspeed_mib_s(deepspeed_folder, case, handle, ds_bufs)
+                                used_s = fio_cpu_s if fio_cpu_s is not None else _cpu_s() - cpu0
                                 samples.setdefault((tool, op), []).append(v)
+                                cpu.setdefault((tool, op), []).append(used_s * 1000 / (case.total_bytes / (1 << 30)))
                 finally:
                     eng_bufs.clear()
                     if handle is not None:
@@ -456,6 +480,7 @@ def run(
                         engine_fs_mib_s=_median(per_tool.get("engine_fs", [])),
                         fio_fs_mib_s=_median(per_tool.get("fio_fs", [])),
                         samples=per_tool,
+                        cpu_ms_per_gib={t: statistics.median(cpu[(t, op)]) for t in case_tools},
                     )
                     rows.append(row)
                     if log is not None:
@@ -547,6 +572,18 @@ def summary(rows: list[Row]) -> str:
         if xs:
             parts.append(f"{name}: min {min(xs):.2f}, geomean {_geomean(xs):.2f}")
     return "; ".join(parts)
+
+
+def cpu_summary(rows: list[Row]) -> str:
+    """Median over the rows of each tool's CPU milliseconds per GiB moved."""
+    per_tool: dict[str, list[float]] = {}
+    for r in rows:
+        for tool, ms in r.cpu_ms_per_gib.items():
+            per_tool.setdefault(tool, []).append(ms)
+    if not per_tool:
+        return ""
+    parts = [f"{t} {statistics.median(v):.0f}" for t, v in sorted(per_tool.items(), key=lambda kv: TOOLS.index(kv[0]))]
+    return "CPU ms per GiB moved (median over rows; the device's own service time excluded): " + ", ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -679,6 +716,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(format_table(rows))
     print(summary(rows))
+    if cpu_summary(rows):
+        print(cpu_summary(rows))
     if crc_gib_s is not None:
         print(f"CRC32C on one thread: {crc_gib_s:.1f} GiB/s (1 MiB pieces of 64 MiB)")
     if a.json:

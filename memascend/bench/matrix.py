@@ -15,7 +15,9 @@ compares medians of the steady steps (the first step pays swap-file creation) an
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from memascend.errors import UserError
 
@@ -98,6 +100,9 @@ class BenchConfig:
         thresholds: limits of the memascend/baseline ratios.
         seed: same for both engines (data order, from-scratch init).
         scaling: a point of the peak-memory-vs-parameters fit (same shape as the other points).
+        memascend_settings: ``(name, value)`` pairs of ``MemAscendSettings`` for the memascend run
+            only, passed as a ``"memascend"`` section in ``--deepspeed-config`` (written next to the
+            runs as ``memascend-settings.json``); empty: the defaults.
     """
 
     name: str
@@ -115,6 +120,7 @@ class BenchConfig:
     thresholds: Thresholds = field(default_factory=Thresholds)
     seed: int = 1234
     scaling: bool = False
+    memascend_settings: tuple[tuple[str, object], ...] = ()
 
     def __post_init__(self) -> None:
         if self.steps < 3:
@@ -123,6 +129,22 @@ class BenchConfig:
             raise ValueError(f"{self.name}: unknown dtype {self.dtype}")
         if min(self.seq_len, self.micro_batch, self.nproc) < 1:
             raise ValueError(f"{self.name}: seq_len, micro_batch and nproc must be >= 1")
+        if self.memascend_settings:
+            from memascend.integrations.deepspeed.settings import MemAscendSettings
+
+            MemAscendSettings.from_mapping(dict(self.memascend_settings))  # raises UserError on a bad key
+
+    def settings_path(self, output_dir: str) -> Path | None:
+        """The DeepSpeed JSON holding :attr:`memascend_settings` for a run writing to ``output_dir``
+        (shared by the repeats of the configuration), or ``None`` without settings."""
+        return Path(output_dir).parent / "memascend-settings.json" if self.memascend_settings else None
+
+    def write_settings(self, output_dir: str) -> None:
+        """Write :meth:`settings_path` (``{"memascend": {...}}``) where there are settings."""
+        path = self.settings_path(output_dir)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"memascend": dict(self.memascend_settings)}, indent=2) + "\n")
 
     def finetune_args(self, *, engine: str, output_dir: str, nvme_path: str) -> list[str]:
         """Arguments after ``memascend finetune`` for one engine (identical except ``--engine``)."""
@@ -135,6 +157,8 @@ class BenchConfig:
         args += ["--activation-checkpointing"] if self.activation_checkpointing else []
         if self.nproc > 1:
             args += ["--nproc", str(self.nproc)]
+        if engine == "memascend" and self.memascend_settings:
+            args += ["--deepspeed-config", str(self.settings_path(output_dir))]
         return args
 
     @property
@@ -275,7 +299,32 @@ def _scaling() -> Matrix:
     )
 
 
-MATRICES: dict[str, Matrix] = {m.name: m for m in (_smoke(), _cpu_full(), _gpu(), _scaling())}
+ABLATIONS: tuple[tuple[str, tuple[tuple[str, object], ...]], ...] = (
+    ("defaults", ()),
+    ("no-torch-thp", (("enable_torch_thp", False),)),
+    ("no-malloc-policy", (("enable_malloc_policy", False),)),
+    ("keep-optimizer-buffers", (("enable_optimizer_buffer_release", False),)),
+    ("no-malloc-policy-keep-optimizer-buffers", (("enable_malloc_policy", False),
+                                                 ("enable_optimizer_buffer_release", False))),
+)
+"""The memascend variants of the ablation matrix: the defaults, then one time-for-memory trade
+turned off at a time (README "Memory against time")."""
+
+
+def _ablation() -> Matrix:
+    # Issue 3's configuration (cpu-full's smollm2-shakespeare-bf16-256x4, one more step for the
+    # medians); every variant is paired with its own baseline run, so each ratio is same-run.
+    configs = tuple(BenchConfig(name=f"smollm2-bf16-256x4-{name}", steps=5, thresholds=SMOLLM2_THRESHOLDS,
+                                memascend_settings=settings) for name, settings in ABLATIONS)
+    return Matrix(
+        name="ablation",
+        description="memory against time: SmolLM2-135M bf16 4 x 256 with memascend's defaults and with each "
+                    "time-for-memory trade off, each against its own stock run; ~10 min per repeat on a 2-core CPU",
+        configs=configs,
+    )
+
+
+MATRICES: dict[str, Matrix] = {m.name: m for m in (_smoke(), _cpu_full(), _gpu(), _scaling(), _ablation())}
 """Every named matrix, by name."""
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from memascend.bench.matrix import MATRICES, BenchConfig, Matrix, get_matrix
@@ -9,7 +11,7 @@ from memascend.errors import UserError
 
 
 def test_named_matrices_exist_and_smoke_is_smollm2_one_and_two_ranks():
-    assert set(MATRICES) == {"smoke", "cpu-full", "gpu", "scaling"}
+    assert set(MATRICES) == {"smoke", "cpu-full", "gpu", "scaling", "ablation"}
     smoke = get_matrix("smoke")
     assert {c.data for c in smoke.configs} == {"shakespeare", "chitchat"}
     assert {c.nproc for c in smoke.configs} == {1, 2}
@@ -80,3 +82,30 @@ def test_scaling_search_is_cpu_fulls_llama_series_in_ascending_size():
         assert c.thresholds.bitwise_losses and c.thresholds.max_peak_rss_ratio == 1.0
     with pytest.raises(ValueError, match="ascending"):
         Matrix(name="x", description="", configs=tuple(reversed(scaling.configs)), capped_search=True)
+
+
+def test_ablation_passes_settings_to_the_memascend_run_only(tmp_path):
+    from memascend.bench.matrix import get_matrix
+
+    m = get_matrix("ablation")
+    assert m.configs[0].memascend_settings == ()  # the defaults, as cpu-full runs them
+    cfg = next(c for c in m.configs if c.name.endswith("-no-torch-thp"))
+    out = tmp_path / cfg.name / "memascend.r2"
+    args = cfg.finetune_args(engine="memascend", output_dir=str(out), nvme_path="/swap")
+    path = tmp_path / cfg.name / "memascend-settings.json"
+    assert args[-2:] == ["--deepspeed-config", str(path)]
+    assert "--deepspeed-config" not in cfg.finetune_args(engine="baseline", output_dir=str(out), nvme_path="/swap")
+    cfg.write_settings(str(out))
+    assert json.loads(path.read_text()) == {"memascend": {"enable_torch_thp": False}}
+    # Identical training configuration otherwise: only --engine and the settings file differ.
+    base = cfg.finetune_args(engine="baseline", output_dir=str(out), nvme_path="/swap")
+    assert [a for a in args if a not in ("memascend", "--deepspeed-config", str(path))] == \
+        [a for a in base if a != "baseline"]
+
+
+def test_a_bad_memascend_setting_is_refused_when_the_config_is_made():
+    from memascend.bench.matrix import BenchConfig
+    from memascend.errors import UserError
+
+    with pytest.raises(UserError, match="no_such"):
+        BenchConfig(name="x", memascend_settings=(("no_such", True),))

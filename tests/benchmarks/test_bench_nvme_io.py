@@ -20,10 +20,12 @@ from memascend.bench import ram_loop
 from memascend.bench.io_bench import (
     Case,
     Row,
+    cpu_summary,
     engine_mib_s,
     engine_tools,
     fio_command,
     fio_mib_s,
+    fio_result,
     format_table,
     main,
     run,
@@ -139,6 +141,27 @@ def test_ratios_are_medians_of_the_repeats_paired():
     assert "FS: engine/DeepSpeed: min 1.45" in summary([fs])
 
 
+def test_cpu_summary_is_the_median_over_rows_per_tool():
+    def row(cpu):
+        return Row(pattern="seq", op="read", block_bytes=MiB, queue_depth=8, total_bytes=MiB, engine_mib_s=1.0,
+                   fio_mib_s=1.0, deepspeed_mib_s=None, cpu_ms_per_gib=cpu)
+
+    line = cpu_summary([row({"engine": 10.0, "fio": 50.0}), row({"engine": 30.0, "fio": 70.0}),
+                        row({"engine": 20.0})])
+    assert line.endswith("engine 20, fio 60")
+    assert cpu_summary([row({})]) == ""
+
+
+def test_fio_reports_its_cpu_time(workdir):
+    if shutil.which("fio") is None:
+        pytest.skip("needs fio (apt install fio)")
+    target = str(workdir / "cpu.bin")
+    preallocate_file(target, 8 * MiB)
+    c = Case(pattern="seq", op="write", block_bytes=MiB, queue_depth=4, total_bytes=8 * MiB)
+    mib_s, cpu_s = fio_result(target, c)
+    assert mib_s > 0 and 0 <= cpu_s < 10
+
+
 def test_crc_setting_picks_the_engine_columns():
     assert engine_tools("off") == ["engine"]
     assert engine_tools("on") == ["engine_crc"]
@@ -212,6 +235,7 @@ def test_ram_loop_run_interleaves_every_tool_and_leaves_nothing(tmp_path, capsys
         expected |= {"deepspeed"} if pattern == "seq" and r["deepspeed_mib_s"] is not None else set()
         assert set(r["samples"]) == expected
         assert all(len(v) == 3 and min(v) > 0 for v in r["samples"].values())
+        assert set(r["cpu_ms_per_gib"]) == expected and min(r["cpu_ms_per_gib"].values()) >= 0
     with open("/proc/mounts") as f:
         assert not [line for line in f if line.startswith("memascend_ramloop ")]
     for d in os.listdir("/sys/block"):
