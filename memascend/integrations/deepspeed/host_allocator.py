@@ -18,9 +18,9 @@ memory (:mod:`.step_memory`). None of it changes a computed value.
 The threshold is a time/memory trade measured on that job: at 256 KiB every activation is mapped
 and unmapped (peak RSS 2.39 GiB but 1.45x the stock step time: page faults and unmaps). At the
 4 MiB default the memory handed back is faulted in again at the next step; on the 2-core virtual
-machine of profile cpu-2c-24g, where a first touch costs about 0.75 s per GiB, the whole policy
-measured 2.54 GiB peak RSS at 8.91 s/step against 2.83 GiB at 7.08 s/step without it (stock:
-6.70 GiB, 6.71 s/step; README "Memory against time"). ``enable_malloc_policy=false`` picks speed.
+machine of profile cpu-2c-24g the whole policy measured peak RSS 0.371 of stock's at 1.229x its
+step time, against 0.459 at 0.984x without it (``memascend regress --matrix ablation --repeats 3``,
+medians of three pairs; README "Memory against time"). ``enable_malloc_policy=false`` picks speed.
 All functions are no-ops returning ``False``/``None`` on a C library without these glibc calls.
 """
 
