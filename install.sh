@@ -25,6 +25,20 @@ if ((${#need_pkgs[@]})); then
   fi
 fi
 
+# Test tools (--dev): fio for the I/O benchmark's comparison, parted and mkfs.ext4 for the loop-device
+# tests. Optional: where they cannot be installed those tests skip with a reason.
+if [[ -n "$extras" ]]; then
+  dev_pkgs=()
+  for pair in "fio:fio" "parted:parted" "e2fsprogs:mkfs.ext4"; do
+    command -v "${pair#*:}" >/dev/null || dev_pkgs+=("${pair%%:*}")
+  done
+  if ((${#dev_pkgs[@]})) && [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+    echo "install.sh: installing ${dev_pkgs[*]} with apt-get (test tools)" >&2
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${dev_pkgs[@]}"; } >/dev/null 2>&1 \
+      || echo "install.sh: could not install ${dev_pkgs[*]}; the tests that need them will skip." >&2
+  fi
+fi
+
 # torch first and exactly pinned: a range would pull several GB of CUDA wheels on a CPU host.
 "$PY" -m pip install -q "torch==2.13.0"
 "$PY" -m pip install -q -e ".${extras}"
