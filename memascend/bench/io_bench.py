@@ -139,9 +139,9 @@ class Row:
     samples: dict[str, list[float]] = field(default_factory=dict, compare=False)
     """Every repeat's bandwidth per tool, in repeat order."""
     cpu_ms_per_gib: dict[str, float] = field(default_factory=dict, compare=False)
-    """Median CPU time (user + system, milliseconds) per GiB moved, per tool: the tool's own
-    threads (the engine's and DeepSpeed's in this process, fio's as fio reports it), not the
-    device's service time (a loop device's kernel worker)."""
+    """Median CPU time (user + system, milliseconds) per GiB moved, per tool: every thread of the
+    tool (the engine's and DeepSpeed's in this process; the fio process's, less its start-up), io_uring
+    workers included, not the device's service time (a loop device's kernel worker)."""
 
     def ratios(self, num: str, den: str) -> list[float]:
         """``num / den`` bandwidth of each repeat where both were measured."""
@@ -249,16 +249,35 @@ def fio_command(target: str, case: Case) -> list[str]:
     ]
 
 
+def _children_cpu_s() -> float:
+    """User + system CPU seconds of this process's waited-for children so far (all their threads)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _run_fio(cmd: list[str]) -> tuple[dict, float]:
+    """Run fio; its JSON job and the CPU seconds of the whole fio process (every thread, io_uring's
+    io-wq workers included; fio's own ``usr_cpu``/``sys_cpu`` count only the job thread)."""
+    cpu0 = _children_cpu_s()
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    cpu_s = _children_cpu_s() - cpu0
+    return json.loads(out.stdout[out.stdout.index("{") :])["jobs"][0], cpu_s
+
+
 def fio_result(target: str, case: Case) -> tuple[float, float]:
-    """fio at the case's offsets, block size and queue depth: (MiB/s, CPU seconds of its job,
-    user + system, from its ``usr_cpu``/``sys_cpu`` percentages of ``job_runtime``)."""
-    out = subprocess.run(fio_command(target, case), capture_output=True, text=True, check=True)
-    job = json.loads(out.stdout[out.stdout.index("{") :])["jobs"][0]
+    """fio at the case's offsets, block size and queue depth: (MiB/s, CPU seconds of the transfer).
+
+    The CPU seconds are those of the fio process minus those of the same command moving a single
+    block (fio's start-up and exit, which the in-process tools do not pay per measurement).
+    """
+    cmd = fio_command(target, case)
+    job, cpu_s = _run_fio(cmd)
     io = job[case.op]
     if io["io_bytes"] != case.total_bytes:
         raise RuntimeError(f"fio moved {io['io_bytes']} bytes, expected {case.total_bytes}")
-    cpu_s = (float(job.get("usr_cpu", 0.0)) + float(job.get("sys_cpu", 0.0))) / 100 * job.get("job_runtime", 0) / 1000
-    return io["bw_bytes"] / MiB, cpu_s
+    one_block = [a for a in cmd if not a.startswith("--io_size=")] + [f"--io_size={case.block_bytes}"]
+    _, startup_s = _run_fio(one_block)
+    return io["bw_bytes"] / MiB, max(0.0, cpu_s - startup_s)
 
 
 def fio_mib_s(target: str, case: Case) -> float:
