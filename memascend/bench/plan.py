@@ -52,6 +52,7 @@ RSS, step-phase rise), not fitted to the peaks; the activation terms are counted
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -506,12 +507,17 @@ def plan_engine(engine: str, cfg: RunConfig, dims: ModelDims, ds_cfg: dict, worl
 
 
 def plan_run(cfg: RunConfig, world_size: int = 1, dims: ModelDims | None = None,
-             memascend_settings: dict | None = None) -> dict[str, EnginePlan]:
+             memascend_settings: dict | None = None, user_ds_config: dict | None = None) -> dict[str, EnginePlan]:
     """Predict both engines for ``cfg`` on ``world_size`` ranks of one host.
 
     Args:
         memascend_settings: the ``"memascend"`` section to plan memascend with (default: the one of
-            ``cfg.deepspeed_config``, else the defaults).
+            the user's DeepSpeed JSON, else the defaults).
+        user_ds_config: the user's DeepSpeed JSON itself (default: read from ``cfg.deepspeed_config``
+            when that is set).
+
+    Raises:
+        UserError: ``cfg.deepspeed_config`` is missing or not JSON (only read without ``user_ds_config``).
 
     Returns:
         ``{"baseline": EnginePlan, "memascend": EnginePlan}``.
@@ -520,8 +526,8 @@ def plan_run(cfg: RunConfig, world_size: int = 1, dims: ModelDims | None = None,
 
     dims = dims or model_dims(cfg)
     shape = ModelShape(dims.total_numel, dims.param_numels, dims.module_param_counts)
-    user = None
-    if cfg.deepspeed_config:
+    user = user_ds_config
+    if user is None and cfg.deepspeed_config:
         from memascend.train.ds_config import load_user_ds_config
 
         user = load_user_ds_config(cfg.deepspeed_config)
@@ -543,12 +549,14 @@ def plan_for_report(report: dict) -> EnginePlan:
     """
     from memascend.config import build_run_config
 
-    cfg = build_run_config(report["config"], {})
+    # The --deepspeed-config path of the run is not read again (it may be gone): reports record its
+    # content ("user_deepspeed_config"); older ones only the "memascend" section, as memascend_settings.
+    cfg = dataclasses.replace(build_run_config(report["config"], {}), deepspeed_config=None)
     # Baseline reports record the baseline's settings (every optimization off): plan memascend
     # with them only for memascend's own reports.
     settings = report.get("memascend_settings") if report["engine"] == "memascend" else None
-    return plan_run(cfg, world_size=int(report["host"]["world_size"]),
-                    memascend_settings=settings)[report["engine"]]
+    return plan_run(cfg, world_size=int(report["host"]["world_size"]), memascend_settings=settings,
+                    user_ds_config=report.get("user_deepspeed_config"))[report["engine"]]
 
 
 def largest_preset_under_cap(cfg: RunConfig, cap_bytes: int, world_size: int = 1) -> dict[str, tuple[str, int] | None]:

@@ -186,8 +186,7 @@ def run_one(cfg: BenchConfig, engine: str, out_root: Path, nvme_path: Path, time
     stale.unlink(missing_ok=True)  # a report left from an earlier run must not pass for this one
     cap_path.unlink(missing_ok=True)
     cmd = finetune_command(cfg, engine, out_dir, nvme_path)
-    if engine == "memascend":
-        cfg.write_settings(str(out_dir))
+    cfg.write_deepspeed_json(engine, str(out_dir))
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
     swap_before = _swap_dirs(nvme_path)

@@ -418,6 +418,9 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
         param_dtype=param_dtype,
     )
     rep["memory_breakdown"] = breakdown
+    # The user's --deepspeed-config as read (its path may be gone when the report is read again, e.g.
+    # by the planner's check against recorded runs).
+    rep["user_deepspeed_config"] = user_ds
     rep["nvme"]["backend"] = "raw_store" if raw_store is not None else ("folder" if swap_dir is not None else None)
     if raw_store is not None:
         rep["nvme"]["store"] = raw_store.report()

@@ -92,15 +92,36 @@ def test_ablation_passes_settings_to_the_memascend_run_only(tmp_path):
     cfg = next(c for c in m.configs if c.name.endswith("-no-torch-thp"))
     out = tmp_path / cfg.name / "memascend.r2"
     args = cfg.finetune_args(engine="memascend", output_dir=str(out), nvme_path="/swap")
-    path = tmp_path / cfg.name / "memascend-settings.json"
+    path = tmp_path / cfg.name / "memascend-deepspeed.json"
     assert args[-2:] == ["--deepspeed-config", str(path)]
     assert "--deepspeed-config" not in cfg.finetune_args(engine="baseline", output_dir=str(out), nvme_path="/swap")
-    cfg.write_settings(str(out))
+    cfg.write_deepspeed_json("memascend", str(out))
     assert json.loads(path.read_text()) == {"memascend": {"enable_torch_thp": False}}
+    cfg.write_deepspeed_json("baseline", str(out))
+    assert not (tmp_path / cfg.name / "baseline-deepspeed.json").exists()
     # Identical training configuration otherwise: only --engine and the settings file differ.
     base = cfg.finetune_args(engine="baseline", output_dir=str(out), nvme_path="/swap")
     assert [a for a in args if a not in ("memascend", "--deepspeed-config", str(path))] == \
         [a for a in base if a != "baseline"]
+
+
+def test_deepspeed_settings_go_to_both_engines(tmp_path):
+    from memascend.bench.matrix import BenchConfig, get_matrix
+
+    cfg = next(c for c in get_matrix("cpu-full").configs if c.name == "llama-1b-bf16-256x1-sub-group-1e8")
+    assert cfg.deepspeed_settings == (("zero_optimization.sub_group_size", 100_000_000),)
+    two = BenchConfig(name="x", deepspeed_settings=(("zero_optimization.sub_group_size", 7),
+                                                    ("zero_optimization.reduce_bucket_size", 9)),
+                      memascend_settings=(("enable_torch_thp", False),))
+    for engine in ("baseline", "memascend"):
+        out = tmp_path / "x" / engine
+        args = two.finetune_args(engine=engine, output_dir=str(out), nvme_path="/swap")
+        path = tmp_path / "x" / f"{engine}-deepspeed.json"
+        assert args[-2:] == ["--deepspeed-config", str(path)]
+        two.write_deepspeed_json(engine, str(out))
+        doc = json.loads(path.read_text())
+        assert doc["zero_optimization"] == {"sub_group_size": 7, "reduce_bucket_size": 9}
+        assert ("memascend" in doc) == (engine == "memascend")
 
 
 def test_a_bad_memascend_setting_is_refused_when_the_config_is_made():
