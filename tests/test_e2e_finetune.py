@@ -39,6 +39,12 @@ def test_report_has_what_the_run_measured(smollm2_run):
     assert rep["versions"]["deepspeed"] == "0.19.8" and rep["versions"]["torch"].startswith("2.13.0")
     assert rep["num_steps"] == 2 and all(math.isfinite(s["loss"]) for s in rep["steps"])
     assert all(s["tokens_per_s"] > 0 and s["time_s"] > 0 for s in rep["steps"])
+    # Phase times: forward, backward and the optimizer step, inside the step's time.
+    for s in rep["steps"]:
+        assert set(s["phase_s"]) == {"forward_s", "backward_s", "optimizer_step_s"}
+        assert all(v > 0 for v in s["phase_s"].values()) and sum(s["phase_s"].values()) <= s["time_s"]
+    assert rep["median_phase_s"] == rep["steps"][1]["phase_s"]  # two steps: the steady one
+    assert rep["user_deepspeed_config"] is None  # no --deepspeed-config given
     assert rep["eval"]["loss_before"] is not None and rep["eval"]["loss_after"] is not None
     mem = rep["memory"]
     # Stock pins buffer_count x buffer_size = 5 x 1e8 bf16 elements up front (~0.93 GiB); the

@@ -55,6 +55,8 @@ class RunMetrics:
         losses: per-step mean loss over ranks.
         param_numel: model parameters.
         param_dtype: dtype of the parameter partitions DeepSpeed trained (``bfloat16`` ...).
+        median_phase_s: median seconds per step in forward, backward and the optimizer step
+            (``report["median_phase_s"]``; ``None`` for reports that do not time phases).
     """
 
     peak_rss_bytes: int
@@ -67,6 +69,7 @@ class RunMetrics:
     losses: tuple[float, ...]
     param_numel: int
     param_dtype: str | None = None
+    median_phase_s: dict[str, float] | None = None
 
     @classmethod
     def from_report(cls, report: dict) -> RunMetrics:
@@ -82,6 +85,7 @@ class RunMetrics:
             losses=tuple(float(s["loss"]) for s in report["steps"]),
             param_numel=int(report["model"]["param_numel"]),
             param_dtype=report["model"].get("param_dtype"),
+            median_phase_s=report.get("median_phase_s"),
         )
 
 

@@ -174,6 +174,30 @@ HEADERS = ["config", "base RSS GiB", "ma RSS GiB", "RSS ratio", "base locked GiB
            "locked ratio", "base s/step", "ma s/step", "time ratio", "losses", "golden", "verdict"]
 
 
+PHASE_HEADERS = ["config", "phase", "base s", "ma s", "ratio", "share of ma's extra time"]
+
+
+def phase_rows(results: list[ConfigResult]) -> list[list[str]]:
+    """Where the step time goes: per configuration whose runs timed phases, each phase's median
+    seconds per step for both engines, their ratio, and the phase's share of memascend's extra time
+    (its difference over the sum of the differences; blank when memascend is not slower overall)."""
+    from memascend.train.report import PHASES
+
+    rows = []
+    for r in results:
+        b, m = r.baseline, r.memascend
+        if not (b and m and b.median_phase_s and m.median_phase_s):
+            continue
+        diffs = {p: m.median_phase_s[p] - b.median_phase_s[p] for p in PHASES}
+        extra = sum(diffs.values())
+        for p in PHASES:
+            base_s, mine_s = b.median_phase_s[p], m.median_phase_s[p]
+            rows.append([r.config.name, p.removesuffix("_s").replace("_", " "), f"{base_s:.2f}", f"{mine_s:.2f}",
+                         f"{mine_s / base_s:.3f}" if base_s > 0 else "-",
+                         f"{diffs[p] / extra:.0%}" if extra > 0 else ""])
+    return rows
+
+
 def markdown_table(results: list[ConfigResult]) -> str:
     """GitHub markdown table of :func:`table_rows` (ratios are memascend / baseline, same run)."""
     return _md(HEADERS, table_rows(results))
@@ -302,6 +326,12 @@ def write_outputs(results: list[ConfigResult], out_dir: Path, meta: dict, timeli
                _md(CAP_HEADERS, cap_rows(results)), ""]
     md += (["## memascend / baseline", ""] if cap else []) + [
         "Ratios are memascend / baseline measured in the same run.", "", markdown_table(results)]
+    phases = phase_rows(results)
+    if phases:
+        md += ["", "## Where the step time goes", "",
+               "Medians per step over the steady steps (and over repeats); this rank's wall time in "
+               "the forward pass, the backward pass and DeepSpeed's optimizer step (ZeRO-3 swap-in/out "
+               "of the optimizer state included).", "", _md(PHASE_HEADERS, phases)]
     if fit:
         for engine, f in fit.items():
             md.append(f"- {engine}: {f['bytes_per_param']:.2f} bytes/param + {f['intercept_bytes'] / GIB:.2f} GiB")

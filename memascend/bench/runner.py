@@ -131,8 +131,8 @@ _MEDIAN_MEMORY_KEYS = ("peak_rss_bytes", "peak_locked_bytes", "sum_rank_peak_rss
 def merge_repeat_reports(reports: list[dict]) -> dict:
     """One report for several runs of the same configuration and engine.
 
-    The first report, with ``median_step_s``, ``median_tokens_per_s`` and the memory peaks
-    replaced by their medians over the runs, and a ``repeats`` entry holding every run's values
+    The first report, with ``median_step_s``, ``median_tokens_per_s``, ``median_phase_s`` (per
+    phase) and the memory peaks replaced by their medians over the runs, and a ``repeats`` entry holding every run's values
     and whether their per-step losses were identical (same seed and data: they must be).
 
     Raises:
@@ -147,6 +147,10 @@ def merge_repeat_reports(reports: list[dict]) -> dict:
     if all(t is not None for t in tokens):
         merged["median_tokens_per_s"] = statistics.median(tokens)
     per_run: dict[str, list] = {"median_step_s": step_s}
+    phases = [r.get("median_phase_s") for r in reports]
+    if all(phases):
+        merged["median_phase_s"] = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
+        per_run["median_phase_s"] = phases
     for key in _MEDIAN_MEMORY_KEYS:
         values = [r["memory"].get(key) for r in reports]
         if all(v is not None for v in values):

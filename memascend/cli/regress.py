@@ -93,11 +93,13 @@ def regress(matrix_name, output_dir, only, memory_cap, update_golden, baselines_
     from memascend.bench.output import (
         CAP_HEADERS,
         LARGEST_HEADERS,
+        PHASE_HEADERS,
         cap_enforcement,
         cap_rows,
         largest_rows,
         largest_summary,
         largest_under_cap,
+        phase_rows,
         rich_plain_table,
         rich_table,
         write_outputs,
@@ -156,6 +158,9 @@ def regress(matrix_name, output_dir, only, memory_cap, update_golden, baselines_
             "capped_search": matrix.capped_search}
     write_outputs(results, out_root, meta, timelines)
     console.print(rich_table(results, f"{matrix.name} on {prof}: memascend / baseline, same run"))
+    phases = phase_rows(results)
+    if phases:
+        console.print(rich_plain_table(PHASE_HEADERS, phases, "where the step time goes (median s per step)"))
     if cap_meta:
         console.print(rich_plain_table(CAP_HEADERS, cap_rows(results), f"runs under the {cap_meta['cap']} cap"))
     if cap_meta and matrix.capped_search:

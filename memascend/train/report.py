@@ -24,6 +24,19 @@ def versions() -> dict[str, str | None]:
     return out
 
 
+PHASES = ("forward_s", "backward_s", "optimizer_step_s")
+"""The phases of a training step timed per step (``steps[i]["phase_s"]``), in order."""
+
+
+def median_phase_s(per_step: list[dict]) -> dict[str, float] | None:
+    """Median seconds of each phase (:data:`PHASES`) over the steady steps (the first excluded, as
+    for ``median_step_s``); ``None`` when the steps carry no phase times (reports before they did)."""
+    rows = [s["phase_s"] for s in (per_step[1:] or per_step) if s.get("phase_s")]
+    if not rows:
+        return None
+    return {name: statistics.median(float(r[name]) for r in rows) for name in PHASES}
+
+
 def build_report(
     *,
     cfg: RunConfig,
@@ -89,6 +102,7 @@ def build_report(
         "num_steps": len(per_step),
         "skipped_steps": skipped_steps,
         "median_step_s": statistics.median(steady) if steady else None,
+        "median_phase_s": median_phase_s(per_step),
         "median_tokens_per_s": statistics.median(s["tokens_per_s"] for s in per_step[1:] or per_step)
         if per_step
         else None,

@@ -318,16 +318,24 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
             t0 = time.monotonic()
             skipped_before = int(getattr(engine, "skipped_steps", 0))
             losses = []
+            phase_s = {"forward_s": 0.0, "backward_s": 0.0, "optimizer_step_s": 0.0}
             for micro in range(grad_accum):
                 idx = block_sampler.indices(step * grad_accum + micro)
                 ids = split.train.input_ids[idx].to(engine.device)
                 labels = split.train.labels[idx].to(engine.device)
                 sampler.phase("forward")
+                t_phase = time.monotonic()
                 loss = engine(input_ids=ids, labels=labels).loss
                 sampler.phase("backward")
+                t_backward = time.monotonic()
                 engine.backward(loss)
                 sampler.phase("step")
+                t_step = time.monotonic()
                 engine.step()
+                t_done = time.monotonic()
+                phase_s["forward_s"] += t_backward - t_phase
+                phase_s["backward_s"] += t_step - t_backward
+                phase_s["optimizer_step_s"] += t_done - t_step
                 losses.append(float(loss.detach().float()))
             loss_sum, n = _all_reduce_sum([sum(losses), len(losses)])
             dt = time.monotonic() - t0
@@ -337,6 +345,9 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
                 "loss": loss_sum / n,
                 "rank_losses": losses,
                 "time_s": dt,
+                # This rank's wall time in each phase, summed over the micro-batches (engine.step()
+                # is the ZeRO-3 optimizer step, swap-in/out of the optimizer state included).
+                "phase_s": phase_s,
                 "tokens": tokens_per_step,
                 "tokens_per_s": tokens_per_step / dt,
                 "rss_bytes": rss,

@@ -6,10 +6,18 @@ GIB = 1 << 30
 
 
 def make_report(*, rss_gib: float, locked_gib: float, step_s: float, losses: list[float], ranks: int = 1,
-                param_numel: int = 134_515_008, param_dtype: str = "bfloat16") -> dict:
-    """A report with the fields :class:`memascend.bench.compare.RunMetrics` reads (as runner.py writes them)."""
+                param_numel: int = 134_515_008, param_dtype: str = "bfloat16",
+                phase_s: dict[str, float] | None = None) -> dict:
+    """A report with the fields :class:`memascend.bench.compare.RunMetrics` reads (as runner.py writes them).
+
+    ``phase_s``: seconds of every steady step in each phase (the first step takes 3x); ``None``: a
+    report without phase times (as written before they were timed).
+    """
     steps = [{"step": i + 1, "loss": loss, "time_s": step_s * (3 if i == 0 else 1), "tokens_per_s": 100.0}
              for i, loss in enumerate(losses)]
+    if phase_s is not None:
+        for i, s in enumerate(steps):
+            s["phase_s"] = {k: v * (3 if i == 0 else 1) for k, v in phase_s.items()}
     per_rank = [{"rank": r, "peak_rss_bytes": int(rss_gib * GIB / ranks), "peak_locked_bytes": int(locked_gib * GIB / ranks)}
                 for r in range(ranks)]
     return {
@@ -21,6 +29,7 @@ def make_report(*, rss_gib: float, locked_gib: float, step_s: float, losses: lis
                    "ranks": per_rank, "sum_rank_peak_rss_bytes": sum(r["peak_rss_bytes"] for r in per_rank),
                    "sum_rank_peak_locked_bytes": sum(r["peak_locked_bytes"] for r in per_rank)},
         "nvme": {"read_bytes": 1, "write_bytes": 2, "swap_folder_bytes": 3},
+        "median_phase_s": dict(phase_s) if phase_s is not None else None,
     }
 
 

@@ -166,3 +166,43 @@ def test_merge_repeat_reports_takes_medians():
     assert reports[0]["median_step_s"] == 5.0  # inputs untouched
     with pytest.raises(ValueError):
         runner_mod.merge_repeat_reports([])
+
+
+def _phases(forward, backward, step):
+    return {"forward_s": forward, "backward_s": backward, "optimizer_step_s": step}
+
+
+def test_step_phases_are_merged_and_tabulated(tmp_path, monkeypatch):
+    # memascend's extra time is all in the optimizer step: the table must say so.
+    def make(engine, rep):
+        if engine == "baseline":
+            return make_report(rss_gib=6.0, locked_gib=3.0, step_s=6.0, losses=LOSSES, phase_s=_phases(1.0, 2.0, 3.0))
+        step = (3.5, 4.5)[rep]
+        return make_report(rss_gib=2.0, locked_gib=0.5, step_s=3.0 + step, losses=LOSSES,
+                           phase_s=_phases(1.0, 2.0, step))
+
+    _fake_repeat_runs(monkeypatch, make, [])
+    res = _invoke(tmp_path, "--repeats", "2")
+    assert "where the step time goes" in res.output
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "## Where the step time goes" in md
+    assert f"| {ONLY} | optimizer step | 3.00 | 4.00 | 1.333 | 100% |" in md
+    assert f"| {ONLY} | forward | 1.00 | 1.00 | 1.000 | 0% |" in md
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert doc["configs"][0]["runs"]["memascend"]["repeats"]["median_phase_s"][1]["optimizer_step_s"] == 4.5
+
+
+def test_reports_without_phase_times_give_no_phase_table(tmp_path, monkeypatch, good_pair):
+    _fake_runs(monkeypatch, {"baseline": good_pair[0], "memascend": good_pair[1]}, [])
+    assert _invoke(tmp_path).exit_code == 0
+    assert "Where the step time goes" not in (tmp_path / "out" / "results.md").read_text()
+    assert runner_mod.merge_repeat_reports([good_pair[0], good_pair[0]]).get("median_phase_s") is None
+
+
+def test_median_phase_s_skips_the_first_step():
+    from memascend.train.report import median_phase_s
+
+    steps = [{"phase_s": _phases(9.0, 9.0, 9.0)}, {"phase_s": _phases(1.0, 2.0, 3.0)},
+             {"phase_s": _phases(3.0, 2.0, 5.0)}, {"phase_s": _phases(2.0, 2.0, 4.0)}]
+    assert median_phase_s(steps) == _phases(2.0, 2.0, 4.0)
+    assert median_phase_s([{"time_s": 1.0}]) is None
