@@ -57,6 +57,11 @@ SMOLLM2_THRESHOLDS = Thresholds()
 LLAMA_1B_THRESHOLDS = Thresholds(max_peak_rss_ratio=0.45, max_peak_locked_ratio=0.25)
 """Issue 3, ~1B from-scratch Llama: RSS <= 45 %, same loss per step."""
 
+LLAMA_1B_TUNED_THRESHOLDS = Thresholds(max_peak_rss_ratio=0.45, max_peak_locked_ratio=1.0)
+"""Issue 3's ~1B promise (RSS <= 45 %, same loss per step) against stock tuned to fit the host
+(``sub_group_size`` 1e8): stock's optimizer then locks 4 x 1e8 fp32 elements instead of 4 x 1e9, and
+memascend's sub-groups are about as large, so locked memory is only held to at most stock's."""
+
 SMOKE_THRESHOLDS = Thresholds(max_peak_rss_ratio=0.50, max_peak_locked_ratio=0.25, max_step_time_ratio=1.30,
                               step_time_noise=0.20)
 """The smoke matrix is a regression gate, not issue 3's promise (which ``cpu-full``'s
@@ -280,10 +285,15 @@ def _cpu_full() -> Matrix:
     # Stock's defaults cannot run ~1B on a 24 GiB host (4 optimizer swap buffers of sub_group_size=1e9
     # fp32 elements alone lock 14.9 GiB; `memascend plan` puts the run at ~34 GiB). DeepSpeed's docs
     # advise lowering sub_group_size when that memory is short: this pair gives both engines 1e8, so
-    # the baseline is stock as a practitioner would tune it for this host.
+    # the baseline is stock as a practitioner would tune it for this host. llama-1b's 1.004e9
+    # parameters exceed offload_param.max_in_cpu (1e9), and stock 0.19.8 crashes in step 2 ("Not
+    # enough swap in buffers", whatever buffer_count) once a sub-group lies wholly on NVMe
+    # (tests/integrations/test_nvme_only_sub_group.py): max_in_cpu covers the model for both, as it
+    # does by default for every smaller model.
     configs.append(BenchConfig(name="llama-1b-bf16-256x1-sub-group-1e8", from_scratch="llama-1b", micro_batch=1,
-                               steps=4, activation_checkpointing=True, thresholds=LLAMA_1B_THRESHOLDS,
-                               deepspeed_settings=(("zero_optimization.sub_group_size", 100_000_000),)))
+                               steps=4, activation_checkpointing=True, thresholds=LLAMA_1B_TUNED_THRESHOLDS,
+                               deepspeed_settings=(("zero_optimization.sub_group_size", 100_000_000),
+                                                   ("zero_optimization.offload_param.max_in_cpu", 1_100_000_000))))
     for seq in (1024, 4096):
         configs.append(BenchConfig(name=f"llama-0.1b-bf16-{seq}x1", from_scratch="llama-0.1b", seq_len=seq,
                                    micro_batch=1, steps=3, activation_checkpointing=True,
