@@ -162,7 +162,28 @@ def render_ds_config(
     derived: list[Derived] = []
     if _get_path(z, "offload_param.device") == "nvme":
         derived += _derive_param_buffers(z, shape, world_size)
+        if cfg.engine == "baseline":
+            derived += _derive_stock_max_in_cpu(z, shape, world_size)
     return ds, derived
+
+
+def _derive_stock_max_in_cpu(z: dict, shape: ModelShape, world_size: int) -> list[Derived]:
+    """Stock only: ``offload_param.max_in_cpu`` covering the model when the user left it out.
+
+    Stock 0.19.8 crashes in step 2 once some parameters lie past ``max_in_cpu`` (see
+    :func:`memascend.train.preflight.check_stock_param_dram`); the default 1e9 is below every model of
+    more than 1e9 parameters per rank. memascend's engine trains with the default and is left as is.
+    """
+    from memascend.train.preflight import DS_DEFAULT_MAX_IN_CPU_NUMEL
+
+    op = z["offload_param"]
+    per_rank_numel = sum(math.ceil(int(n) / world_size) for n in shape.param_numels)
+    if "max_in_cpu" in op or per_rank_numel <= DS_DEFAULT_MAX_IN_CPU_NUMEL:
+        return []
+    op["max_in_cpu"] = per_rank_numel
+    return [Derived("zero_optimization.offload_param.max_in_cpu", per_rank_numel, DS_DEFAULT_MAX_IN_CPU_NUMEL,
+                    f"{per_rank_numel} parameter elements per rank > max_in_cpu {DS_DEFAULT_MAX_IN_CPU_NUMEL} "
+                    "(stock would fail in step 2: 'Not enough swap in buffers')")]
 
 
 def _derive_param_buffers(z: dict, shape: ModelShape, world_size: int) -> list[Derived]:

@@ -23,7 +23,12 @@ from memascend.telemetry import MemorySampler, read_proc_io
 from memascend.train import dist as dist_setup
 from memascend.train import report as report_mod
 from memascend.train.ds_config import derived_as_dicts, load_user_ds_config, model_shape, render_ds_config
-from memascend.train.preflight import check_aio_for_swap_folder, check_memlock_for_run, upfront_locked_bytes
+from memascend.train.preflight import (
+    check_aio_for_swap_folder,
+    check_memlock_for_run,
+    check_stock_param_dram,
+    upfront_locked_bytes,
+)
 from memascend.train.store_target import (
     is_store_target,
     resolve_store_target,
@@ -244,6 +249,8 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
             swap_dir = prepare_swap_dir(cfg.offload.nvme_path, need // info.world_size, run_id)
             cleanup.swap_dir = swap_dir
     ds_cfg, derived = render_ds_config(cfg, shape, info.world_size, str(swap_dir) if swap_dir else None, user_ds)
+    if cfg.engine == "baseline":
+        check_stock_param_dram(ds_cfg, shape.param_numels, info.world_size)
     micro_batch = int(ds_cfg["train_micro_batch_size_per_gpu"])
     grad_accum = int(ds_cfg["gradient_accumulation_steps"])
 

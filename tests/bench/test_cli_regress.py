@@ -186,8 +186,8 @@ def test_step_phases_are_merged_and_tabulated(tmp_path, monkeypatch):
     assert "where the step time goes" in res.output
     md = (tmp_path / "out" / "results.md").read_text()
     assert "## Where the step time goes" in md
-    assert f"| {ONLY} | optimizer step | 3.00 | 4.00 | 1.333 | 100% |" in md
-    assert f"| {ONLY} | forward | 1.00 | 1.00 | 1.000 | 0% |" in md
+    assert f"| {ONLY} | optimizer step | 3.00 | 4.00 | 1.333 | +1.00 |" in md
+    assert f"| {ONLY} | forward | 1.00 | 1.00 | 1.000 | +0.00 |" in md
     doc = json.loads((tmp_path / "out" / "results.json").read_text())
     assert doc["configs"][0]["runs"]["memascend"]["repeats"]["median_phase_s"][1]["optimizer_step_s"] == 4.5
 
