@@ -101,3 +101,23 @@ def test_the_baseline_covers_the_model_when_max_in_cpu_is_left_out():
     # Two ranks: 550M per rank fits the default, nothing derived.
     ds, _ = render_ds_config(build_run_config({}, {"engine": "baseline"}), shape, 2, "/swap")
     assert "max_in_cpu" not in ds["zero_optimization"]["offload_param"]
+
+
+@pytest.mark.xfail(strict=True, reason="known memascend defect, cause not found: with activation checkpointing, "
+                                       "parameters of NVMe-only sub-groups train differently from step 2 on")
+def test_memascend_with_activation_checkpointing_and_no_dram_copy_trains_as_in_dram(tmp_path):
+    # Measured: step-2 loss 10.653944 with max_in_cpu 0 against 10.652099 with every parameter in
+    # DRAM (without activation checkpointing both give 10.652099).
+    no_dram = {"zero_optimization": {**SUB_GROUP, "offload_param": {"max_in_cpu": 0}}}
+    runs = {}
+    for name, ds_config in (("no-dram", no_dram), ("in-dram", ALL_IN_DRAM)):
+        ds = tmp_path / f"{name}.json"
+        ds.write_text(json.dumps(ds_config))
+        args = ["finetune", "--engine", "memascend", "--from-scratch", "llama-0.1b", "--micro-batch", "1",
+                "--seq-len", "64", "--steps", "2", "--eval-blocks", "0", "--no-save-model",
+                "--activation-checkpointing", "--deepspeed-config", str(ds), "--output", str(tmp_path / name),
+                "--nvme-path", str(tmp_path / "swap")]
+        proc = run_cli(args, tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = _losses(tmp_path / name)
+    assert runs["no-dram"] == runs["in-dram"]
