@@ -166,34 +166,20 @@ class Row:
         num_median, den_median = getattr(self, f"{num}_mib_s"), getattr(self, f"{den}_mib_s")
         return num_median / den_median if num_median and den_median else None
 
-    @property
-    def ratio_fio(self) -> float | None:
-        return self.ratio("engine", "fio")
-
-    @property
-    def ratio_crc_fio(self) -> float | None:
-        return self.ratio("engine_crc", "fio")
-
-    @property
-    def ratio_deepspeed(self) -> float | None:
-        return self.ratio("engine", "deepspeed")
-
-    @property
-    def ratio_crc_deepspeed(self) -> float | None:
-        return self.ratio("engine_crc", "deepspeed")
-
-    @property
-    def ratio_fs_fio(self) -> float | None:
-        """Engine / fio, both on the file in the filesystem."""
-        return self.ratio("engine_fs", "fio_fs")
-
-    @property
-    def ratio_fs_deepspeed(self) -> float | None:
-        """Engine on a file / DeepSpeed's per-tensor files, same filesystem."""
-        return self.ratio("engine_fs", "deepspeed")
-
     def to_json(self) -> dict:
         return asdict(self) | {key: self.ratio(num, den) for key, _, num, den in RATIOS}
+
+
+def _ratio_property(num: str, den: str, label: str) -> property:
+    prop = property(lambda row: row.ratio(num, den))
+    prop.__doc__ = f"{label}: :meth:`Row.ratio` of ``{num}`` over ``{den}``."
+    return prop
+
+
+# Row.ratio_fio, .ratio_crc_fio, ... one per RATIOS entry (the JSON key), so the table is the only list.
+for _key, _label, _num, _den in RATIOS:
+    setattr(Row, _key, _ratio_property(_num, _den, _label))
+del _key, _label, _num, _den
 
 
 def engine_buffers(case: Case) -> list[torch.Tensor]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ DS_DEFAULT_PARAM_BUFFER_COUNT = 5
 DS_DEFAULT_PARAM_BUFFER_SIZE_NUMEL = 100_000_000
 DS_DEFAULT_PREFETCH_BUCKET_NUMEL = 50_000_000
 DS_DEFAULT_PERSISTENCE_THRESHOLD_NUMEL = 100_000
+DS_DEFAULT_MAX_IN_CPU_NUMEL = 1_000_000_000
 AIO_ALIGN_NUMEL = 1024  # swap buffers are rounded to whole 4 KiB+ I/O units; keep headroom
 
 
@@ -167,6 +169,12 @@ def render_ds_config(
     return ds, derived
 
 
+def per_rank_param_numel(param_numels: Iterable[int], world_size: int) -> int:
+    """Parameter elements one rank holds: every parameter partitioned over ``world_size`` ranks
+    (``ceil(numel / world_size)`` each, as ZeRO-3's ``partition_numel``)."""
+    return sum(math.ceil(int(n) / world_size) for n in param_numels)
+
+
 def _derive_stock_max_in_cpu(z: dict, shape: ModelShape, world_size: int) -> list[Derived]:
     """Stock only: ``offload_param.max_in_cpu`` covering the model when the user left it out.
 
@@ -174,10 +182,8 @@ def _derive_stock_max_in_cpu(z: dict, shape: ModelShape, world_size: int) -> lis
     :func:`memascend.train.preflight.check_stock_param_dram`); the default 1e9 is below every model of
     more than 1e9 parameters per rank. memascend's engine trains with the default and is left as is.
     """
-    from memascend.train.preflight import DS_DEFAULT_MAX_IN_CPU_NUMEL
-
     op = z["offload_param"]
-    per_rank_numel = sum(math.ceil(int(n) / world_size) for n in shape.param_numels)
+    per_rank_numel = per_rank_param_numel(shape.param_numels, world_size)
     if "max_in_cpu" in op or per_rank_numel <= DS_DEFAULT_MAX_IN_CPU_NUMEL:
         return []
     op["max_in_cpu"] = per_rank_numel

@@ -8,7 +8,12 @@ import math
 from memascend.errors import UserError
 from memascend.host.memlock import check_memlock
 from memascend.host.result import HostPaths, Status
-from memascend.train.ds_config import DS_DEFAULT_PARAM_BUFFER_COUNT, DS_DEFAULT_PARAM_BUFFER_SIZE_NUMEL
+from memascend.train.ds_config import (
+    DS_DEFAULT_MAX_IN_CPU_NUMEL,
+    DS_DEFAULT_PARAM_BUFFER_COUNT,
+    DS_DEFAULT_PARAM_BUFFER_SIZE_NUMEL,
+    per_rank_param_numel,
+)
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -64,10 +69,6 @@ def check_aio_for_swap_folder() -> None:
         raise UserError(f"NVMe swapping through DeepSpeed's aio is impossible here: {probe.detail}; {AIO_BLOCKED_FIX}")
 
 
-DS_DEFAULT_MAX_IN_CPU_NUMEL = 1_000_000_000
-"""``offload_param.max_in_cpu`` when a config leaves it out (DeepSpeed 0.19.8 ``offload_config.py``)."""
-
-
 def check_stock_param_dram(ds_cfg: dict, param_numels: list[int], world_size: int) -> None:
     """Refuse a stock (``--engine baseline``) run that DeepSpeed 0.19.8 would crash in its second step.
 
@@ -93,7 +94,7 @@ def check_stock_param_dram(ds_cfg: dict, param_numels: list[int], world_size: in
     if op.get("device") != "nvme":
         return
     max_in_cpu = int(op.get("max_in_cpu", DS_DEFAULT_MAX_IN_CPU_NUMEL))
-    per_rank_numel = sum(math.ceil(int(n) / world_size) for n in param_numels)
+    per_rank_numel = per_rank_param_numel(param_numels, world_size)
     if per_rank_numel > max_in_cpu:
         raise UserError(
             f"stock DeepSpeed 0.19.8 crashes in step 2 on this model ('Not enough swap in buffers'): its "

@@ -40,13 +40,14 @@ preflight.check_stock_param_dram = lambda *args, **kwargs: None
 """
 
 
-def _finetune(tmp_path, name: str, engine: str, ds_config: dict, steps: int = 2, env: dict | None = None):
+def _finetune(tmp_path, name: str, engine: str, ds_config: dict, steps: int = 2, env: dict | None = None,
+              extra: tuple[str, ...] = ()):
     ds = tmp_path / f"{name}.json"
     ds.write_text(json.dumps(ds_config))
     out = tmp_path / name
     args = ["finetune", "--engine", engine, "--from-scratch", "llama-0.1b", "--micro-batch", "1", "--seq-len", "64",
             "--steps", str(steps), "--eval-blocks", "0", "--no-save-model", "--deepspeed-config", str(ds),
-            "--output", str(out), "--nvme-path", str(tmp_path / "swap")]
+            "--output", str(out), "--nvme-path", str(tmp_path / "swap"), *extra]
     return run_cli(args, tmp_path, env=env), out
 
 
@@ -111,13 +112,7 @@ def test_memascend_with_activation_checkpointing_and_no_dram_copy_trains_as_in_d
     no_dram = {"zero_optimization": {**SUB_GROUP, "offload_param": {"max_in_cpu": 0}}}
     runs = {}
     for name, ds_config in (("no-dram", no_dram), ("in-dram", ALL_IN_DRAM)):
-        ds = tmp_path / f"{name}.json"
-        ds.write_text(json.dumps(ds_config))
-        args = ["finetune", "--engine", "memascend", "--from-scratch", "llama-0.1b", "--micro-batch", "1",
-                "--seq-len", "64", "--steps", "2", "--eval-blocks", "0", "--no-save-model",
-                "--activation-checkpointing", "--deepspeed-config", str(ds), "--output", str(tmp_path / name),
-                "--nvme-path", str(tmp_path / "swap")]
-        proc = run_cli(args, tmp_path)
+        proc, out = _finetune(tmp_path, name, "memascend", ds_config, extra=("--activation-checkpointing",))
         assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[name] = _losses(tmp_path / name)
+        runs[name] = _losses(out)
     assert runs["no-dram"] == runs["in-dram"]
