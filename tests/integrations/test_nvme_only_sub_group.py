@@ -104,11 +104,11 @@ def test_the_baseline_covers_the_model_when_max_in_cpu_is_left_out():
     assert "max_in_cpu" not in ds["zero_optimization"]["offload_param"]
 
 
-@pytest.mark.xfail(strict=True, reason="known memascend defect, cause not found: with activation checkpointing, "
-                                       "parameters of NVMe-only sub-groups train differently from step 2 on")
 def test_memascend_with_activation_checkpointing_and_no_dram_copy_trains_as_in_dram(tmp_path):
-    # Measured: step-2 loss 10.653944 with max_in_cpu 0 against 10.652099 with every parameter in
-    # DRAM (without activation checkpointing both give 10.652099).
+    # On one CPU rank param.data is a view of the partition's swap slot, and the checkpointed
+    # recompute keeps detached views of the weights after ZeRO-3 releases the partition. Before
+    # the pool held such slots back (AdaptiveSwapPool.release), the next swap-in overwrote them:
+    # step-2 loss 10.653944 with max_in_cpu 0 against 10.652099 with every parameter in DRAM.
     no_dram = {"zero_optimization": {**SUB_GROUP, "offload_param": {"max_in_cpu": 0}}}
     runs = {}
     for name, ds_config in (("no-dram", no_dram), ("in-dram", ALL_IN_DRAM)):

@@ -107,3 +107,40 @@ def test_bad_requests_raise():
         pool.release(12345)
     with pytest.raises(ValueError):
         AdaptiveSwapPool(dtype=torch.float32, alloc=torch.empty, free=lambda t: None, slot_budget=0)
+
+
+def test_a_released_slot_is_not_reused_while_a_tensor_still_views_it():
+    # What activation checkpointing does on a CPU accelerator: param.data views the swap slot and
+    # the recompute keeps a detached view after ZeRO-3 has released the partition.
+    pool, alloc = make_pool()
+    slot_id, slot = pool.acquire(1024)
+    slot.fill_(5)
+    weight = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
+    weight.data = slot.narrow(0, 0, 1000).view(10, 100)
+    saved = weight.detach()
+    weight.data = torch.empty(0, dtype=torch.bfloat16)
+    pool.release(slot_id)
+    assert pool.stats().classes[1024].held_by_aliases == 1
+
+    other_id, other = pool.acquire(1024)
+    other.fill_(3)
+    assert other.data_ptr() != slot.data_ptr() and alloc.allocations == 2
+    assert bool((saved == 5).all())  # the still-viewed weights are untouched
+
+    del saved
+    pool.release(other_id)
+    assert pool.stats().classes[1024].held_by_aliases == 0
+    reused = {pool.acquire(1024)[1].data_ptr(), pool.acquire(1024)[1].data_ptr()}
+    assert reused == {slot.data_ptr(), other.data_ptr()} and alloc.allocations == 2
+
+
+def test_a_transient_slot_is_freed_only_after_its_last_view_is_gone():
+    pool, alloc = make_pool()
+    slot_id, slot = pool.acquire_transient(4096)
+    ptr = slot.data_ptr()
+    view = slot[:16]
+    del slot
+    pool.release(slot_id)
+    assert ptr in alloc.live and pool.reclaim() == 1
+    del view
+    assert pool.reclaim() == 0 and ptr not in alloc.live and pool.reserved_bytes() == 0
