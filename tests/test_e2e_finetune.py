@@ -52,6 +52,11 @@ def test_report_has_what_the_run_measured(smollm2_run):
     assert 0 < mem["peak_locked_bytes"] < 5 * 10**8 * 2
     assert rep["memascend_settings"]["enable_param_pool"] is True
     assert rep["memory_breakdown"]["locked"]["optimizer_swap_buffers"] == 4  # fp32 param, 2 Adam moments, grad
+    # The pool's size classes add up to its locked bytes; each class holds its peak concurrency.
+    classes = rep["memory_breakdown"]["locked"]["param_pool_classes"]
+    assert classes and sum(c["slots"] * c["slot_bytes"] for c in classes) == \
+        rep["memory_breakdown"]["locked"]["param_swap_buffers_bytes"]
+    assert all(0 < c["peak_in_use"] <= c["slots"] and c["held_by_aliases"] <= c["slots"] for c in classes)
     assert mem["peak_rss_bytes"] > mem["peak_locked_bytes"]
     assert rep["nvme"]["write_bytes"] > 134_515_008 * 2  # at least the bf16 params went to the swap folder
     assert rep["nvme"]["swap_folder_bytes"] > 134_515_008 * 2

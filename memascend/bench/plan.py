@@ -63,6 +63,9 @@ GIB = float(1 << 30)
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 _FP32 = 4
 AIO_ALIGN_BYTES = 1024
+MIN_SWAPPABLE_PARAM_BYTES = 1024**2
+"""Smallest parameter partition stock's swapper puts on NVMe (``swappable_tensor``: ``MIN_AIO_BYTES``,
+the 1 MiB default ``aio.block_size``); smaller ones stay in DRAM."""
 """``AIO_ALIGNED_BYTES`` of ``runtime/swap_tensor/utils.py``: swap buffers are whole multiples of it."""
 
 # --- DeepSpeed 0.19.8 defaults (runtime/zero/offload_config.py, runtime/zero/config.py) ----------
@@ -262,6 +265,43 @@ def model_dims(cfg: RunConfig) -> ModelDims:
                      getattr(hf_cfg, "intermediate_size", None), kv_heads * head_dim)
 
 
+def live_window_partitions(dims: ModelDims, world_size: int, checkpointing: bool, reuse_numel: int,
+                           dram_numel: int, elem_bytes: int) -> list[int]:
+    """Partitions (elements per rank) held in the parameter pool at the turn from forward to backward.
+
+    On the parameters' second use ZeRO-3 releases a gathered parameter only if it is not used again
+    within ``stage3_max_reuse_distance`` elements of the trace (``__params_to_release``). At the
+    turn that keeps the vocabulary projection (used in its forward and its backward) and the last
+    ``k`` layers, where the trace between a layer's forward and its next use holds both uses of the
+    projection plus ``k - 1`` later layers two times (forward, backward) or three (with
+    activation checkpointing's recompute). A partition with a DRAM copy (among the first
+    ``dram_numel`` elements, ``offload_param.max_in_cpu``) or under the swappable size is not in
+    the pool. Measured on llama-1b (max_in_cpu 0, checkpointing, 1 x 256 tokens): the embedding and
+    6 layers, 742 MB (report ``memory_breakdown.locked.param_pool_classes``).
+
+    Returns:
+        The pool-resident partitions' element counts (per rank).
+    """
+    numels = list(dims.param_numels)
+    n_layers = max(1, dims.num_layers)
+    per_layer = (len(numels) - 2) // n_layers  # Llama: embedding, layers, final norm (lm_head tied)
+    if per_layer < 1 or 2 + per_layer * n_layers != len(numels):
+        return []
+    vocab = dims.vocab_size * dims.hidden_size
+    layer_numel = sum(numels[1:1 + per_layer])
+    uses = 3 if checkpointing else 2
+    kept = 0
+    while kept < n_layers and 2 * vocab + uses * kept * layer_numel < reuse_numel:
+        kept += 1
+    offsets, total = [], 0
+    for n in numels:
+        offsets.append(total)
+        total += math.ceil(n / world_size)
+    window = [0] + list(range(1 + (n_layers - kept) * per_layer, 1 + n_layers * per_layer))
+    return [math.ceil(numels[i] / world_size) for i in window
+            if offsets[i] >= dram_numel and math.ceil(numels[i] / world_size) * elem_bytes >= MIN_SWAPPABLE_PARAM_BYTES]
+
+
 def _aligned(numel: int, elem_bytes: int) -> int:
     per = max(1, AIO_ALIGN_BYTES // elem_bytes)
     return -(-numel // per) * per
@@ -445,7 +485,15 @@ def plan_engine(engine: str, cfg: RunConfig, dims: ModelDims, ds_cfg: dict, worl
             budget = int(op.get("buffer_count", DS_PARAM_BUFFER_COUNT))
             parts = sorted((math.ceil(n / w) for n in dims.param_numels), reverse=True)
             slots = sum(_aligned(n, e) for n in parts[:budget])
-            add(f"param pool (largest {budget} partitions)", slots * e, True, "memascend AdaptiveSwapPool")
+            live = live_window_partitions(dims, w, cfg.train.activation_checkpointing,
+                                          int(z.get("stage3_max_reuse_distance", DS_MAX_LIVE_PARAMETERS)),
+                                          max_in_cpu, e)
+            live_slots = sum(_aligned(n, e) for n in live)
+            if live_slots > slots:
+                add(f"param pool ({len(live)} partitions kept live by the reuse distance)", live_slots * e, True,
+                    "memascend AdaptiveSwapPool (stage3_max_reuse_distance)")
+            else:
+                add(f"param pool (largest {budget} partitions)", slots * e, True, "memascend AdaptiveSwapPool")
         in_cpu = min(part, max_in_cpu)
         add("fp16 flat param memory (max_in_cpu)", in_cpu * e, False, "_create_param_groups_fp16_flat_cpu_memory")
         if part > max_in_cpu:

@@ -288,7 +288,9 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
     engine, _opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
     del hf_ds
     first = next(engine.module.parameters())
-    param_dtype = str(getattr(first, "ds_tensor", first).dtype).replace("torch.", "")
+    # The parameter's own dtype: ZeRO-3 keeps it when it frees param.data, while ds_tensor of a
+    # partition that lives on NVMe only is DeepSpeed's float16 placeholder until it is swapped in.
+    param_dtype = str(first.dtype).replace("torch.", "")
 
     global_batch_blocks = micro_batch * grad_accum * info.world_size
     if cfg.train.epochs is not None:

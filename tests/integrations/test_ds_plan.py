@@ -1,10 +1,18 @@
-"""``auto_sub_group_numel``: the smallest sub-group size under which no sub-group stays in DRAM."""
+"""``auto_sub_group_numel``: the smallest sub-group size under which no sub-group stays in DRAM;
+``auto_param_dram_numel``: no DRAM copy of a large model's parameters."""
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memascend.integrations.deepspeed.grad_norm import stock_sub_groups
-from memascend.integrations.deepspeed.plan import MIN_SWAPPABLE_BYTES, auto_sub_group_numel
+from memascend.integrations.deepspeed.plan import (
+    MIN_SWAPPABLE_BYTES,
+    auto_param_dram_numel,
+    auto_sub_group_numel,
+    prepare_ds_config,
+)
+from memascend.integrations.deepspeed.settings import MemAscendSettings
 
 _MIN_NUMEL = MIN_SWAPPABLE_BYTES // 4
 
@@ -34,3 +42,40 @@ def test_every_sub_group_is_swappable_or_there_is_one(numels, world_size):
     if size > max(parts):  # it grew only because the largest-partition size left a small sub-group
         at_largest = stock_sub_groups(parts, max(parts), int)
         assert min(sum(g) for g in at_largest) < _MIN_NUMEL
+
+
+def _nvme_config(dtype: str = "bf16", **offload_param) -> dict:
+    return {dtype: {"enabled": True} if dtype != "fp32" else {"enabled": False},
+            "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/swap", **offload_param},
+                                  "offload_optimizer": {"device": "nvme", "nvme_path": "/swap"}}}
+
+
+@pytest.mark.parametrize(("dtype", "param_numel", "world_size", "expected"), [
+    ("bf16", 1_004_000_000, 1, 0),       # llama-1b: 1.87 GiB of bf16 partitions
+    ("bf16", 452_000_000, 1, None),      # llama-0.5b: 0.84 GiB, the copy is kept
+    ("bf16", 135_000_000, 1, None),      # SmolLM2-135M
+    ("fp32", 300_000_000, 1, 0),         # 1.12 GiB of fp32
+    ("bf16", 1_004_000_000, 2, None),    # 0.94 GiB per rank
+    ("bf16", 1_200_000_000, 2, 0),       # 1.12 GiB per rank
+])
+def test_auto_param_dram_drops_the_copy_of_a_large_model_only(dtype, param_numel, world_size, expected):
+    numels = [param_numel // 4] * 4
+    assert auto_param_dram_numel(_nvme_config(dtype), numels, world_size) == expected
+    ds, resolved = prepare_ds_config(_nvme_config(dtype), MemAscendSettings(), param_numels=numels,
+                                     world_size=world_size)
+    assert resolved.param_dram_numel == expected
+    written = ds["zero_optimization"]["offload_param"].get("max_in_cpu")
+    assert written == expected  # None: DeepSpeed's default (the whole model) stays
+
+
+def test_auto_param_dram_keeps_an_explicit_max_in_cpu_and_other_devices():
+    numels = [500_000_000, 504_000_000]
+    assert auto_param_dram_numel(_nvme_config(max_in_cpu=2_000_000_000), numels) is None
+    ds, _ = prepare_ds_config(_nvme_config(max_in_cpu=2_000_000_000), MemAscendSettings(), param_numels=numels)
+    assert ds["zero_optimization"]["offload_param"]["max_in_cpu"] == 2_000_000_000
+    cpu = _nvme_config()
+    cpu["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    assert auto_param_dram_numel(cpu, numels) is None
+    assert auto_param_dram_numel(_nvme_config(), None) is None
+    # The baseline never drops stock's copy.
+    assert MemAscendSettings.baseline().param_dram_numel is None

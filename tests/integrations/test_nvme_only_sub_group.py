@@ -115,4 +115,6 @@ def test_memascend_with_activation_checkpointing_and_no_dram_copy_trains_as_in_d
         proc, out = _finetune(tmp_path, name, "memascend", ds_config, extra=("--activation-checkpointing",))
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[name] = _losses(out)
+        # Not DeepSpeed's float16 placeholder of a partition that is on NVMe only.
+        assert json.loads((out / "report.json").read_text())["model"]["param_dtype"] == "bfloat16"
     assert runs["no-dram"] == runs["in-dram"]

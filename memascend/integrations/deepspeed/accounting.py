@@ -28,10 +28,7 @@ def swap_buffer_breakdown(engine: Any) -> dict[str, int]:
     """
     out = {"param_swap_buffers_bytes": 0, "param_writeback_buffer_bytes": 0,
            "optimizer_swap_buffers_bytes": 0, "optimizer_swap_buffers": 0}
-    module = getattr(engine, "module", None)
-    swapper = None
-    if module is not None:
-        swapper = next((p.nvme_swapper for p in module.parameters() if getattr(p, "nvme_swapper", None)), None)
+    swapper = _param_swapper(engine)
     if swapper is not None:
         pool = getattr(swapper, "pool", None)
         out["param_swap_buffers_bytes"] = pool.reserved_bytes() if pool is not None else _nbytes(swapper.buffers)
@@ -44,6 +41,30 @@ def swap_buffer_breakdown(engine: Any) -> dict[str, int]:
                                                   int(getattr(manager, "peak_locked_bytes", 0)))
         out["optimizer_swap_buffers"] = max(len(manager.all_buffers), int(getattr(manager, "peak_buffers_in_use", 0)))
     return out
+
+
+def _param_swapper(engine: Any) -> Any | None:
+    module = getattr(engine, "module", None)
+    if module is None:
+        return None
+    return next((p.nvme_swapper for p in module.parameters() if getattr(p, "nvme_swapper", None)), None)
+
+
+def param_pool_classes(engine: Any) -> list[dict[str, int]]:
+    """Size classes of memascend's parameter pool at the end of the run (empty for stock).
+
+    Returns:
+        One entry per class, largest slot first: ``slot_numel``, ``slot_bytes``, ``slots`` (held
+        locked), ``peak_in_use`` (most handed out at once) and ``held_by_aliases`` (released, not
+        yet reusable: a tensor outside the pool still views them).
+    """
+    pool = getattr(_param_swapper(engine), "pool", None)
+    if pool is None:
+        return []
+    stats = pool.stats()
+    return [{"slot_numel": c.slot_numel, "slot_bytes": c.slot_numel * stats.element_size_bytes, "slots": c.slots,
+             "peak_in_use": c.peak_in_use, "held_by_aliases": c.held_by_aliases}
+            for c in sorted(stats.classes.values(), key=lambda c: -c.slot_numel)]
 
 
 def _tensor_list_bytes(tensors: Any) -> int:
@@ -91,7 +112,8 @@ def memory_breakdown(engine: Any, summary: Mapping[str, Any], samples: Sequence[
 
     Returns:
         ``peak_rss_bytes``; ``locked`` (VmLck peak and the swap buffers of
-        :func:`swap_buffer_breakdown`); DRAM buffers of stage 3, each as ``allocated_bytes`` and
+        :func:`swap_buffer_breakdown`, with memascend's pool classes in ``param_pool_classes``,
+        :func:`param_pool_classes`); DRAM buffers of stage 3, each as ``allocated_bytes`` and
         ``resident_at_end_bytes`` (``mincore``: pages never written or released cost no RSS):
         ``gradient_buffers.grad_partitions_flat`` (the flat 16-bit gradient partitions),
         ``gradient_buffers.reduce_buckets`` and ``param_dram_copy`` (16-bit partitions kept in DRAM,
@@ -120,7 +142,8 @@ def memory_breakdown(engine: Any, summary: Mapping[str, Any], samples: Sequence[
     peak = int(summary.get("peak_rss_bytes", 0))
     return {
         "peak_rss_bytes": peak,
-        "locked": {"peak_locked_bytes": int(summary.get("peak_locked_bytes", 0)), **swap},
+        "locked": {"peak_locked_bytes": int(summary.get("peak_locked_bytes", 0)), **swap,
+                   "param_pool_classes": param_pool_classes(engine)},
         "gradient_buffers": {"grad_partitions_flat": grad_flat, "reduce_buckets": buckets},
         "param_dram_copy": param_dram,
         "runtime_after_load_bytes": runtime,

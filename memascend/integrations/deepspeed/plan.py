@@ -24,6 +24,9 @@ _FP32_BYTES = 4
 DS_DEFAULT_SUB_GROUP_NUMEL = 1_000_000_000
 """``zero_optimization.sub_group_size`` when a config leaves it out (DeepSpeed 0.19.8 zero/config.py)."""
 DS_DEFAULT_REDUCE_BUCKET_NUMEL = 500_000_000
+PARAM_DRAM_AUTO_MAX_BYTES = 1024**3
+"""``param_dram_numel="auto"``: largest 16-bit parameter partition total per rank (bytes) whose
+DRAM copy is kept; above it every partition lives on NVMe only (``max_in_cpu`` 0)."""
 """``zero_optimization.reduce_bucket_size`` when a config leaves it out (DeepSpeed 0.19.8 zero/config.py)."""
 
 
@@ -73,6 +76,34 @@ def auto_sub_group_numel(param_numels: Iterable[int], world_size: int = 1,
     return max(1, size)
 
 
+def auto_param_dram_numel(ds_config: Mapping[str, Any], param_numels: Iterable[int] | None,
+                          world_size: int = 1) -> int | None:
+    """``param_dram_numel="auto"``: 0 (no DRAM copy of the parameter partitions) for a large model.
+
+    Stock ZeRO-3 with parameters on NVMe keeps a DRAM copy of the first ``max_in_cpu`` (1e9)
+    partition elements (``_create_param_groups_fp16_flat_cpu_memory``), 2 bytes per parameter in
+    bf16/fp16 (4 in fp32): the
+    largest host consumer of a 1 B model. Without it the adaptive pool reads the partitions from
+    NVMe when used, which costs pool slots and read time that only pay off for a large model
+    (measurements in :class:`~memascend.integrations.deepspeed.settings.MemAscendSettings`).
+
+    Args:
+        ds_config: the DeepSpeed config (``bf16``/``fp16`` sections give the parameter dtype).
+        param_numels: elements of every model parameter, or ``None`` if unknown.
+        world_size: ranks that partition the parameters.
+
+    Returns:
+        0 when parameters go to NVMe, the config sets no ``max_in_cpu`` and the rank's parameter
+        partitions exceed :data:`PARAM_DRAM_AUTO_MAX_BYTES`; else ``None`` (keep the config's).
+    """
+    offload_param = (ds_config.get("zero_optimization") or {}).get("offload_param") or {}
+    if param_numels is None or offload_param.get("device") != "nvme" or "max_in_cpu" in offload_param:
+        return None
+    half = any((ds_config.get(key) or {}).get("enabled") for key in ("bf16", "fp16"))
+    rank_numel = sum(math.ceil(int(n) / max(1, world_size)) for n in param_numels)
+    return 0 if rank_numel * (2 if half else _FP32_BYTES) > PARAM_DRAM_AUTO_MAX_BYTES else None
+
+
 def prepare_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings, *,
                       param_numels: Iterable[int] | None = None,
                       world_size: int = 1) -> tuple[dict[str, Any], MemAscendSettings]:
@@ -84,6 +115,8 @@ def prepare_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings,
       original size (so clipping sees the stock norm, :mod:`.grad_norm`), unless already set;
     * ``reduce_bucket_numel="auto"`` becomes the largest parameter (at most the config's size)
       when ``param_numels`` are given;
+    * ``param_dram_numel="auto"`` becomes :func:`auto_param_dram_numel` (``None``: the config's
+      ``max_in_cpu`` or DeepSpeed's default);
     * :func:`rewrite_ds_config` writes the DeepSpeed-side values.
 
     Args:
@@ -107,9 +140,13 @@ def prepare_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings,
         # One whole (unpartitioned) gradient must fit; the stock size is kept if it is smaller.
         bucket = (min(max([int(n) for n in param_numels] or [1]), int(zero.get("reduce_bucket_size", DS_DEFAULT_REDUCE_BUCKET_NUMEL)))
                   if param_numels is not None else None)
+    dram = settings.param_dram_numel
+    if dram == "auto":
+        dram = auto_param_dram_numel(ds_config, param_numels, world_size)
     norm_sub_group = settings.grad_norm_sub_group_numel
     if norm_sub_group is None and sub_group is not None and sub_group != stock_sub_group:
         norm_sub_group = stock_sub_group
     resolved = dataclasses.replace(settings, optimizer_sub_group_numel=sub_group,
-                                   grad_norm_sub_group_numel=norm_sub_group, reduce_bucket_numel=bucket)
+                                   grad_norm_sub_group_numel=norm_sub_group, reduce_bucket_numel=bucket,
+                                   param_dram_numel=dram)
     return rewrite_ds_config(ds_config, resolved), resolved

@@ -60,9 +60,15 @@ class MemAscendSettings:
         param_dram_numel: ``offload_param.max_in_cpu`` (elements of the 16-bit parameter
             partitions stock ZeRO-3 keeps in a DRAM copy while "offloading" them to NVMe;
             stock default 1e9, i.e. the whole model); ``None`` keeps the config's. With 0 every
-            partition lives on NVMe and is read into the adaptive pool when used: on SmolLM2-135M
-            bf16 that cut peak RSS from 2.39 to 2.25 GiB but made a step about 15% slower here
-            (every forward and backward reads the partitions), so it is not the default.
+            partition lives on NVMe only and is read into the adaptive pool when used.
+            ``"auto"`` (resolved by ``plan.prepare_ds_config`` from the model's shapes; only where
+            parameters go to NVMe and the config sets no ``max_in_cpu``): 0 when the model's
+            16-bit partitions on a rank exceed ``plan.PARAM_DRAM_AUTO_MAX_BYTES`` (1 GiB), else
+            the config's. Measured here (one rank, bf16): on llama-1b (1 x 256 tokens, activation
+            checkpointing) the copy is the largest host consumer (1.87 GiB of 5.69) and dropping
+            it costs no step time (29.10 vs 29.27 s); on SmolLM2-135M (4 x 256) the pool slots
+            that replace it cost as much as the copy (peak RSS 2.47 vs 2.43 GiB) and a step took
+            7.32 instead of 6.00 s.
         enable_malloc_policy: fixed glibc mmap/trim thresholds, two arenas and ``malloc_trim``
             after each optimizer step (:mod:`.host_allocator`): freed host memory goes back to
             the OS instead of staying resident.
@@ -104,7 +110,7 @@ class MemAscendSettings:
     param_prefetch_slots: int | None = None
     optimizer_sub_group_numel: int | Literal["auto"] | None = "auto"
     grad_norm_sub_group_numel: int | None = None
-    param_dram_numel: int | None = None
+    param_dram_numel: int | Literal["auto"] | None = "auto"
     enable_malloc_policy: bool = True
     enable_grad_buffer_release: bool = True
     enable_optimizer_buffer_release: bool = True
@@ -131,15 +137,15 @@ class MemAscendSettings:
                                                         or bucket < 1):
             raise UserError(f'memascend setting reduce_bucket_numel must be an integer >= 1 or "auto", got {bucket!r}')
         dram = self.param_dram_numel
-        if dram is not None and (isinstance(dram, bool) or not isinstance(dram, int) or dram < 0):
-            raise UserError(f"memascend setting param_dram_numel must be an integer >= 0, got {dram!r}")
+        if dram is not None and dram != "auto" and (isinstance(dram, bool) or not isinstance(dram, int) or dram < 0):
+            raise UserError(f'memascend setting param_dram_numel must be an integer >= 0 or "auto", got {dram!r}')
 
     @classmethod
     def baseline(cls) -> MemAscendSettings:
         """What ``--engine baseline`` applies: every optimization off, DeepSpeed's config left as
         given, the correctness fixes (``fix_*``) on."""
         off = {f.name: False for f in dataclasses.fields(cls) if f.name.startswith("enable_")}
-        return cls(**off, optimizer_sub_group_numel=None, reduce_bucket_numel=None)
+        return cls(**off, optimizer_sub_group_numel=None, reduce_bucket_numel=None, param_dram_numel=None)
 
     @classmethod
     def from_mapping(cls, section: Mapping[str, Any]) -> MemAscendSettings:
@@ -198,7 +204,7 @@ def rewrite_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings)
 
     ``optimizer_sub_group_numel`` (an integer; ``"auto"`` needs the model's shapes and is resolved
     by ``plan.prepare_ds_config``) -> ``zero_optimization.sub_group_size``; ``param_dram_numel``
-    -> ``zero_optimization.offload_param.max_in_cpu`` where parameters are offloaded to NVMe;
+    (an integer) -> ``zero_optimization.offload_param.max_in_cpu`` where parameters are offloaded to NVMe;
     ``reduce_bucket_numel`` (an integer) -> ``zero_optimization.reduce_bucket_size``. The
     ``"memascend"`` section itself is kept (DeepSpeed ignores it).
 
@@ -216,7 +222,7 @@ def rewrite_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings)
     if isinstance(settings.reduce_bucket_numel, int):
         zero["reduce_bucket_size"] = settings.reduce_bucket_numel
     offload_param = zero.get("offload_param")
-    if settings.param_dram_numel is not None and isinstance(offload_param, Mapping) \
+    if isinstance(settings.param_dram_numel, int) and isinstance(offload_param, Mapping) \
             and offload_param.get("device") == "nvme":
         zero["offload_param"] = {**offload_param, "max_in_cpu": settings.param_dram_numel}
     if zero or "zero_optimization" in out:
