@@ -64,11 +64,13 @@ class MemAscendSettings:
             ``"auto"`` (resolved by ``plan.prepare_ds_config`` from the model's shapes; only where
             parameters go to NVMe and the config sets no ``max_in_cpu``): 0 when the model's
             16-bit partitions on a rank exceed ``plan.PARAM_DRAM_AUTO_MAX_BYTES`` (1 GiB), else
-            the config's. Measured here (one rank, bf16): on llama-1b (1 x 256 tokens, activation
-            checkpointing) the copy is the largest host consumer (1.87 GiB of 5.69) and dropping
-            it costs no step time (29.10 vs 29.27 s); on SmolLM2-135M (4 x 256) the pool slots
-            that replace it cost as much as the copy (peak RSS 2.47 vs 2.43 GiB) and a step took
-            7.32 instead of 6.00 s.
+            the config's. Measured here (one rank, bf16, 1 x 256 tokens, activation
+            checkpointing): on llama-1b the copy is the largest host consumer (1.87 GiB of 5.69);
+            without it peak RSS is 0.343 of tuned stock's instead of 0.496, at 1.109x stock's step
+            time instead of 0.980x (README, "The ~1B Llama"); llama-2b 6.04 vs 9.35 GiB at 54.9 vs
+            44.2 s/step, same losses. On SmolLM2-135M (4 x 256) the pool slots that replace the
+            copy cost as much as it (peak RSS 2.47 vs 2.43 GiB) and a step took 7.32 instead of
+            6.00 s, so small models keep it.
         enable_malloc_policy: fixed glibc mmap/trim thresholds, two arenas and ``malloc_trim``
             after each optimizer step (:mod:`.host_allocator`): freed host memory goes back to
             the OS instead of staying resident.
