@@ -57,23 +57,25 @@ import math
 from dataclasses import dataclass, field
 
 from memascend.config import RunConfig
-from memascend.integrations.deepspeed.plan import DS_DEFAULT_REDUCE_BUCKET_NUMEL
+from memascend.integrations.deepspeed.plan import (
+    DS_DEFAULT_REDUCE_BUCKET_NUMEL,
+    DS_DEFAULT_SUB_GROUP_NUMEL,
+    MIN_SWAPPABLE_BYTES,
+)
+from memascend.train.ds_config import (
+    DS_DEFAULT_MAX_IN_CPU_NUMEL,
+    DS_DEFAULT_PARAM_BUFFER_COUNT,
+    DS_DEFAULT_PARAM_BUFFER_SIZE_NUMEL,
+)
 
 GIB = float(1 << 30)
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 _FP32 = 4
 AIO_ALIGN_BYTES = 1024
-MIN_SWAPPABLE_PARAM_BYTES = 1024**2
-"""Smallest parameter partition stock's swapper puts on NVMe (``swappable_tensor``: ``MIN_AIO_BYTES``,
-the 1 MiB default ``aio.block_size``); smaller ones stay in DRAM."""
 """``AIO_ALIGNED_BYTES`` of ``runtime/swap_tensor/utils.py``: swap buffers are whole multiples of it."""
 
-# --- DeepSpeed 0.19.8 defaults (runtime/zero/offload_config.py, runtime/zero/config.py) ----------
-DS_PARAM_BUFFER_COUNT = 5
-DS_PARAM_BUFFER_SIZE_NUMEL = 100_000_000
-DS_MAX_IN_CPU_NUMEL = 1_000_000_000
+# --- DeepSpeed 0.19.8 defaults (runtime/zero/offload_config.py; the others: memascend.train.ds_config) --
 DS_OPTIMIZER_BUFFER_COUNT = 4
-DS_SUB_GROUP_NUMEL = 1_000_000_000
 
 # --- calibrated on this project's CPU host (report.json of real runs; see module docstring) -------
 FRAMEWORK_RSS_BYTES = int(0.42 * GIB)
@@ -299,7 +301,7 @@ def live_window_partitions(dims: ModelDims, world_size: int, checkpointing: bool
         total += math.ceil(n / world_size)
     window = [0] + list(range(1 + (n_layers - kept) * per_layer, 1 + n_layers * per_layer))
     return [math.ceil(numels[i] / world_size) for i in window
-            if offsets[i] >= dram_numel and math.ceil(numels[i] / world_size) * elem_bytes >= MIN_SWAPPABLE_PARAM_BYTES]
+            if offsets[i] >= dram_numel and math.ceil(numels[i] / world_size) * elem_bytes >= MIN_SWAPPABLE_BYTES]
 
 
 def _aligned(numel: int, elem_bytes: int) -> int:
@@ -392,7 +394,7 @@ def corpus_tokens(source: str) -> int:
 
 
 def _sub_group_numel(ds_cfg: dict, partition_numel: int) -> int:
-    sub = int(ds_cfg.get("zero_optimization", {}).get("sub_group_size", DS_SUB_GROUP_NUMEL))
+    sub = int(ds_cfg.get("zero_optimization", {}).get("sub_group_size", DS_DEFAULT_SUB_GROUP_NUMEL))
     return min(partition_numel, sub)
 
 
@@ -475,14 +477,14 @@ def plan_engine(engine: str, cfg: RunConfig, dims: ModelDims, ds_cfg: dict, worl
             heap_numel * MODEL_BUILD_BYTES_PER_PARAM, False,
             "from_pretrained / from_config under zero.Init (calibrated; tensors under the mmap threshold)")
     if op.get("device") == "nvme":
-        max_in_cpu = int(op.get("max_in_cpu", DS_MAX_IN_CPU_NUMEL))
+        max_in_cpu = int(op.get("max_in_cpu", DS_DEFAULT_MAX_IN_CPU_NUMEL))
         if not (ma and settings.enable_param_pool):
-            count = int(op.get("buffer_count", DS_PARAM_BUFFER_COUNT))
-            size = int(op.get("buffer_size", DS_PARAM_BUFFER_SIZE_NUMEL))
+            count = int(op.get("buffer_count", DS_DEFAULT_PARAM_BUFFER_COUNT))
+            size = int(op.get("buffer_size", DS_DEFAULT_PARAM_BUFFER_SIZE_NUMEL))
             add(f"param swap slab ({count} x {size:,} elements)", count * _aligned(size, e) * e, True,
                 "AsyncPartitionedParameterSwapper._configure_aio")
         else:
-            budget = int(op.get("buffer_count", DS_PARAM_BUFFER_COUNT))
+            budget = int(op.get("buffer_count", DS_DEFAULT_PARAM_BUFFER_COUNT))
             parts = sorted((math.ceil(n / w) for n in dims.param_numels), reverse=True)
             slots = sum(_aligned(n, e) for n in parts[:budget])
             live = live_window_partitions(dims, w, cfg.train.activation_checkpointing,

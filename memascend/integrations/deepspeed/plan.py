@@ -31,8 +31,9 @@ DRAM copy is kept; above it every partition lives on NVMe only (``max_in_cpu`` 0
 
 
 MIN_SWAPPABLE_BYTES = 1024**2
-"""Smallest fp32 sub-group the stock optimizer swapper puts on NVMe (0.19.8 ``OptimizerSwapper
-.is_swappable_tensor``: ``max(MIN_AIO_BYTES, aio.block_size)``, 1 MiB with the default block size)."""
+"""Smallest tensor the stock swappers put on NVMe: an fp32 sub-group (0.19.8 ``OptimizerSwapper
+.is_swappable_tensor``) or a parameter partition (``AsyncPartitionedParameterSwapper.swappable_tensor``),
+both ``max(MIN_AIO_BYTES, aio.block_size)``, 1 MiB with the default block size; smaller ones stay in DRAM."""
 
 
 def auto_sub_group_numel(param_numels: Iterable[int], world_size: int = 1,
