@@ -53,6 +53,7 @@ RSS, step-phase rise), not fitted to the peaks; the activation terms are counted
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -295,13 +296,10 @@ def live_window_partitions(dims: ModelDims, world_size: int, checkpointing: bool
     kept = 0
     while kept < n_layers and 2 * vocab + uses * kept * layer_numel < reuse_numel:
         kept += 1
-    offsets, total = [], 0
-    for n in numels:
-        offsets.append(total)
-        total += math.ceil(n / world_size)
+    parts = [math.ceil(n / world_size) for n in numels]
+    offsets = [0, *itertools.accumulate(parts)]  # where each partition starts in the DRAM-copy order
     window = [0] + list(range(1 + (n_layers - kept) * per_layer, 1 + n_layers * per_layer))
-    return [math.ceil(numels[i] / world_size) for i in window
-            if offsets[i] >= dram_numel and math.ceil(numels[i] / world_size) * elem_bytes >= MIN_SWAPPABLE_BYTES]
+    return [parts[i] for i in window if offsets[i] >= dram_numel and parts[i] * elem_bytes >= MIN_SWAPPABLE_BYTES]
 
 
 def _aligned(numel: int, elem_bytes: int) -> int:

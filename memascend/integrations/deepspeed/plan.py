@@ -24,10 +24,10 @@ _FP32_BYTES = 4
 DS_DEFAULT_SUB_GROUP_NUMEL = 1_000_000_000
 """``zero_optimization.sub_group_size`` when a config leaves it out (DeepSpeed 0.19.8 zero/config.py)."""
 DS_DEFAULT_REDUCE_BUCKET_NUMEL = 500_000_000
-PARAM_DRAM_AUTO_MAX_BYTES = 1024**3
-"""``param_dram_numel="auto"``: largest 16-bit parameter partition total per rank (bytes) whose
-DRAM copy is kept; above it every partition lives on NVMe only (``max_in_cpu`` 0)."""
 """``zero_optimization.reduce_bucket_size`` when a config leaves it out (DeepSpeed 0.19.8 zero/config.py)."""
+PARAM_DRAM_AUTO_MAX_BYTES = 1024**3
+"""``param_dram_numel="auto"``: largest total of one rank's parameter partitions (bytes) whose DRAM
+copy is kept; above it every partition lives on NVMe only (``max_in_cpu`` 0)."""
 
 
 MIN_SWAPPABLE_BYTES = 1024**2
@@ -83,8 +83,7 @@ def auto_param_dram_numel(ds_config: Mapping[str, Any], param_numels: Iterable[i
 
     Stock ZeRO-3 with parameters on NVMe keeps a DRAM copy of the first ``max_in_cpu`` (1e9)
     partition elements (``_create_param_groups_fp16_flat_cpu_memory``), 2 bytes per parameter in
-    bf16/fp16 (4 in fp32): the
-    largest host consumer of a 1 B model. Without it the adaptive pool reads the partitions from
+    bf16/fp16 (4 in fp32): the largest host consumer of a 1 B model. Without it the adaptive pool reads the partitions from
     NVMe when used, which costs pool slots and read time that only pay off for a large model
     (measurements in :class:`~memascend.integrations.deepspeed.settings.MemAscendSettings`).
 

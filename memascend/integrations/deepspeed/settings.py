@@ -62,9 +62,9 @@ class MemAscendSettings:
             stock default 1e9, i.e. the whole model); ``None`` keeps the config's. With 0 every
             partition lives on NVMe only and is read into the adaptive pool when used.
             ``"auto"`` (resolved by ``plan.prepare_ds_config`` from the model's shapes; only where
-            parameters go to NVMe and the config sets no ``max_in_cpu``): 0 when the model's
-            16-bit partitions on a rank exceed ``plan.PARAM_DRAM_AUTO_MAX_BYTES`` (1 GiB), else
-            the config's. Measured here (one rank, bf16, 1 x 256 tokens, activation
+            parameters go to NVMe and the config sets no ``max_in_cpu``): 0 when a rank's parameter
+            partitions exceed ``plan.PARAM_DRAM_AUTO_MAX_BYTES`` (1 GiB; 2 bytes per element in
+            bf16/fp16, 4 in fp32), else the config's. Measured here (one rank, bf16, 1 x 256 tokens, activation
             checkpointing): on llama-1b the copy is the largest host consumer (1.87 GiB of 5.69);
             without it peak RSS is 0.343 of tuned stock's instead of 0.496, at 1.109x stock's step
             time instead of 0.980x (README, "The ~1B Llama"); llama-2b 6.04 vs 9.35 GiB at 54.9 vs
