@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memascend.integrations.deepspeed import grad_norm, host_allocator, step_memory
-from memascend.integrations.deepspeed.accounting import memory_breakdown, step_transient_bytes
+from memascend.integrations.deepspeed.accounting import memory_breakdown, peak_sample, step_transient_bytes
 from memascend.integrations.deepspeed.optimizer_swapper import OnDemandSwapBufferManager
 
 
@@ -159,11 +159,32 @@ def test_step_transient_and_breakdown_keys():
     assert flat["allocated_bytes"] == 2 << 20 and flat["resident_at_end_bytes"] >= (2 << 20) - 8192
     assert out["param_dram_copy"]["allocated_bytes"] == 0  # stock's 1-element placeholder (params on NVMe)
     assert out["unattributed_bytes"] == (10 << 20) - 100 - flat["resident_at_end_bytes"] - 170
+    assert out["at_peak"] == {"phase": "step", "rss_bytes": 900, "locked_bytes": 0}
     host_allocator.release_pages(grad)
     out = memory_breakdown(engine, {"peak_rss_bytes": 10 << 20, "phase_peak_rss_bytes": {}}, samples)
     assert out["gradient_buffers"]["grad_partitions_flat"]["resident_at_end_bytes"] <= 8192
     if out["malloc"] is not None:
         assert out["malloc"]["heap_bytes"] >= out["malloc"]["free_held_bytes"] >= 0
+
+
+def test_breakdown_counts_buffers_locked_during_the_step_once():
+    """Swap buffers locked only while backward runs (memascend's optimizer buffers) are locked at the
+    peak, not transient; buffers locked after the peak (the optimizer step) are not in it at all."""
+    S = types.SimpleNamespace
+    samples = [S(phase="load", rss_bytes=100, locked_bytes=0),
+               S(phase="forward", rss_bytes=300, locked_bytes=50),
+               S(phase="backward", rss_bytes=700, locked_bytes=250),  # +200 locked, +200 unlocked
+               S(phase="backward", rss_bytes=650, locked_bytes=250),
+               S(phase="step", rss_bytes=680, locked_bytes=480)]
+    assert step_transient_bytes(samples) == 200
+    assert peak_sample(samples) == {"phase": "backward", "rss_bytes": 700, "locked_bytes": 250}
+    assert peak_sample([]) is None
+    engine = S(module=None, optimizer=S(grad_partitions_flat_buffer=None, ipg_buckets={},
+                                        param_groups_fp16_flat_cpu_memory=[]))
+    out = memory_breakdown(engine, {"peak_rss_bytes": 700, "peak_locked_bytes": 480,
+                                    "phase_peak_rss_bytes": {"load": 100}}, samples)
+    # 700 = 100 runtime + 250 locked at the peak + 200 transient + 150 unlocked already held when the forward began
+    assert out["unattributed_bytes"] == 150
 
 
 @pytest.mark.skipif(host_allocator.malloc_stats() is None, reason="needs glibc >= 2.33 (mallinfo2)")

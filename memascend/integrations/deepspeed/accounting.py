@@ -71,26 +71,45 @@ def _tensor_list_bytes(tensors: Any) -> int:
     return sum(_nbytes(t) for t in tensors or () if t is not None and t.numel() > 1)
 
 
+def _unlocked_bytes(sample: Any) -> int:
+    return int(sample.rss_bytes) - int(getattr(sample, "locked_bytes", 0) or 0)
+
+
 def step_transient_bytes(samples: Sequence[Any]) -> int:
-    """Largest RSS rise within one forward+backward over the RSS when that forward began.
+    """Largest rise of unlocked RSS within one forward+backward over its value when that forward began.
 
     That rise is what a training step holds only while it runs: activations, their gradients and
-    the gradient partitions' temporaries (stage 3 frees or reuses them by the next step).
+    the gradient partitions' temporaries (stage 3 frees or reuses them by the next step). Unlocked
+    RSS is ``rss_bytes - locked_bytes``: swap buffers a step locks while it runs (memascend's
+    optimizer buffers during backward) are counted once, as locked memory at the peak, not here.
 
     Args:
-        samples: the run's memory samples in time order, each with ``phase`` and ``rss_bytes``
-            (``memascend.telemetry.MemorySampler.samples``).
+        samples: the run's memory samples in time order, each with ``phase``, ``rss_bytes`` and
+            ``locked_bytes`` (``memascend.telemetry.MemorySampler.samples``; a sample without
+            ``locked_bytes`` counts as unlocked).
     """
     best = 0
     start = None
     prev_phase = None
     for sample in samples:
         if sample.phase == "forward" and prev_phase != "forward":
-            start = sample.rss_bytes
+            start = _unlocked_bytes(sample)
         if start is not None and sample.phase in ("forward", "backward"):
-            best = max(best, sample.rss_bytes - start)
+            best = max(best, _unlocked_bytes(sample) - start)
         prev_phase = sample.phase
     return int(best)
+
+
+def peak_sample(samples: Sequence[Any]) -> dict[str, Any] | None:
+    """The sample with the highest RSS: ``phase``, ``rss_bytes`` and ``locked_bytes`` at that moment.
+
+    Returns ``None`` without samples. The first of equal peaks wins.
+    """
+    if not samples:
+        return None
+    best = max(samples, key=lambda s: s.rss_bytes)
+    return {"phase": best.phase, "rss_bytes": int(best.rss_bytes),
+            "locked_bytes": int(getattr(best, "locked_bytes", 0) or 0)}
 
 
 def _buffer_bytes(tensors: Any) -> dict[str, int]:
@@ -111,7 +130,8 @@ def memory_breakdown(engine: Any, summary: Mapping[str, Any], samples: Sequence[
         samples: ``MemorySampler.samples``.
 
     Returns:
-        ``peak_rss_bytes``; ``locked`` (VmLck peak and the swap buffers of
+        ``peak_rss_bytes``; ``at_peak`` (:func:`peak_sample`: the phase, RSS and locked bytes of the
+        sample with the highest RSS); ``locked`` (VmLck peak and the swap buffers of
         :func:`swap_buffer_breakdown`, with memascend's pool classes in ``param_pool_classes``,
         :func:`param_pool_classes`); DRAM buffers of stage 3, each as ``allocated_bytes`` and
         ``resident_at_end_bytes`` (``mincore``: pages never written or released cost no RSS):
@@ -119,11 +139,13 @@ def memory_breakdown(engine: Any, summary: Mapping[str, Any], samples: Sequence[
         ``gradient_buffers.reduce_buckets`` and ``param_dram_copy`` (16-bit partitions kept in DRAM,
         ``offload_param.max_in_cpu``); ``runtime_after_load_bytes`` (RSS when the load phase ended:
         interpreter, libraries, tokenizer, data); ``step_transient_bytes``
-        (:func:`step_transient_bytes`: activations and their gradients); ``malloc`` (glibc arena
-        state at the end of the run: heap held and, of it, free = allocator overhead and
-        fragmentation); ``unattributed_bytes``: peak RSS minus runtime, swap buffers, resident
-        stage-3 buffers and the step transient. The parts are measured at different moments
-        (peaks, end of run), so that rest is an estimate and may be negative.
+        (:func:`step_transient_bytes`: activations and their gradients, unlocked); ``malloc``
+        (glibc arena state at the end of the run: heap held and, of it, free = allocator
+        overhead and fragmentation); ``unattributed_bytes``: peak RSS minus runtime, the locked
+        bytes at the peak sample (the whole locked peak without samples), resident stage-3
+        buffers and the step transient. The stage-3 buffers are measured at the end of the run,
+        so that rest is an estimate (a buffer released at the end and refaulted by the step is
+        in the transient instead).
     """
     from memascend.integrations.deepspeed.host_allocator import malloc_stats
 
@@ -140,8 +162,11 @@ def memory_breakdown(engine: Any, summary: Mapping[str, Any], samples: Sequence[
         + swap["optimizer_swap_buffers_bytes"]
     resident = sum(b["resident_at_end_bytes"] for b in (grad_flat, buckets, param_dram))
     peak = int(summary.get("peak_rss_bytes", 0))
+    at_peak = peak_sample(samples)
+    locked_at_peak = at_peak["locked_bytes"] if at_peak is not None else swap_locked
     return {
         "peak_rss_bytes": peak,
+        "at_peak": at_peak,
         "locked": {"peak_locked_bytes": int(summary.get("peak_locked_bytes", 0)), **swap,
                    "param_pool_classes": param_pool_classes(engine)},
         "gradient_buffers": {"grad_partitions_flat": grad_flat, "reduce_buckets": buckets},
@@ -149,5 +174,5 @@ def memory_breakdown(engine: Any, summary: Mapping[str, Any], samples: Sequence[
         "runtime_after_load_bytes": runtime,
         "step_transient_bytes": transient,
         "malloc": malloc_stats(),
-        "unattributed_bytes": peak - runtime - swap_locked - resident - transient,
+        "unattributed_bytes": peak - runtime - locked_at_peak - resident - transient,
     }
