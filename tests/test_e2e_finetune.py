@@ -44,6 +44,9 @@ def test_report_has_what_the_run_measured(smollm2_run):
         assert set(s["phase_s"]) == {"forward_s", "backward_s", "optimizer_step_s"}
         assert all(v > 0 for v in s["phase_s"].values()) and sum(s["phase_s"].values()) <= s["time_s"]
     assert rep["median_phase_s"] == rep["steps"][1]["phase_s"]  # two steps: the steady one
+    # Page faults per step: a step of a 135M model touches fresh pages (at least its activations).
+    assert all(s["minor_faults"] > 0 for s in rep["steps"])
+    assert rep["median_minor_faults"] == rep["steps"][1]["minor_faults"]
     assert rep["user_deepspeed_config"] is None  # no --deepspeed-config given
     assert rep["eval"]["loss_before"] is not None and rep["eval"]["loss_after"] is not None
     mem = rep["memory"]

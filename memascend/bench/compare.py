@@ -57,6 +57,8 @@ class RunMetrics:
         param_dtype: dtype of the parameter partitions DeepSpeed trained (``bfloat16`` ...).
         median_phase_s: median seconds per step in forward, backward and the optimizer step
             (``report["median_phase_s"]``; ``None`` for reports that do not time phases).
+        median_minor_faults: median page faults per step of rank 0's process
+            (``report["median_minor_faults"]``; ``None`` for reports without them).
     """
 
     peak_rss_bytes: int
@@ -70,6 +72,7 @@ class RunMetrics:
     param_numel: int
     param_dtype: str | None = None
     median_phase_s: dict[str, float] | None = None
+    median_minor_faults: float | None = None
 
     @classmethod
     def from_report(cls, report: dict) -> RunMetrics:
@@ -86,6 +89,7 @@ class RunMetrics:
             param_numel=int(report["model"]["param_numel"]),
             param_dtype=report["model"].get("param_dtype"),
             median_phase_s=report.get("median_phase_s"),
+            median_minor_faults=report.get("median_minor_faults"),
         )
 
 
@@ -133,8 +137,17 @@ def compare_pair(cfg: BenchConfig, base: RunMetrics, mine: RunMetrics) -> list[C
     limit = th.max_step_time_ratio + th.step_time_noise
     out.append(Check("step_time_ratio", st <= limit, st, limit,
                      f"median step {mine.median_step_s:.2f} / {base.median_step_s:.2f} s = {st:.3f} "
-                     f"(limit {th.max_step_time_ratio:.2f} + {th.step_time_noise:.2f} noise allowance)"))
+                     f"(limit {th.max_step_time_ratio:.2f} + {th.step_time_noise:.2f} noise allowance)"
+                     + _faults_detail(base, mine)))
     return out
+
+
+def _faults_detail(base: RunMetrics, mine: RunMetrics) -> str:
+    """``"; page faults/step A / B"`` when both reports count them (memory handed back and
+    touched again shows up here, not in any memory peak)."""
+    if base.median_minor_faults is None or mine.median_minor_faults is None:
+        return ""
+    return f"; page faults/step {mine.median_minor_faults:,.0f} / {base.median_minor_faults:,.0f}"
 
 
 @dataclass(frozen=True, kw_only=True)

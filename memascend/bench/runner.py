@@ -132,7 +132,8 @@ def merge_repeat_reports(reports: list[dict]) -> dict:
     """One report for several runs of the same configuration and engine.
 
     The first report, with ``median_step_s``, ``median_tokens_per_s``, ``median_phase_s`` (per
-    phase) and the memory peaks replaced by their medians over the runs, and a ``repeats`` entry holding every run's values
+    phase), ``median_minor_faults`` and the memory peaks replaced by their medians over the runs,
+    and a ``repeats`` entry holding every run's values
     and whether their per-step losses were identical (same seed and data: they must be).
 
     Raises:
@@ -148,9 +149,16 @@ def merge_repeat_reports(reports: list[dict]) -> dict:
         merged["median_tokens_per_s"] = statistics.median(tokens)
     per_run: dict[str, list] = {"median_step_s": step_s}
     phases = [r.get("median_phase_s") for r in reports]
+    # A value some run lacks (a report written before it was measured) gets no median: None.
+    merged["median_phase_s"] = None
     if all(phases):
         merged["median_phase_s"] = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
         per_run["median_phase_s"] = phases
+    faults = [r.get("median_minor_faults") for r in reports]
+    merged["median_minor_faults"] = None
+    if all(f is not None for f in faults):
+        merged["median_minor_faults"] = statistics.median(faults)
+        per_run["median_minor_faults"] = faults
     for key in _MEDIAN_MEMORY_KEYS:
         values = [r["memory"].get(key) for r in reports]
         if all(v is not None for v in values):

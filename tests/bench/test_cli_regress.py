@@ -199,6 +199,15 @@ def test_reports_without_phase_times_give_no_phase_table(tmp_path, monkeypatch, 
     assert runner_mod.merge_repeat_reports([good_pair[0], good_pair[0]]).get("median_phase_s") is None
 
 
+def test_merged_repeats_take_the_median_page_faults(good_pair):
+    runs = [dict(good_pair[0], median_minor_faults=f) for f in (300, 100, 200)]
+    merged = runner_mod.merge_repeat_reports(runs)
+    assert merged["median_minor_faults"] == 200 and merged["repeats"]["median_minor_faults"] == [300, 100, 200]
+    runs[1]["median_minor_faults"] = None  # one run without the count: no median claimed
+    merged = runner_mod.merge_repeat_reports(runs)
+    assert merged["median_minor_faults"] is None and "median_minor_faults" not in merged["repeats"]
+
+
 def test_median_phase_s_skips_the_first_step():
     from memascend.train.report import median_phase_s
 

@@ -123,3 +123,13 @@ def test_fit_line_recovers_slope_and_intercept():
         fit_line([1.0], [2.0])
     with pytest.raises(ValueError):
         fit_line([1.0, 1.0], [2.0, 3.0])
+
+
+def test_step_time_detail_shows_page_faults_when_both_reports_count_them(good_pair):
+    base, mine = good_pair
+    assert "page faults" not in evaluate(CFG, base, mine, golden=None, tol=TOL).check("step_time_ratio").detail
+    base["median_minor_faults"], mine["median_minor_faults"] = 120_000, 480_000
+    detail = evaluate(CFG, base, mine, golden=None, tol=TOL).check("step_time_ratio").detail
+    assert detail.endswith("; page faults/step 480,000 / 120,000")
+    mine["median_minor_faults"] = None  # a report from before they were counted
+    assert "page faults" not in evaluate(CFG, base, mine, golden=None, tol=TOL).check("step_time_ratio").detail
