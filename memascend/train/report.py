@@ -61,10 +61,8 @@ def build_report(
     param_dtype: str,
 ) -> dict:
     """Assemble the report dict (all sizes in bytes, times in seconds)."""
-    step_times = [s["time_s"] for s in per_step]
     # The first step pays one-off costs (swap file creation, allocator warm-up): the median of the
     # later steps is the steady-state number.
-    steady = step_times[1:] or step_times
     steady_steps = per_step[1:] or per_step
     return {
         "report_version": REPORT_VERSION,
@@ -102,14 +100,12 @@ def build_report(
         "steps": per_step,
         "num_steps": len(per_step),
         "skipped_steps": skipped_steps,
-        "median_step_s": statistics.median(steady) if steady else None,
+        "median_step_s": statistics.median(s["time_s"] for s in steady_steps) if steady_steps else None,
         "median_phase_s": median_phase_s(per_step),
         "median_minor_faults": statistics.median(s["minor_faults"] for s in steady_steps)
         if steady_steps and all("minor_faults" in s for s in steady_steps)
         else None,
-        "median_tokens_per_s": statistics.median(s["tokens_per_s"] for s in per_step[1:] or per_step)
-        if per_step
-        else None,
+        "median_tokens_per_s": statistics.median(s["tokens_per_s"] for s in steady_steps) if steady_steps else None,
         "train_s": train_s,
         "wall_s": wall_s,
         "memory": {

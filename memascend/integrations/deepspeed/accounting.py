@@ -71,8 +71,12 @@ def _tensor_list_bytes(tensors: Any) -> int:
     return sum(_nbytes(t) for t in tensors or () if t is not None and t.numel() > 1)
 
 
+def _locked_bytes(sample: Any) -> int:
+    return int(getattr(sample, "locked_bytes", 0) or 0)
+
+
 def _unlocked_bytes(sample: Any) -> int:
-    return int(sample.rss_bytes) - int(getattr(sample, "locked_bytes", 0) or 0)
+    return int(sample.rss_bytes) - _locked_bytes(sample)
 
 
 def step_transient_bytes(samples: Sequence[Any]) -> int:
@@ -108,8 +112,7 @@ def peak_sample(samples: Sequence[Any]) -> dict[str, Any] | None:
     if not samples:
         return None
     best = max(samples, key=lambda s: s.rss_bytes)
-    return {"phase": best.phase, "rss_bytes": int(best.rss_bytes),
-            "locked_bytes": int(getattr(best, "locked_bytes", 0) or 0)}
+    return {"phase": best.phase, "rss_bytes": int(best.rss_bytes), "locked_bytes": _locked_bytes(best)}
 
 
 def _buffer_bytes(tensors: Any) -> dict[str, int]:
