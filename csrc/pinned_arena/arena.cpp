@@ -332,14 +332,18 @@ std::size_t PinnedArena::reserve(std::size_t bytes) {
   return regions_[index].info.bytes;
 }
 
-std::size_t PinnedArena::release_empty_regions() {
+std::size_t PinnedArena::release_empty_regions(std::size_t max_bytes) {
   std::lock_guard<std::mutex> lock(mu_);
-  std::size_t released = 0;
+  std::vector<std::pair<std::size_t, std::size_t>> empty;  // (bytes, index)
   for (std::size_t i = 0; i < regions_.size(); ++i) {
-    if (region_is_empty_locked(i)) {
-      released += regions_[i].info.bytes;
-      unmap_region_locked(i);
-    }
+    if (region_is_empty_locked(i)) empty.emplace_back(regions_[i].info.bytes, i);
+  }
+  std::sort(empty.begin(), empty.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::size_t released = 0;
+  for (const auto& [bytes, index] : empty) {
+    if (released >= max_bytes) break;
+    released += bytes;
+    unmap_region_locked(index);
   }
   return released;
 }

@@ -112,8 +112,9 @@ class PinnedArena {
   // Makes sure a free block of at least `bytes` exists, mapping one region of exactly
   // round_up(bytes, 2 MiB) if needed. Returns the bytes newly reserved (0 if none).
   std::size_t reserve(std::size_t bytes);
-  // Unmaps regions with no live allocation. Returns the bytes released.
-  std::size_t release_empty_regions();
+  // Unmaps regions with no live allocation, largest first, until at least max_bytes are released
+  // (SIZE_MAX: all of them). Returns the bytes released.
+  std::size_t release_empty_regions(std::size_t max_bytes = SIZE_MAX);
   // Stops new allocations; regions are unmapped as soon as they hold no live allocation.
   void close();
 

@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "arena.h"
+#include "cpu_allocator.h"
 
 namespace py = pybind11;
 using memascend::ArenaConfig;
@@ -53,8 +54,7 @@ torch::Tensor allocate_tensor(const std::shared_ptr<PinnedArena>& arena, int64_t
   }
 }
 
-py::dict stats_dict(const PinnedArena& arena) {
-  const ArenaStats s = arena.stats();
+py::dict stats_dict_of(const ArenaStats& s) {
   py::dict d;
   d["requested_bytes"] = s.requested_bytes;
   d["in_use_bytes"] = s.in_use_bytes;
@@ -70,6 +70,20 @@ py::dict stats_dict(const PinnedArena& arena) {
   d["num_regions"] = s.num_regions;
   d["num_allocations"] = s.num_allocations;
   d["num_free_blocks"] = s.num_free_blocks;
+  return d;
+}
+
+py::dict stats_dict(const PinnedArena& arena) { return stats_dict_of(arena.stats()); }
+
+py::object host_block_cache_stats_dict() {
+  ArenaStats s;
+  std::size_t threshold_bytes = 0;
+  std::size_t served = 0;
+  if (!memascend::host_block_cache_stats(&s, &threshold_bytes, &served)) return py::none();
+  py::dict d = stats_dict_of(s);
+  d["threshold_bytes"] = threshold_bytes;
+  d["num_served"] = served;
+  d["installed"] = memascend::host_block_cache_installed();
   return d;
 }
 
@@ -98,6 +112,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("memlock_limit_bytes", &memascend::memlock_limit_bytes,
         "RLIMIT_MEMLOCK soft limit in bytes (SIZE_MAX when unlimited).");
 
+  m.def("install_host_block_cache", &memascend::install_host_block_cache, py::arg("threshold_bytes"),
+        py::arg("region_bytes"), py::arg("enable_thp"),
+        "Puts the host block cache in front of torch's CPU allocator; False if already installed.");
+  m.def("uninstall_host_block_cache", &memascend::uninstall_host_block_cache,
+        "Puts back the CPU allocator the cache replaced; False if it was not in force.");
+  m.def("host_block_cache_installed", &memascend::host_block_cache_installed);
+  m.def("host_block_cache_owns", &memascend::host_block_cache_owns, py::arg("address"),
+        "True when address starts a live block of the host block cache.");
+  m.def("host_block_cache_release_empty", &memascend::host_block_cache_release_empty,
+        py::arg("max_bytes") = SIZE_MAX,
+        "Unmaps the cache's regions without a live block, largest first, until max_bytes are released; "
+        "returns the bytes released.");
+  m.def("host_block_cache_stats", &host_block_cache_stats_dict,
+        "Arena counters of the host block cache plus threshold_bytes, num_served, installed; None before install.");
+
   py::class_<PinnedArena, std::shared_ptr<PinnedArena>>(m, "Arena")
       .def(py::init(&make_arena), py::arg("region_bytes"), py::arg("enable_hugetlb") = true,
            py::arg("enable_thp") = true, py::arg("enable_mlock") = true,
@@ -123,7 +152,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           py::arg("bytes"),
           "Maps one region of round_up(bytes, 2 MiB) unless a free block of bytes exists; returns bytes mapped.")
-      .def("release_empty_regions", &PinnedArena::release_empty_regions,
+      .def("release_empty_regions", &PinnedArena::release_empty_regions, py::arg("max_bytes") = SIZE_MAX,
            "Unmaps regions without live allocations; returns the bytes released.")
       .def("close", &PinnedArena::close,
            "Stops allocation; regions are unmapped once no live allocation remains in them.")

@@ -9,7 +9,7 @@ from types import ModuleType
 
 from memascend.ops.build import load_op
 
-SOURCES = ("pinned_arena/arena.cpp", "pinned_arena/bindings.cpp")
+SOURCES = ("pinned_arena/arena.cpp", "pinned_arena/cpu_allocator.cpp", "pinned_arena/bindings.cpp")
 
 
 def load() -> ModuleType:

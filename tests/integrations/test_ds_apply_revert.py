@@ -225,3 +225,17 @@ def test_prepare_ds_config_resolves_auto_sub_group_and_stock_norm_grouping():
     same = {"zero_optimization": {"offload_optimizer": {"device": "nvme"}, "sub_group_size": 5}}
     _, settings = ma_ds.prepare_ds_config(same, ma_ds.MemAscendSettings(optimizer_sub_group_numel=5))
     assert settings.grad_norm_sub_group_numel is None
+
+
+def test_host_block_cache_is_torchs_cpu_allocator_only_while_applied():
+    from memascend.memory import host_cache
+
+    assert not host_cache.installed()
+    ma_ds.apply(ALL_ON)
+    assert host_cache.installed() and host_cache.owns(torch.empty(1 << 20, dtype=torch.uint8).clone())
+    ma_ds.revert()
+    assert not host_cache.installed()
+    ma_ds.apply(ma_ds.MemAscendSettings(enable_host_block_cache=False))
+    assert not host_cache.installed()
+    ma_ds.revert()
+    assert not host_cache.installed()

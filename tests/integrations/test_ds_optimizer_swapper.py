@@ -67,6 +67,23 @@ def test_grows_where_stock_returns_none_and_locks_only_the_peak(handle):
     ours.free(again)
 
 
+def test_growing_hands_idle_host_cache_regions_back_first(handle):
+    from memascend.memory import host_cache
+
+    host_cache.install()
+    try:
+        host_cache.release_empty()
+        idle = torch.empty(96 << 20, dtype=torch.uint8)  # a region of its own, idle once freed
+        del idle
+        reserved = host_cache.stats()["reserved_bytes"]
+        ours = on_demand(handle)
+        bufs = ours.allocate(NUMEL, 2, torch.float32)  # locked by the aio handle, outside the cache
+        assert host_cache.stats()["reserved_bytes"] <= reserved - (96 << 20)
+        ours.free(bufs)
+    finally:
+        host_cache.uninstall()
+
+
 def test_allocate_all_hands_out_free_buffers_at_least_two(handle):
     ours = on_demand(handle)
     two = ours.allocate_all(NUMEL, torch.float32)

@@ -109,6 +109,10 @@ def apply(settings: MemAscendSettings | None = None) -> MemAscendSettings:
             raise UserError("memascend is already applied to DeepSpeed with other settings; call revert() first")
         try:
             _patch_all(settings)
+            if settings.enable_host_block_cache:
+                from memascend.memory import host_cache
+
+                host_cache.install(enable_thp=settings.enable_torch_thp)
         except BaseException:
             _registry.restore_all()
             raise
@@ -149,6 +153,10 @@ def revert() -> None:
     global _applied
     with _lock:
         _registry.restore_all()
+        if _applied is not None and _applied.enable_host_block_cache:
+            from memascend.memory import host_cache
+
+            host_cache.uninstall()
         _applied = None
 
 

@@ -144,7 +144,10 @@ def memory_breakdown(engine: Any, summary: Mapping[str, Any], samples: Sequence[
         interpreter, libraries, tokenizer, data); ``step_transient_bytes``
         (:func:`step_transient_bytes`: activations and their gradients, unlocked); ``malloc``
         (glibc arena state at the end of the run: heap held and, of it, free = allocator
-        overhead and fragmentation); ``unattributed_bytes``: peak RSS minus runtime, the locked
+        overhead and fragmentation); ``host_block_cache`` (:func:`memascend.memory.host_cache.stats`
+        at the end of the run, ``None`` when it was never installed: ``peak_reserved_bytes``
+        mapped against ``peak_in_use_bytes`` live, the difference being its fragmentation);
+        ``unattributed_bytes``: peak RSS minus runtime, the locked
         bytes at the peak sample (the whole locked peak without samples), resident stage-3
         buffers and the step transient. The stage-3 buffers are measured at the end of the run,
         so that rest is an estimate (a buffer released at the end and refaulted by the step is
@@ -177,5 +180,15 @@ def memory_breakdown(engine: Any, summary: Mapping[str, Any], samples: Sequence[
         "runtime_after_load_bytes": runtime,
         "step_transient_bytes": transient,
         "malloc": malloc_stats(),
+        "host_block_cache": _host_block_cache_stats(),
         "unattributed_bytes": peak - runtime - locked_at_peak - resident - transient,
     }
+
+
+def _host_block_cache_stats() -> dict[str, Any] | None:
+    """The host block cache's counters, or ``None`` when it never served this process (the op is
+    then not loaded either: a stock run stays free of it)."""
+    import sys
+
+    host_cache = sys.modules.get("memascend.memory.host_cache")
+    return host_cache.stats() if host_cache is not None else None

@@ -64,6 +64,13 @@ class OnDemandSwapBufferManager(SwapBufferManager):
         self.gigabytes = 0.0
 
     def _grow(self, how_many: int) -> None:
+        if self.memascend_settings.enable_host_block_cache:
+            # The locked buffers come from the aio handle or the pinned arena, never from the
+            # host block cache: hand the cache's idle regions back first, so the buffers take
+            # those pages instead of adding to them (memascend.memory.host_cache).
+            from memascend.memory import host_cache
+
+            host_cache.release_empty(how_many * self.num_elems * torch.empty(0, dtype=self.dtype).element_size())
         for _ in range(how_many):
             # Zeroed like the stock buffers: optimizer state may start from them.
             self.all_buffers.append(self.allocator.allocate(self.num_elems, self.dtype).zero_())

@@ -98,6 +98,12 @@ class MemAscendSettings:
             in its launcher's environment (:func:`torch_thp_env`), and :func:`apply` warns when it
             is missing. A no-op where ``/sys/kernel/mm/transparent_hugepage/enabled`` is
             ``never``.
+        enable_host_block_cache: put the host block cache (:mod:`memascend.memory.host_cache`) in
+            front of torch's CPU allocator while applied: host tensors of 1 MiB or more take
+            best-fit blocks of a cache that keeps their pages, so each step's activations and
+            gradient temporaries reuse resident memory instead of being unmapped by glibc and
+            faulted in (and zeroed) again the next step. Transparent hugepages on the cache's
+            regions follow ``enable_torch_thp``. :func:`revert` puts torch's allocator back.
         fix_unaligned_gradient_io: a correctness fix, not an optimization, on for both engines:
             read and write the optimizer's swapped gradient fragments through an aligned bounce
             buffer where the fragment's host address is not O_DIRECT-aligned; stock DeepSpeed
@@ -118,6 +124,7 @@ class MemAscendSettings:
     enable_optimizer_buffer_release: bool = True
     reduce_bucket_numel: int | Literal["auto"] | None = "auto"
     enable_torch_thp: bool = True
+    enable_host_block_cache: bool = True
     fix_unaligned_gradient_io: bool = True
 
     def __post_init__(self) -> None:

@@ -1,0 +1,107 @@
+"""The host block cache (torch's CPU allocator for large host tensors) against plain torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from memascend.memory import host_cache
+
+MiB = 1 << 20
+THRESHOLD_BYTES = MiB
+
+
+@pytest.fixture
+def cache():
+    was_installed = host_cache.installed()
+    host_cache.install(THRESHOLD_BYTES)
+    yield host_cache
+    if not was_installed:
+        host_cache.uninstall()
+
+
+def test_large_tensors_come_from_the_cache_small_ones_do_not(cache):
+    large = torch.empty(THRESHOLD_BYTES, dtype=torch.uint8)
+    small = torch.empty(THRESHOLD_BYTES - 1, dtype=torch.uint8)
+    assert cache.owns(large) and not cache.owns(small)
+    assert large.data_ptr() % 4096 == 0  # O_DIRECT-aligned, and more than torch's 64 bytes
+    stats = cache.stats()
+    assert stats["installed"] and stats["threshold_bytes"] == THRESHOLD_BYTES
+    assert stats["requested_bytes"] >= THRESHOLD_BYTES
+
+
+def test_a_freed_block_is_reused_at_the_same_address_without_new_regions(cache):
+    shape = (3 * MiB // 4,)  # 3 MiB of fp32
+    first = torch.empty(shape)
+    address = first.data_ptr()
+    del first
+    reserved = cache.stats()["reserved_bytes"]
+    for _ in range(20):  # the allocation pattern of a training step, repeated
+        again = torch.empty(shape)
+        assert again.data_ptr() == address
+        del again
+    assert cache.stats()["reserved_bytes"] == reserved
+
+
+def test_freed_blocks_coalesce_into_one_that_serves_their_sum(cache):
+    cache.release_empty()
+    a = torch.empty(2 * MiB, dtype=torch.uint8)
+    b = torch.empty(2 * MiB, dtype=torch.uint8)
+    if b.data_ptr() != a.data_ptr() + 2 * MiB:
+        pytest.skip("the two blocks were not placed side by side (other live blocks in the region)")
+    start = a.data_ptr()
+    del a, b
+    both = torch.empty(4 * MiB, dtype=torch.uint8)
+    assert both.data_ptr() == start
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(numel=st.integers(min_value=1, max_value=3 * MiB),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8]),
+       seed=st.integers(min_value=0, max_value=2**31 - 1))
+def test_computations_on_cache_memory_equal_plain_torch(cache, numel, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randint(-100, 100, (numel,), generator=g).to(dtype)  # from the cache when large
+    cache.uninstall()
+    try:
+        reference = (values.clone() * 3 + 1).sort().values  # glibc memory
+    finally:
+        cache.install(THRESHOLD_BYTES)
+    result = (values.clone() * 3 + 1).sort().values  # sort's workspace: raw_allocate/raw_deallocate
+    assert torch.equal(result, reference)
+    assert cache.owns(result) == (result.numel() * result.element_size() >= THRESHOLD_BYTES)
+
+
+def test_uninstall_restores_torch_allocator_and_live_blocks_still_free(cache):
+    live = torch.ones(2 * MiB, dtype=torch.uint8)
+    in_use = cache.stats()["in_use_bytes"]
+    assert cache.uninstall() and not cache.installed()
+    assert not cache.uninstall()  # second time: nothing to put back
+    outside = torch.empty(2 * MiB, dtype=torch.uint8)
+    assert not cache.owns(outside) and cache.owns(live)
+    assert int(live.sum()) == 2 * MiB
+    del live  # a block allocated before uninstall goes back to the cache
+    assert cache.stats()["in_use_bytes"] == in_use - 2 * MiB
+    assert cache.install(THRESHOLD_BYTES)
+    assert not cache.install(THRESHOLD_BYTES)  # already in force
+
+
+def test_release_empty_gives_back_at_most_what_is_asked_region_by_region(cache):
+    blocks = [torch.empty(80 * MiB, dtype=torch.uint8) for _ in range(3)]  # one region each (> 64 MiB)
+    del blocks
+    before = cache.stats()["reserved_bytes"]
+    released = cache.release_empty(1)
+    assert released >= 80 * MiB
+    assert cache.stats()["reserved_bytes"] == before - released
+    assert released < before  # stopped once the budget was met
+    cache.release_empty()
+    keep = torch.empty(2 * MiB, dtype=torch.uint8)
+    assert cache.release_empty() == 0  # a region with a live block stays
+    assert cache.owns(keep)
+
+
+def test_bad_threshold_is_a_value_error():
+    with pytest.raises(ValueError, match="threshold_bytes"):
+        host_cache.install(0)
