@@ -130,6 +130,10 @@ class PinnedArena {
   // Free blocks as (address, bytes), ordered by address.
   std::vector<std::pair<std::uintptr_t, std::size_t>> free_blocks() const;
   const ArenaConfig& config() const { return config_; }
+  // pthread_atfork handlers: hold the arena's lock across fork() so a child never inherits it
+  // locked by a thread that does not exist there. Called in the forking thread only.
+  void lock_for_fork() { mu_.lock(); }
+  void unlock_after_fork() { mu_.unlock(); }
   const std::string& cuda_status() const { return cuda_.status(); }
 
  private:

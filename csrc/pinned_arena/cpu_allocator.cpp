@@ -19,6 +19,8 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 
+#include <pthread.h>
+
 #include <atomic>
 #include <cstring>
 #include <memory>
@@ -110,6 +112,11 @@ bool install_host_block_cache(std::size_t threshold_bytes, std::size_t region_by
   HostBlockCache*& cache = HostBlockCache::instance();
   if (cache == nullptr) {
     cache = new HostBlockCache(threshold_bytes, region_bytes, enable_thp);  // lives for the process
+    // A fork (DataLoader workers) while another thread holds the cache's lock would leave the
+    // child's copy locked forever: hold it across fork() instead.
+    pthread_atfork([] { HostBlockCache::instance()->arena().lock_for_fork(); },
+                   [] { HostBlockCache::instance()->arena().unlock_after_fork(); },
+                   [] { HostBlockCache::instance()->arena().unlock_after_fork(); });
   }  // else: the first install's region_bytes and enable_thp stay in force
   c10::Allocator* current = c10::GetCPUAllocator();
   if (current == cache) {

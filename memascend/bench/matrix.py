@@ -344,11 +344,10 @@ def _scaling() -> Matrix:
 
 ABLATIONS: tuple[tuple[str, tuple[tuple[str, object], ...]], ...] = (
     ("defaults", ()),
+    ("no-host-block-cache", (("enable_host_block_cache", False),)),
     ("no-torch-thp", (("enable_torch_thp", False),)),
     ("no-malloc-policy", (("enable_malloc_policy", False),)),
     ("keep-optimizer-buffers", (("enable_optimizer_buffer_release", False),)),
-    ("no-malloc-policy-keep-optimizer-buffers", (("enable_malloc_policy", False),
-                                                 ("enable_optimizer_buffer_release", False))),
 )
 """The memascend variants of the ablation matrix: the defaults, then one time-for-memory trade
 turned off at a time (README "Memory against time")."""

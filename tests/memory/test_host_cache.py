@@ -105,3 +105,22 @@ def test_release_empty_gives_back_at_most_what_is_asked_region_by_region(cache):
 def test_bad_threshold_is_a_value_error():
     with pytest.raises(ValueError, match="threshold_bytes"):
         host_cache.install(0)
+
+
+def test_a_forked_child_allocates_from_its_copy_of_the_cache(cache):
+    import os
+
+    parent_block = torch.ones(2 * MiB, dtype=torch.uint8)
+    pid = os.fork()
+    if pid == 0:  # child: allocate and free through the inherited cache, then report by exit code
+        try:
+            torch.set_num_threads(1)  # the parent's OpenMP pool does not survive fork()
+            child_block = torch.full((3 * MiB,), 7, dtype=torch.uint8)
+            ok = cache.owns(child_block) and int(child_block[-1]) == 7 and int(parent_block.sum()) == 2 * MiB
+            del child_block
+        except BaseException:  # noqa: BLE001 - any failure is the child's non-zero exit
+            ok = False
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert cache.owns(parent_block)

@@ -20,7 +20,10 @@ and unmapped (peak RSS 2.39 GiB but 1.45x the stock step time: page faults and u
 4 MiB default the memory handed back is faulted in again at the next step; on the 2-core virtual
 machine of profile cpu-2c-24g the whole policy measured peak RSS 0.371 of stock's at 1.229x its
 step time, against 0.459 at 0.984x without it (``memascend regress --matrix ablation --repeats 3``,
-medians of three pairs; README "Memory against time"). ``enable_malloc_policy=false`` picks speed.
+medians of three pairs, before the host block cache existed). With the host block cache
+(:mod:`memascend.memory.host_cache`, on by default) torch's tensors of 1 MiB or more no longer
+come from glibc at all: they reuse the cache's resident blocks, and this policy is left with the
+smaller ones and the libraries' own allocations.
 All functions are no-ops returning ``False``/``None`` on a C library without these glibc calls.
 """
 

@@ -96,8 +96,9 @@ class MemAscendSettings:
             instead of 512 4 KiB ones. c10 reads the variable once, when torch loads: ``memascend
             finetune`` sets it before importing torch; a program driving DeepSpeed itself sets it
             in its launcher's environment (:func:`torch_thp_env`), and :func:`apply` warns when it
-            is missing. A no-op where ``/sys/kernel/mm/transparent_hugepage/enabled`` is
-            ``never``.
+            is missing. It also decides ``MADV_HUGEPAGE`` on the host block cache's regions
+            (``enable_host_block_cache``), which serve those tensors while applied. A no-op where
+            ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``never``.
         enable_host_block_cache: put the host block cache (:mod:`memascend.memory.host_cache`) in
             front of torch's CPU allocator while applied: host tensors of 1 MiB or more take
             best-fit blocks of a cache that keeps their pages, so each step's activations and
