@@ -12,6 +12,10 @@ install:
 test *ARGS:
     {{python}} -m pytest {{ARGS}}
 
+# Run the CUDA-only tests and benchmarks (marker `gpu`: arena registration, host-to-device copy speed against torch pinned memory, torch's real pinned rounding, fp16 loss scaling with injected inf/nan against stock); they skip without a CUDA device
+test-gpu *ARGS:
+    {{python}} -m pytest -m gpu --benchmark-enable -s {{ARGS}}
+
 # Fine-tune with the built-in defaults (SmolLM2-135M on Shakespeare, params+optimizer on NVMe); extra flags pass through
 finetune *ARGS:
     {{python}} -m memascend finetune {{ARGS}}

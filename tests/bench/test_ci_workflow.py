@@ -19,6 +19,7 @@ def test_gpu_workflow_builds_image_and_runs_gpu_matrix():
     runs = [s["run"].strip() for s in job["steps"] if "run" in s]
     assert "just build-image cuda" in runs
     assert "just regress gpu" in runs
+    assert "just test-gpu" in runs  # the gpu-marked tests: the CUDA-only checks
     assert runs.index("just build-image cuda") < runs.index("just regress gpu")
     regress_step = next(s for s in job["steps"] if s.get("run", "").strip() == "just regress gpu")
     assert not regress_step.get("continue-on-error"), "a regression must fail the job"

@@ -7,6 +7,15 @@ sees the other's patches or locked memory)::
 
 The report holds the per-step losses as ``float.hex`` strings (bit-exact comparison), the peak
 locked memory (VmLck, sampled every 2 ms by a thread and at each phase) and peak RSS (VmHWM).
+
+On a CUDA host (``--device cuda``, used by ``test_gpu_fp16_overflow.py``) the run may also use
+fp16 with dynamic loss scaling (``--dtype fp16``) and make the gradients of chosen steps
+non-finite (``--inject 2:inf --inject 4:nan``): the loss of that step is multiplied by inf or nan
+before ``engine.backward``, so every gradient element is inf or nan (``inf * 0`` is nan) whatever
+ZeRO-3 partitioning does afterwards. The report then also holds, per step, the loss scale after
+the step (``engine.optimizer.loss_scale``), whether the optimizer flagged an overflow
+(``engine.optimizer.overflow``) and whether the engine skipped the step (``engine.skipped_steps``
+grew). Without ``--device cuda`` the run is the CPU one above (``DS_ACCELERATOR=cpu``, gloo).
 """
 
 from __future__ import annotations
@@ -83,13 +92,40 @@ def ds_config(dtype: str, nvme: str, sub_group_size: int, param_buffer_count: in
     }
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    elif dtype == "fp16":
+        # Dynamic loss scaling (loss_scale 0, the default), starting at 2**8; hysteresis 1 halves the
+        # scale on every overflow; the 1000-step window never doubles it in a short run.
+        # Keys: deepspeed/runtime/precision_config.py (DeepSpeedFP16Config), DeepSpeed 0.19.8.
+        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 1000,
+                       "hysteresis": 1, "min_loss_scale": 1}
     return cfg
+
+
+INJECT_KINDS = {"inf": float("inf"), "nan": float("nan")}
+
+
+def parse_inject(value: str) -> tuple[int, str]:
+    """``STEP:KIND`` (1-based step, KIND ``inf`` or ``nan``) -> ``(step, kind)``."""
+    step_s, sep, kind = value.partition(":")
+    try:
+        step = int(step_s)
+    except ValueError:
+        step = 0
+    if not sep or step < 1 or kind not in INJECT_KINDS:
+        raise argparse.ArgumentTypeError(f"expected STEP:KIND with STEP >= 1 and KIND inf or nan, got {value!r}")
+    return step, kind
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--engine", choices=("baseline", "memascend"), required=True)
-    parser.add_argument("--dtype", choices=("bf16", "fp32"), required=True)
+    parser.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), required=True,
+                        help="fp16 (dynamic loss scaling) needs --device cuda")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: DeepSpeed's CPU accelerator and gloo; cuda: the CUDA accelerator and nccl")
+    parser.add_argument("--inject", type=parse_inject, action="append", default=[], metavar="STEP:KIND",
+                        help="make every gradient of 1-based STEP non-finite (KIND inf or nan), through the "
+                             "loss; repeatable")
     parser.add_argument("--nvme", required=True)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--sub-group-size", type=int, default=1_000_000_000)
@@ -100,11 +136,28 @@ def main() -> None:
                              "default: keep the config's")
     parser.add_argument("--clip", type=float, default=0.0, help="gradient_clipping (0: off)")
     args = parser.parse_args()
+    if args.dtype == "fp16" and args.device != "cuda":
+        parser.error("--dtype fp16 needs --device cuda (fp16 loss scaling is checked on CUDA only; "
+                     "DeepSpeed's CPU accelerator supports fp32 and bf16)")
+    injections = dict(args.inject)
+    if len(injections) != len(args.inject) or any(step > args.steps for step in injections):
+        parser.error(f"--inject: steps must be distinct and within 1..{args.steps}, got {args.inject}")
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0", DS_ACCELERATOR="cpu")
+                      LOCAL_RANK="0")
+    if args.device == "cpu":
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    else:
+        os.environ["DS_ACCELERATOR"] = "cuda"  # not an inherited "cpu"
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (before CUDA init)
     import deepspeed
     import torch
+
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: torch.cuda.is_available() is False")
+        # Both engines take the same deterministic kernels, so their losses compare bit for bit.
+        torch.use_deterministic_algorithms(True, warn_only=True)
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
@@ -122,7 +175,7 @@ def main() -> None:
             cfg, applied = ma_ds.prepare_ds_config(
                 cfg, ma_ds.MemAscendSettings(optimizer_sub_group_numel=args.ma_sub_group_numel), param_numels=numels)
             ma_ds.apply(applied)
-        deepspeed.init_distributed(dist_backend="gloo")
+        deepspeed.init_distributed(dist_backend="gloo" if args.device == "cpu" else "nccl")
         hf_ds = HfDeepSpeedConfig(cfg)  # noqa: F841 - keeps transformers' zero-3 awareness alive (fp32 route)
         torch.manual_seed(0)
         with deepspeed.zero.Init(config_dict_or_path=cfg):
@@ -130,15 +183,29 @@ def main() -> None:
         sampler.sample()
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         sampler.sample()
-        gen = torch.Generator().manual_seed(1234)
+        gen = torch.Generator().manual_seed(1234)  # CPU generator: the same ids on either device
         losses = []
-        for _ in range(args.steps):
+        # ZeRO-3 optimizer (DeepSpeedZeroOptimizer_Stage3): `loss_scale` is a property returning
+        # loss_scaler.cur_scale; `overflow` is set by step(); the engine counts `skipped_steps`.
+        initial_loss_scale = getattr(engine.optimizer, "loss_scale", None)
+        loss_scales, overflows, skipped = [], [], []
+        for step in range(1, args.steps + 1):
             ids = torch.randint(0, model_cfg.vocab_size, (2, 64), generator=gen)
+            if args.device == "cuda":
+                ids = ids.to(engine.device)
             loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
+            skipped_before = engine.skipped_steps
+            if step in injections:  # every gradient becomes inf/nan: d(c * loss) = c * d(loss)
+                engine.backward(loss * INJECT_KINDS[injections[step]])
+            else:
+                engine.backward(loss)
             engine.step()
             sampler.sample()
             losses.append(float(loss.float().item()))
+            scale = getattr(engine.optimizer, "loss_scale", None)
+            loss_scales.append(None if scale is None else float(scale))
+            overflows.append(bool(getattr(engine.optimizer, "overflow", False)))
+            skipped.append(engine.skipped_steps > skipped_before)
 
         from memascend.integrations.deepspeed import swap_buffer_breakdown
 
@@ -157,7 +224,11 @@ def main() -> None:
     report = {"engine": args.engine, "dtype": args.dtype, "losses_hex": [x.hex() for x in losses],
               "sub_group_numels": [int(n) for n in engine.optimizer.fp16_partitioned_groups_flat_numel],
               "losses": losses, "peak_vmlck_kib": sampler.peak_vmlck_kib, "peak_rss_kib": sampler.peak_rss_kib,
-              "vmhwm_kib": _status_kib("VmHWM"), "pool": pool, "swap_buffers": breakdown}
+              "vmhwm_kib": _status_kib("VmHWM"), "pool": pool, "swap_buffers": breakdown,
+              "device": args.device, "injected": {str(k): v for k, v in sorted(injections.items())},
+              "initial_loss_scale": None if initial_loss_scale is None else float(initial_loss_scale),
+              "loss_scales": loss_scales, "overflows": overflows, "skipped": skipped,
+              "skipped_steps": int(engine.skipped_steps)}
     print("EQUAL_LOSS_REPORT " + json.dumps(report), flush=True)
     sys.stdout.flush()
     os._exit(0)  # skip DeepSpeed/gloo teardown (slow, and irrelevant to the measurement)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -58,7 +59,8 @@ def _losses(tmp: Path, nproc: int, fix: bool) -> list[float]:
     args = ["finetune", "--engine", "baseline", "--data", "shakespeare", "--seq-len", "128", "--micro-batch", "2",
             "--steps", "2", "--seed", "1234", "--eval-blocks", "0", "--no-save-model", "--nproc", str(nproc),
             "--output", str(out), "--nvme-path", str(tmp / "swap"), "--deepspeed-config", str(ds_json)]
-    proc = run_cli(args, tmp, timeout_s=1200, env={"PYTHONPATH": str(site)})
+    pythonpath = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    proc = run_cli(args, tmp, timeout_s=1200, env={"PYTHONPATH": pythonpath})
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [s["loss"] for s in json.loads((out / "report.json").read_text())["steps"]]
 

@@ -193,9 +193,10 @@ def test_corrupted_extent_raises_checksum_error_naming_key_and_offset(store_path
     with TensorStore.create(store_path, size_bytes=8 * MiB) as store:
         store.write("a", torch.randn(100))
         rec = store.write("layer.weight", t)
-        fd = os.open(store_path, os.O_WRONLY)
-        try:  # flip one byte behind the store's back
-            os.pwrite(fd, b"\xff", rec.offset_bytes + 1234)
+        fd = os.open(store_path, os.O_RDWR)
+        try:  # flip every bit of one byte behind the store's back (writing a constant may change nothing)
+            at = rec.offset_bytes + 1234
+            os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0xFF]), at)
             os.fsync(fd)
         finally:
             os.close(fd)
