@@ -287,7 +287,9 @@ std::uintptr_t PinnedArena::allocate(std::size_t bytes) {
   if (closed_) throw std::runtime_error("pinned arena: allocate() after close()");
   auto fit = free_by_size_.lower_bound({granted, 0});
   if (fit == free_by_size_.end()) {
-    map_region_locked(std::max(config_.region_bytes, granted));
+    const std::size_t region_bytes = round_up(std::max(config_.region_bytes, granted), kRegionAlignBytes);
+    if (config_.release_empty_before_growing) release_empty_regions_locked(region_bytes);
+    map_region_locked(region_bytes);
     fit = free_by_size_.lower_bound({granted, 0});
   }
   const std::uintptr_t addr = fit->second;
@@ -334,6 +336,10 @@ std::size_t PinnedArena::reserve(std::size_t bytes) {
 
 std::size_t PinnedArena::release_empty_regions(std::size_t max_bytes) {
   std::lock_guard<std::mutex> lock(mu_);
+  return release_empty_regions_locked(max_bytes);
+}
+
+std::size_t PinnedArena::release_empty_regions_locked(std::size_t max_bytes) {
   std::vector<std::pair<std::size_t, std::size_t>> empty;  // (bytes, index)
   for (std::size_t i = 0; i < regions_.size(); ++i) {
     if (region_is_empty_locked(i)) empty.emplace_back(regions_[i].info.bytes, i);

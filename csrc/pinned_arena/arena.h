@@ -35,6 +35,11 @@ struct ArenaConfig {
   bool enable_thp = true;                // madvise(MADV_HUGEPAGE) otherwise
   bool enable_mlock = true;              // lock every region (fails loudly if the limit is low)
   bool enable_cuda_register = true;      // cudaHostRegister each region when CUDA is usable
+  // Before mapping a new region, unmap regions without a live allocation, largest first, until
+  // as many bytes as the new region are released: a request that fits no free block then
+  // replaces idle memory instead of adding to it (the host block cache; MemAscend section 4,
+  // "eradicating fragmentation").
+  bool release_empty_before_growing = false;
 };
 
 struct ArenaStats {
@@ -157,6 +162,7 @@ class PinnedArena {
   void insert_free_locked(std::uintptr_t addr, std::size_t bytes, std::size_t region);
   void erase_free_locked(std::map<std::uintptr_t, FreeBlock>::iterator it);
   bool region_is_empty_locked(std::size_t index) const;
+  std::size_t release_empty_regions_locked(std::size_t max_bytes);
 
   ArenaConfig config_;
   CudaHostRuntime cuda_;

@@ -19,13 +19,15 @@ using memascend::RegionInfo;
 namespace {
 
 std::shared_ptr<PinnedArena> make_arena(std::size_t region_bytes, bool enable_hugetlb, bool enable_thp,
-                                        bool enable_mlock, bool enable_cuda_register) {
+                                        bool enable_mlock, bool enable_cuda_register,
+                                        bool release_empty_before_growing) {
   ArenaConfig config;
   config.region_bytes = region_bytes;
   config.enable_hugetlb = enable_hugetlb;
   config.enable_thp = enable_thp;
   config.enable_mlock = enable_mlock;
   config.enable_cuda_register = enable_cuda_register;
+  config.release_empty_before_growing = release_empty_before_growing;
   return std::make_shared<PinnedArena>(config);
 }
 
@@ -130,7 +132,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<PinnedArena, std::shared_ptr<PinnedArena>>(m, "Arena")
       .def(py::init(&make_arena), py::arg("region_bytes"), py::arg("enable_hugetlb") = true,
            py::arg("enable_thp") = true, py::arg("enable_mlock") = true,
-           py::arg("enable_cuda_register") = true,
+           py::arg("enable_cuda_register") = true, py::arg("release_empty_before_growing") = false,
            "Creates an empty arena; regions of region_bytes (rounded up to 2 MiB) are mapped on demand.")
       .def("allocate_tensor", &allocate_tensor, py::arg("numel"), py::arg("dtype"),
            "1-D CPU tensor of exactly numel elements viewing a 4 KiB-aligned arena block; the block "

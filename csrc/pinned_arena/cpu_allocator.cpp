@@ -91,6 +91,7 @@ class HostBlockCache final : public c10::Allocator {
     config.enable_thp = enable_thp;
     config.enable_mlock = false;
     config.enable_cuda_register = false;
+    config.release_empty_before_growing = true;  // idle regions of one phase make room for the next's
     return config;
   }
 

@@ -120,6 +120,10 @@ GLIBC_MMAP_THRESHOLD_MAX_BYTES = 32 << 20
 rises with every freed mmapped block up to this size. A tensor below it comes from the heap and its
 pages stay resident after it is freed (stock never trims), so stock's forward/backward tensors under
 it are resident from the first step on; larger ones are mmapped and unmapped on free (transient)."""
+HOST_BLOCK_CACHE_THRESHOLD_BYTES = 1 << 20
+"""Smallest host tensor memascend's host block cache serves (``memascend.memory.host_cache.DEFAULT_THRESHOLD_BYTES``,
+restated so that planning never loads the cache's C++ op; a test keeps the two equal). With the cache
+in force and the malloc policy off, only model-build tensors below it stay in glibc's heap."""
 STOCK_STEP_TEMP_BYTES_PER_PARAM = 4
 """Stock's overflow check (``_has_inf_or_nan``: ``x.float()`` of the 16-bit gradient partition) in
 bytes per partition element. With the fp32 gradient (4 bytes per sub-group element) it makes the
@@ -470,7 +474,13 @@ def plan_engine(engine: str, cfg: RunConfig, dims: ModelDims, ds_cfg: dict, worl
         corpus_tokens(cfg.data.source) * (MEMASCEND_CORPUS_BYTES_PER_TOKEN if trimmed else CORPUS_BYTES_PER_TOKEN),
         False, "memascend.data readers (calibrated)")
     if not trimmed:
-        heap_numel = sum(n for n in dims.param_numels if n * _FP32 < GLIBC_MMAP_THRESHOLD_MAX_BYTES)
+        # With memascend's host block cache in front of torch's allocator, fp32 tensors of at least its
+        # threshold go to the cache, which reuses their blocks for the activations: only smaller ones
+        # are left in glibc's heap.
+        heap_limit_bytes = GLIBC_MMAP_THRESHOLD_MAX_BYTES
+        if ma and getattr(settings, "enable_host_block_cache", False):
+            heap_limit_bytes = min(heap_limit_bytes, HOST_BLOCK_CACHE_THRESHOLD_BYTES)
+        heap_numel = sum(n for n in dims.param_numels if n * _FP32 < heap_limit_bytes)
         add("model build (fp32 weights, loaded or initialised) left in the heap",
             heap_numel * MODEL_BUILD_BYTES_PER_PARAM, False,
             "from_pretrained / from_config under zero.Init (calibrated; tensors under the mmap threshold)")
@@ -527,19 +537,22 @@ def plan_engine(engine: str, cfg: RunConfig, dims: ModelDims, ds_cfg: dict, worl
         add("grad_partitions_flat_buffer", part * e, False, "DeepSpeedZeroOptimizer_Stage3 gradient partition")
     if oo.get("device") == "nvme":
         count = int(oo.get("buffer_count", DS_OPTIMIZER_BUFFER_COUNT))
+        # memascend unlocks and frees its buffers between steps (enable_optimizer_buffer_release):
+        # they exist in the step only; kept, they stay from the first step on, like stock's.
+        released = ma and settings.enable_optimizer_pool and settings.enable_optimizer_buffer_release
         if ma and settings.enable_optimizer_pool:
             count = min(count, OPTIMIZER_BUFFERS_IN_USE)
         add(f"optimizer swap buffers ({count} x {sub:,} fp32)", count * _aligned(sub, _FP32) * _FP32, True,
-            "OptimizerSwapper SwapBufferManager",
-            "step" if ma and settings.enable_optimizer_pool else "resident")
+            "OptimizerSwapper SwapBufferManager", "step" if released else "resident")
         add("optimizer step fp32 gradient", sub * _FP32, False, "stage3 fp32 grad of the swapped-in sub-group",
             "step")
-        if ma and settings.enable_optimizer_pool:
+        if released:  # kept buffers are the ones that stream (counted above as resident)
             staging = STAGING_BUFFERS_IN_USE * _aligned(sub, _FP32) * _FP32
             add(f"optimizer swap buffers streaming the fp32 write-out ({STAGING_BUFFERS_IN_USE} x {sub:,} fp32)",
                 staging, True, "OnDemandSwapBufferManager.allocate_all (initialize_parameters)", "initialize")
             add(f"optimizer swap buffers streaming gradients out ({STAGING_BUFFERS_IN_USE} x {sub:,} fp32)",
                 staging, True, "OnDemandSwapBufferManager.allocate_all (swap_out_gradients)", "backward")
+        if ma and settings.enable_optimizer_pool:
             add("optimizer step temporaries", sub * MEMASCEND_STEP_TEMP_BYTES_PER_SUB_GROUP_NUMEL, False,
                 "calibrated (MEMASCEND_STEP_TEMP_BYTES_PER_SUB_GROUP_NUMEL)", "step")
     elif oo.get("device") == "cpu":

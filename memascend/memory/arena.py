@@ -112,6 +112,10 @@ class PinnedArena:
         enable_thp: otherwise advise transparent hugepages (``MADV_HUGEPAGE``).
         enable_mlock: lock regions in RAM; without it the memory is merely aligned.
         enable_cuda_register: ``cudaHostRegister`` each region when a CUDA device is usable.
+        release_empty_before_growing: before mapping a region for a request no free block fits,
+            unmap regions without a live allocation (largest first) until as many bytes as the
+            new region are released, so idle memory is replaced instead of added to (what the
+            host block cache does, :mod:`memascend.memory.host_cache`).
 
     Raises:
         ValueError: ``region_bytes`` is not positive.
@@ -126,6 +130,7 @@ class PinnedArena:
         enable_thp: bool = True,
         enable_mlock: bool = True,
         enable_cuda_register: bool = True,
+        release_empty_before_growing: bool = False,
     ) -> None:
         if not isinstance(region_bytes, int) or region_bytes <= 0:
             raise ValueError(f"region_bytes must be a positive int, got {region_bytes!r}")
@@ -135,6 +140,7 @@ class PinnedArena:
             enable_thp=enable_thp,
             enable_mlock=enable_mlock,
             enable_cuda_register=enable_cuda_register,
+            release_empty_before_growing=release_empty_before_growing,
         )
 
     # -- allocation ------------------------------------------------------------------------------

@@ -189,3 +189,40 @@ def test_recorded_errors_command(capsys):
     assert main([str(RECORDED[0])]) == 0
     out = capsys.readouterr().out
     assert RECORDED[0].stem in out and "worst of 1 reports: RSS" in out
+
+
+def test_kept_optimizer_buffers_are_resident_released_ones_exist_in_the_step_only():
+    from memascend.bench.plan import plan_run
+    from memascend.config import build_run_config
+
+    cfg = build_run_config({}, {"data": {"seq_len": 256}, "train": {"micro_batch": 4}})
+    released = plan_run(cfg)["memascend"]
+    kept = plan_run(cfg, memascend_settings={"enable_optimizer_buffer_release": False})["memascend"]
+
+    def buffers(plan):
+        return {c.phase: c.bytes for c in plan.components if c.name.startswith("optimizer swap buffers (")}
+
+    assert set(buffers(released)) == {"step"} and set(buffers(kept)) == {"resident"}
+    assert buffers(kept)["resident"] == buffers(released)["step"]
+    # Kept buffers are the ones that stream gradients out in backward: not counted twice.
+    assert any(c.name.startswith("optimizer swap buffers streaming gradients") for c in released.components)
+    assert not any(c.name.startswith("optimizer swap buffers streaming") for c in kept.components)
+    assert kept.peak_rss_bytes > released.peak_rss_bytes
+
+
+def test_host_block_cache_keeps_model_build_tensors_out_of_the_heap():
+    from memascend.bench.plan import HOST_BLOCK_CACHE_THRESHOLD_BYTES, plan_run
+    from memascend.config import build_run_config
+    from memascend.memory.host_cache import DEFAULT_THRESHOLD_BYTES
+
+    assert HOST_BLOCK_CACHE_THRESHOLD_BYTES == DEFAULT_THRESHOLD_BYTES
+    cfg = build_run_config({}, {"data": {"seq_len": 256}, "train": {"micro_batch": 4}})
+
+    def heap_bytes(settings):
+        plan = plan_run(cfg, memascend_settings=settings)["memascend"]
+        return sum(c.bytes for c in plan.components if c.name.startswith("model build"))
+
+    assert heap_bytes({}) == 0  # the malloc policy trims it
+    with_cache = heap_bytes({"enable_malloc_policy": False})
+    without_cache = heap_bytes({"enable_malloc_policy": False, "enable_host_block_cache": False})
+    assert 0 < with_cache < without_cache / 4  # only SmolLM2's tensors under 1 MiB (norms, biases)

@@ -74,7 +74,8 @@ def test_each_flag_patches_only_its_seams():
     ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=True, enable_optimizer_pool=False,
                                         enable_arena_pinning=False, enable_fused_overflow_check=False,
                                         enable_malloc_policy=False, enable_grad_buffer_release=False,
-                                        fix_unaligned_gradient_io=False))
+                                        fix_unaligned_gradient_io=False,
+                                        enable_host_block_cache=False))
     during = _snapshot()
     changed = {k for k in before if during[k] is not before[k]}
     assert changed == {"partition_parameters.AsyncPartitionedParameterSwapper"}
@@ -82,7 +83,8 @@ def test_each_flag_patches_only_its_seams():
     ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=False, enable_optimizer_pool=False,
                                         enable_arena_pinning=False, enable_fused_overflow_check=False,
                                         enable_malloc_policy=False, enable_grad_buffer_release=True,
-                                        fix_unaligned_gradient_io=False))
+                                        fix_unaligned_gradient_io=False,
+                                        enable_host_block_cache=False))
     during = _snapshot()
     assert {k for k in before if during[k] is not before[k]} == {"stage3.__init__", "stage3._post_step",
                                                                   "stage3.partition_grads"}
@@ -90,14 +92,16 @@ def test_each_flag_patches_only_its_seams():
     ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=False, enable_optimizer_pool=False,
                                         enable_arena_pinning=False, enable_fused_overflow_check=False,
                                         enable_malloc_policy=False, enable_grad_buffer_release=False,
-                                        grad_norm_sub_group_numel=1 << 20, fix_unaligned_gradient_io=False))
+                                        grad_norm_sub_group_numel=1 << 20, fix_unaligned_gradient_io=False,
+                                        enable_host_block_cache=False))
     during = _snapshot()
     assert {k for k in before if during[k] is not before[k]} == {"stage3._get_norm_groups"}
     ma_ds.revert()
     ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=False, enable_optimizer_pool=False,
                                         enable_arena_pinning=False, enable_fused_overflow_check=False,
                                         enable_malloc_policy=True, enable_grad_buffer_release=False,
-                                        fix_unaligned_gradient_io=False))
+                                        fix_unaligned_gradient_io=False,
+                                        enable_host_block_cache=False))
     during = _snapshot()
     assert {k for k in before if during[k] is not before[k]} == {"stage3.__init__", "stage3._post_step",
                                                                   "stage3.partition_grads", "engine.forward"}
@@ -107,6 +111,15 @@ def test_each_flag_patches_only_its_seams():
     during = _snapshot()
     assert {k for k in before if during[k] is not before[k]} == {
         "PartitionedOptimizerSwapper._swap_in_pinned_gradients", "OptimizerSwapper._writeback_gradients"}
+    ma_ds.revert()
+    assert _snapshot() == before
+    ma_ds.revert()
+    ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=False, enable_optimizer_pool=False,
+                                        enable_arena_pinning=False, enable_fused_overflow_check=False,
+                                        enable_malloc_policy=False, enable_grad_buffer_release=False,
+                                        fix_unaligned_gradient_io=False, enable_host_block_cache=True))
+    during = _snapshot()
+    assert {k for k in before if during[k] is not before[k]} == {"engine.forward"}  # installs the cache
     ma_ds.revert()
     assert _snapshot() == before
 
@@ -227,15 +240,24 @@ def test_prepare_ds_config_resolves_auto_sub_group_and_stock_norm_grouping():
     assert settings.grad_norm_sub_group_numel is None
 
 
-def test_host_block_cache_is_torchs_cpu_allocator_only_while_applied():
+def test_host_block_cache_is_installed_by_the_first_forward_and_removed_by_revert():
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
     from memascend.memory import host_cache
 
+    def forward_hook_patched() -> bool:
+        return any(r.owner is DeepSpeedEngine and r.name == "forward" for r in ma_ds.patch_records())
+
     assert not host_cache.installed()
-    ma_ds.apply(ALL_ON)
-    assert host_cache.installed() and host_cache.owns(torch.empty(1 << 20, dtype=torch.uint8).clone())
+    # Only the cache on: the engine's forward still carries the hook that installs it.
+    ma_ds.apply(ma_ds.MemAscendSettings(enable_malloc_policy=False))
+    assert forward_hook_patched()
+    assert not host_cache.installed()  # model and engine construction run on torch's own allocator
+    host_cache.install()  # what the first forward does (tests/integrations/test_ds_step_memory.py)
+    assert host_cache.owns(torch.empty(1 << 20, dtype=torch.uint8).clone())
     ma_ds.revert()
-    assert not host_cache.installed()
-    ma_ds.apply(ma_ds.MemAscendSettings(enable_host_block_cache=False))
-    assert not host_cache.installed()
+    assert not host_cache.installed() and not forward_hook_patched()
+    ma_ds.apply(ma_ds.MemAscendSettings(enable_host_block_cache=False, enable_malloc_policy=False))
+    assert not forward_hook_patched() and not host_cache.installed()
     ma_ds.revert()
     assert not host_cache.installed()

@@ -269,6 +269,23 @@ def test_engine_forward_trims_only_in_training(monkeypatch):
     assert fwd(engine, 1) == 2 and calls == ["trim"]
 
 
+def test_engine_forward_installs_the_host_block_cache_once_at_the_first_forward(monkeypatch):
+    from memascend.memory import host_cache
+
+    monkeypatch.setattr(host_allocator, "trim", lambda: pytest.fail("trim is off"))
+    fwd = step_memory.make_engine_forward(lambda self, x: host_cache.installed(), trim=False,
+                                          install_host_cache=True)
+    assert not host_cache.installed()
+    engine = types.SimpleNamespace(module=types.SimpleNamespace(training=True))
+    try:
+        assert fwd(engine, 1) is True  # installed before the forward runs
+        assert fwd(engine, 1) is True
+    finally:
+        assert host_cache.uninstall()
+    plain = step_memory.make_engine_forward(lambda self, x: host_cache.installed(), trim=False)
+    assert plain(engine, 1) is False
+
+
 def test_managed_accumulation_read_from_the_config_stage3_gets(tmp_path):
     assert step_memory.managed_accumulation({"train_batch_size": 1}) is True
     assert step_memory.managed_accumulation({"managed_gradient_accumulation": False}) is False

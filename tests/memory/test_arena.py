@@ -223,6 +223,30 @@ def test_growth_by_region_and_oversized_region(arena):
     assert arena.stats().reserved_bytes == 0 and arena.stats().num_regions == 0
 
 
+def test_release_empty_before_growing_replaces_idle_regions_instead_of_adding():
+    def run(release: bool) -> tuple[int, int]:
+        a = PinnedArena(region_bytes=4 * MIB, enable_hugetlb=False, enable_mlock=False,
+                        enable_cuda_register=False, release_empty_before_growing=release)
+        try:
+            kept = a.allocate(MIB, torch.uint8)  # region 1 stays in use
+            idle = [a.allocate(4 * MIB, torch.uint8) for _ in range(3)]  # regions 2-4, then idle
+            for t in idle:
+                a.free(t)
+            big = a.allocate(6 * MIB, torch.uint8)  # fits no free block: a 6 MiB region
+            fits = a.allocate(2 * MIB, torch.uint8)  # fits region 1's free 3 MiB: no growth
+            s = a.stats()
+            assert kept.data_ptr() != big.data_ptr() and s.in_use_bytes == 9 * MIB
+            for t in (kept, big, fits):
+                a.free(t)
+            return s.reserved_bytes, s.peak_reserved_bytes
+        finally:
+            a.close()
+
+    assert run(release=False) == (22 * MIB, 22 * MIB)  # 4 + 3 x 4 idle + 6
+    # Two idle 4 MiB regions (8 >= 6 MiB) go before the 6 MiB one is mapped; one idle region stays.
+    assert run(release=True) == (14 * MIB, 16 * MIB)
+
+
 def test_reserve_maps_one_exact_region(arena):
     assert arena.reserve(10 * MIB + 5) == 12 * MIB
     assert arena.reserve(5 * MIB) == 0  # fits in the free 12 MiB

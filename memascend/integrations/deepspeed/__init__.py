@@ -108,11 +108,7 @@ def apply(settings: MemAscendSettings | None = None) -> MemAscendSettings:
                 return _applied
             raise UserError("memascend is already applied to DeepSpeed with other settings; call revert() first")
         try:
-            _patch_all(settings)
-            if settings.enable_host_block_cache:
-                from memascend.memory import host_cache
-
-                host_cache.install(enable_thp=settings.enable_torch_thp)
+            _patch_all(settings)  # the host block cache is installed by the engine's first forward
         except BaseException:
             _registry.restore_all()
             raise
@@ -206,15 +202,18 @@ def _patch_all(settings: MemAscendSettings) -> None:
                         make_get_norm_groups(stage3._get_norm_groups, settings.grad_norm_sub_group_numel))
 
     if settings.enable_malloc_policy:
-        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-
-        from memascend.integrations.deepspeed import host_allocator, step_memory
+        from memascend.integrations.deepspeed import host_allocator
 
         host_allocator.set_malloc_policy()
-        stage3 = DeepSpeedZeroOptimizer_Stage3
+
+    if settings.enable_malloc_policy or settings.enable_host_block_cache:
         from deepspeed.runtime.engine import DeepSpeedEngine
 
-        _registry.patch(DeepSpeedEngine, "forward", step_memory.make_engine_forward(DeepSpeedEngine.forward))
+        from memascend.integrations.deepspeed import step_memory
+
+        _registry.patch(DeepSpeedEngine, "forward", step_memory.make_engine_forward(
+            DeepSpeedEngine.forward, trim=settings.enable_malloc_policy,
+            install_host_cache=settings.enable_host_block_cache, enable_thp=settings.enable_torch_thp))
 
     if settings.enable_malloc_policy or settings.enable_grad_buffer_release or settings.enable_optimizer_pool:
         from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3

@@ -97,10 +97,12 @@ class MemAscendSettings:
             finetune`` sets it before importing torch; a program driving DeepSpeed itself sets it
             in its launcher's environment (:func:`torch_thp_env`), and :func:`apply` warns when it
             is missing. It also decides ``MADV_HUGEPAGE`` on the host block cache's regions
-            (``enable_host_block_cache``), which serve those tensors while applied. A no-op where
+            (``enable_host_block_cache``), which serve those tensors from the first forward. A no-op where
             ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``never``.
         enable_host_block_cache: put the host block cache (:mod:`memascend.memory.host_cache`) in
-            front of torch's CPU allocator while applied: host tensors of 1 MiB or more take
+            front of torch's CPU allocator from the engine's first forward (model and engine
+            construction allocate each tensor once and stay on torch's allocator) until
+            :func:`revert`: host tensors of 1 MiB or more take
             best-fit blocks of a cache that keeps their pages, so each step's activations and
             gradient temporaries reuse resident memory instead of being unmapped by glibc and
             faulted in (and zeroed) again the next step. Transparent hugepages on the cache's
