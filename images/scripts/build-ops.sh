@@ -12,13 +12,5 @@ export PATH=/opt/memascend/venv/bin:$PATH
 # The source tree as of this build (install-python.sh's layer may hold an older one, with its deps).
 /opt/memascend/venv/bin/python -m pip install --no-cache-dir -q --no-deps --force-reinstall "$src"
 cd "$src"
-/opt/memascend/venv/bin/python - <<'PY'
-import importlib, pkgutil, os, sys
-import memascend.ops
-names = [m.name for m in pkgutil.iter_modules(memascend.ops.__path__) if m.name != "build" and not m.name.startswith("_")]
-for name in names:
-    mod = importlib.import_module(f"memascend.ops.{name}")
-    built = mod.load()
-    print(f"built memascend_{name}: {built.__file__}", flush=True)
-PY
+/opt/memascend/venv/bin/python -m memascend.ops.build --no-deepspeed
 find "$MEMASCEND_EXT_DIR" -name 'memascend_*.so' -exec cp -v {} "$out"/ \;

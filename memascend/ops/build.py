@@ -96,3 +96,64 @@ def load_op(
         )
     except Exception as exc:  # noqa: BLE001 - surfaced as one clear error
         raise OpBuildError(f"cannot build op '{name}': {str(exc).strip().splitlines()[-1]}") from exc
+
+
+
+def build_all(*, deepspeed_ops: bool = True) -> list[tuple[str, bool, str]]:
+    """Build (or find prebuilt) every memascend op and, with ``deepspeed_ops``, DeepSpeed's JIT ops.
+
+    ``install.sh`` runs this so that no training process compiles on first use. A first-use
+    compile holds torch's build lock (``<build dir>/lock``) for a minute or more, and a process
+    killed meanwhile (a memory cgroup's OOM kill, a timeout, Ctrl-C) leaves the lock behind:
+    every later process that loads the op then waits on it forever.
+
+    Args:
+        deepspeed_ops: also build DeepSpeed's ``async_io`` (and ``pin_memory``, which it loads
+            first), used by ZeRO-Infinity's NVMe swappers; skipped where DeepSpeed says the op is
+            not compatible (no libaio headers).
+
+    Returns:
+        ``(name, ok, detail)`` per op; ``ok`` is false only for an op that failed to build
+        (``detail`` says why); a DeepSpeed op that cannot apply here is ok with a reason.
+    """
+    from memascend.host.extensions import op_names
+
+    results: list[tuple[str, bool, str]] = []
+    for name in op_names():
+        try:
+            module = importlib.import_module(f"memascend.ops.{name}").load()
+            results.append((f"memascend_{name}", True, str(getattr(module, "__file__", ""))))
+        except OpBuildError as exc:
+            results.append((f"memascend_{name}", False, str(exc)))
+    if not deepspeed_ops:
+        return results
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+    except ImportError as exc:
+        return [*results, ("deepspeed async_io", False, f"deepspeed is not importable: {exc}")]
+    builder = AsyncIOBuilder()
+    if not builder.is_compatible(verbose=False):
+        return [*results, ("deepspeed async_io", True, "skipped: not compatible here (libaio headers missing)")]
+    try:
+        builder.load(verbose=False)
+        results.append(("deepspeed async_io", True, "built"))
+    except Exception as exc:  # noqa: BLE001 - reported per op, one line
+        results.append(("deepspeed async_io", False, (str(exc).strip().splitlines() or [repr(exc)])[-1]))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python3 -m memascend.ops.build [--no-deepspeed]``: build every op; exit 1 if one failed."""
+    args = sys.argv[1:] if argv is None else argv
+    if any(a != "--no-deepspeed" for a in args):
+        print("usage: python3 -m memascend.ops.build [--no-deepspeed]", file=sys.stderr)
+        return 2
+    failed = 0
+    for name, ok, detail in build_all(deepspeed_ops="--no-deepspeed" not in args):
+        print(f"{name}: {'ok' if ok else 'FAILED'} {detail}".rstrip(), file=sys.stderr)
+        failed += not ok
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -111,3 +111,63 @@ def test_plan_sub_group_numel_bounds_locked_memory():
     assert 8 * n * 4 <= 100 * 1024**2 + 12345 and n % (1 << 20) == 0
     with pytest.raises(UserError, match="budget"):
         plan_sub_group_numel(locked_budget_bytes=16 * 1024**2, buffers_in_flight=4, min_io_bytes=8 * 1024**2)
+
+
+def _vmlck_bytes() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmLck:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmLck in /proc/self/status")
+
+
+@pytest.mark.parametrize("huge_pages", [True, False])
+def test_idle_buffers_are_parked_then_locked_again_at_the_same_address(handle, huge_pages):
+    from memascend.integrations.deepspeed import host_allocator
+
+    if not host_allocator.can_park():
+        pytest.skip("needs glibc mlock/madvise")
+    numel = 1 << 20  # 4 MiB per buffer
+    settings = MemAscendSettings(enable_torch_thp=huge_pages)
+    ours = make_swap_buffer_manager_class(settings)(numel, 4, torch.float32, handle)
+    assert ours.parkable()
+    bufs = ours.allocate(numel, 4, torch.float32)
+    for b in bufs:
+        b.fill_(1.0)
+    addresses = sorted(b.data_ptr() for b in bufs)
+    ours.free(bufs)
+    locked_before = _vmlck_bytes()
+
+    assert ours.release_free_buffers() == 4 * numel * 4
+    assert ours.locked_bytes() == 0 and len(ours.all_buffers) == 4  # kept, not freed
+    assert _vmlck_bytes() <= locked_before - 4 * (numel * 4 - 4096)  # unlocked
+    assert all(host_allocator.resident_bytes(b) <= 4096 for b in ours.all_buffers)  # pages handed back
+    assert ours.release_free_buffers() == 0  # already parked
+
+    two = ours.allocate(numel - 1000, 2, torch.float32)
+    assert ours.locked_bytes() == 2 * numel * 4 and len(ours.parked_buffer_index) == 2
+    rest = ours.allocate(numel, 2, torch.float32)
+    again = two + rest
+    assert sorted(b.data_ptr() for b in again) == addresses  # same buffers, no new allocation
+    assert all(handle.is_pinned(b) for b in again)  # the aio handle still reads into them directly
+    assert all(torch.count_nonzero(b[:numel - 1024]) == 0 for b in again)  # released pages read as zero
+    assert _vmlck_bytes() >= locked_before - 4096 * 4
+    assert ours.peak_locked_bytes == 4 * numel * 4 and ours.peak_buffers_in_use == 4
+    ours.free(again)
+
+
+def test_streaming_after_a_park_locks_only_two_buffers(handle):
+    # The gradient swap-out in backward (allocate_all) must not lock all four parked buffers: the
+    # forward/backward peak would carry the optimizer step's buffers.
+    from memascend.integrations.deepspeed import host_allocator
+
+    if not host_allocator.can_park():
+        pytest.skip("needs glibc mlock/madvise")
+    ours = on_demand(handle)
+    ours.free(ours.allocate(NUMEL, 4, torch.float32))
+    ours.release_free_buffers()
+    streaming = ours.allocate_all(NUMEL, torch.float32)
+    assert len(streaming) == 2 and ours.locked_bytes() == 2 * NUMEL * 4
+    ours.free(streaming)
+    step = ours.allocate(NUMEL, 4, torch.float32)  # the optimizer step locks the other two
+    assert ours.locked_bytes() == 4 * NUMEL * 4 and len(ours.all_buffers) == 4
+    ours.free(step)

@@ -14,7 +14,11 @@ the largest I/O-aligned sub-group, handed out narrowed to the request), but
 * never refuses a request (grows past ``buffer_count``);
 * ``allocate_all`` hands out the free buffers it already has (at least two): callers of it
   (initial fp32 write-out, gradient swap-out staging) only stream through them, and move the same
-  bytes to the same files with fewer buffers.
+  bytes to the same files with fewer buffers;
+* between optimizer steps (``release_free_buffers``, with ``enable_optimizer_buffer_release``)
+  unlocks the buffers and hands their pages back to the OS, keeping their mappings (parked), and
+  locks them again when the next step asks for them: the forward and backward run without them,
+  and no buffer is allocated anew (stock keeps all of them locked for the whole run).
 
 Locked memory per buffer is then set by the sub-group size. :func:`plan_sub_group_numel` picks
 one that bounds the optimizer's locked memory while keeping every I/O request large.
@@ -28,6 +32,7 @@ import torch
 from deepspeed.runtime.swap_tensor.utils import SwapBufferManager
 
 from memascend.errors import UserError
+from memascend.integrations.deepspeed import host_allocator
 from memascend.integrations.deepspeed.pinning import LockedAllocator
 from memascend.integrations.deepspeed.settings import MemAscendSettings
 
@@ -62,21 +67,46 @@ class OnDemandSwapBufferManager(SwapBufferManager):
         self.peak_buffers_in_use = 0
         self.peak_locked_bytes = 0
         self.gigabytes = 0.0
+        self.parked_buffer_index: set[int] = set()
+        self.parks = 0
 
-    def _grow(self, how_many: int) -> None:
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of one buffer (the largest I/O-aligned sub-group)."""
+        return self.num_elems * torch.empty(0, dtype=self.dtype).element_size()
+
+    def _make_room(self, nbytes: int) -> None:
         if self.memascend_settings.enable_host_block_cache:
             # The locked buffers come from the aio handle or the pinned arena, never from the
             # host block cache: hand the cache's idle regions back first, so the buffers take
             # those pages instead of adding to them (memascend.memory.host_cache).
             from memascend.memory import host_cache
 
-            host_cache.release_empty(how_many * self.num_elems * torch.empty(0, dtype=self.dtype).element_size())
+            host_cache.release_empty(nbytes)
+
+    def _account(self) -> None:
+        self.peak_locked_bytes = max(self.peak_locked_bytes, self.locked_bytes())
+        self.gigabytes = self.locked_bytes() / 1024**3
+
+    def _grow(self, how_many: int) -> None:
+        self._make_room(how_many * self.buffer_bytes)
         for _ in range(how_many):
             # Zeroed like the stock buffers: optimizer state may start from them.
             self.all_buffers.append(self.allocator.allocate(self.num_elems, self.dtype).zero_())
             self.free_buffer_index.append(len(self.all_buffers) - 1)
-        self.peak_locked_bytes = max(self.peak_locked_bytes, self.locked_bytes())
-        self.gigabytes = self.locked_bytes() / 1024**3
+        self._account()
+
+    def _unpark(self, indices: list[int]) -> None:
+        parked = [i for i in indices if i in self.parked_buffer_index]
+        if not parked:
+            return
+        self._make_room(len(parked) * self.buffer_bytes)
+        for index in parked:
+            # Faults the pages in (2 MiB ones where parked with huge pages); they read as zero,
+            # like a new buffer's, apart from the unreleased partial page at the end.
+            host_allocator.lock_pages(self.all_buffers[index])
+            self.parked_buffer_index.discard(index)
+        self._account()
 
     def allocate(self, num_elems: int, count: int, dtype: torch.dtype) -> list[torch.Tensor]:
         """``count`` buffers narrowed to ``num_elems``; grows instead of returning ``None``.
@@ -91,8 +121,12 @@ class OnDemandSwapBufferManager(SwapBufferManager):
         missing = count - len(self.free_buffer_index)
         if missing > 0:
             self._grow(missing)
+        # Hand out locked buffers before parked ones (which must be locked again first).
+        self.free_buffer_index = ([i for i in self.free_buffer_index if i in self.parked_buffer_index]
+                                  + [i for i in self.free_buffer_index if i not in self.parked_buffer_index])
         indices = self.free_buffer_index[-count:] if count else []
         self.free_buffer_index = self.free_buffer_index[:len(self.free_buffer_index) - count]
+        self._unpark(indices)
         buffers = []
         for index in indices:
             view = self.all_buffers[index].narrow(0, 0, num_elems)
@@ -107,8 +141,11 @@ class OnDemandSwapBufferManager(SwapBufferManager):
     flush wait for its own write)."""
 
     def allocate_all(self, num_elems: int, dtype: torch.dtype) -> list[torch.Tensor]:
-        """Every free buffer, creating some so that at least :attr:`streaming_buffers` are handed out."""
-        count = max(self.streaming_buffers, len(self.free_buffer_index))
+        """Every free locked buffer, creating or locking parked ones so that at least
+        :attr:`streaming_buffers` are handed out (parked ones beyond that stay parked: the
+        gradient swap-out during backward streams through two as fast as through four)."""
+        locked_free = [i for i in self.free_buffer_index if i not in self.parked_buffer_index]
+        count = max(self.streaming_buffers, len(locked_free))
         return self.allocate(num_elems=num_elems, count=count, dtype=dtype)
 
     def free(self, buffers: list[torch.Tensor]) -> None:
@@ -124,25 +161,44 @@ class OnDemandSwapBufferManager(SwapBufferManager):
         for key in keys:
             self.free_buffer_index.append(self.used_buffer_index.pop(key))
 
-    def release_free_buffers(self) -> int:
-        """Unlock and free every buffer when none is handed out (between optimizer steps).
+    def parkable(self) -> bool:
+        """Whether idle buffers are parked (kept mapped, unlocked, pages released) rather than freed.
 
-        The next :meth:`allocate` locks new ones, so the peak stays ``states + 1`` buffers while
-        the forward and backward run without them. Returns the bytes released (0 while any
-        buffer is in use).
+        Only the aio handle's buffers are: arena memory on a CUDA host is registered with CUDA
+        and must stay resident while registered (the arena releases its own idle regions).
+        """
+        return self.allocator.source == "aio_handle" and host_allocator.can_park()
+
+    def release_free_buffers(self) -> int:
+        """Unlock every buffer and return its memory when none is handed out (between optimizer steps).
+
+        The forward and backward then run without the buffers' memory, and the peak stays
+        ``states + 1`` buffers. Buffers of the aio handle are parked
+        (:func:`~memascend.integrations.deepspeed.host_allocator.park_locked_pages`: same
+        address, pages released, marked for huge pages with ``enable_torch_thp``) and locked
+        again by the :meth:`allocate` that hands them out; other buffers are freed and
+        allocated anew. Returns the bytes released (0 while any buffer is in use).
         """
         if self.used_buffer_index or not self.all_buffers:
             return 0
         released = self.locked_bytes()
-        for buffer in self.all_buffers:
-            self.allocator.free(buffer)
-        self.all_buffers, self.free_buffer_index = [], []
+        if self.parkable():
+            for index, buffer in enumerate(self.all_buffers):
+                if index not in self.parked_buffer_index:
+                    host_allocator.park_locked_pages(buffer, huge_pages=self.memascend_settings.enable_torch_thp)
+                    self.parked_buffer_index.add(index)
+            self.parks += 1
+        else:
+            for buffer in self.all_buffers:
+                self.allocator.free(buffer)
+            self.all_buffers, self.free_buffer_index = [], []
         self.gigabytes = 0.0
         return released
 
     def locked_bytes(self) -> int:
-        """Bytes locked by this manager's buffers."""
-        return sum(b.numel() * b.element_size() for b in self.all_buffers)
+        """Bytes locked by this manager's buffers now (parked ones excluded)."""
+        return sum(b.numel() * b.element_size() for i, b in enumerate(self.all_buffers)
+                   if i not in self.parked_buffer_index)
 
     def __del__(self) -> None:
         buffers = getattr(self, "all_buffers", None)

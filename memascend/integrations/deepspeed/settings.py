@@ -78,10 +78,13 @@ class MemAscendSettings:
             buffer to the OS after construction and after each step (its contents are dead
             there with the optimizer offloaded; :mod:`.step_memory`), so it is resident only
             while backward fills it.
-        enable_optimizer_buffer_release: with ``enable_optimizer_pool``, unlock and free the
-            optimizer's swap buffers after every step (and after construction) so the forward and
-            backward run without them; the next step locks them again. Same peak locked memory;
-            lower RSS outside the step, paid for with page faults when they are locked again.
+        enable_optimizer_buffer_release: with ``enable_optimizer_pool``, unlock the optimizer's
+            swap buffers after every step (and after construction) and hand their pages back, so
+            the forward and backward run without them; the next step locks them again. The aio
+            handle's buffers are parked (mapping kept, so no new allocation; with
+            ``enable_torch_thp`` marked ``MADV_HUGEPAGE``, so locking them again faults 2 MiB
+            pages); arena buffers are freed. Same peak locked memory; lower RSS outside the step,
+            paid for with page faults when they are locked again.
         reduce_bucket_numel: ``zero_optimization.reduce_bucket_size`` (elements; stock 5e8, a
             buffer of that many gradient elements of which the whole model's gradients become
             resident). ``"auto"``: the largest parameter, resolved by ``prepare_ds_config`` (the
@@ -97,7 +100,8 @@ class MemAscendSettings:
             finetune`` sets it before importing torch; a program driving DeepSpeed itself sets it
             in its launcher's environment (:func:`torch_thp_env`), and :func:`apply` warns when it
             is missing. It also decides ``MADV_HUGEPAGE`` on the host block cache's regions
-            (``enable_host_block_cache``), which serve those tensors from the first forward. A no-op where
+            (``enable_host_block_cache``), which serve those tensors from the first forward, and
+            on the parked optimizer swap buffers (``enable_optimizer_buffer_release``). A no-op where
             ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``never``.
         enable_host_block_cache: put the host block cache (:mod:`memascend.memory.host_cache`) in
             front of torch's CPU allocator from the engine's first forward (model and engine

@@ -11,8 +11,9 @@ backward do not use:
   after every optimizer step, so it becomes resident again only as backward fills it. Not done for
   fp16 (stage 3's fp16 ``has_overflow`` reads the whole buffer) nor for device/pinned buffers.
 * the optimizer swapper's locked buffers (``states + 1`` largest sub-groups): needed only inside
-  ``step``. With the on-demand manager they are freed after the step and locked again at the
-  next (:meth:`OnDemandSwapBufferManager.release_free_buffers`): same peak locked memory, but the
+  ``step``. With the on-demand manager they are unlocked and their pages handed back after the
+  step, keeping the mapping (parked), and locked again at the next
+  (:meth:`OnDemandSwapBufferManager.release_free_buffers`): same peak locked memory, but the
   forward and backward run without them.
 * free heap memory of glibc's arenas (:func:`host_allocator.trim`): after each step, and before
   stage 3 partitions a bucket of gradients (``partition_grads``). Activations freed during backward
