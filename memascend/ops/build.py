@@ -98,7 +98,6 @@ def load_op(
         raise OpBuildError(f"cannot build op '{name}': {str(exc).strip().splitlines()[-1]}") from exc
 
 
-
 def build_all(*, deepspeed_ops: bool = True) -> list[tuple[str, bool, str]]:
     """Build (or find prebuilt) every memascend op and, with ``deepspeed_ops``, DeepSpeed's JIT ops.
 
@@ -150,6 +149,7 @@ def build_all(*, deepspeed_ops: bool = True) -> list[tuple[str, bool, str]]:
         except Exception as exc:  # noqa: BLE001 - reported per op, one line
             results.append((label, False, (str(exc).strip().splitlines() or [repr(exc)])[-1]))
     return results
+
 
 def main(argv: list[str] | None = None) -> int:
     """``python3 -m memascend.ops.build [--no-deepspeed]``: build every op; exit 1 if one failed."""

@@ -32,7 +32,10 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import os
 from typing import Any
+
+from memascend.errors import UserError
 
 # mallopt parameter numbers (glibc malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -121,6 +124,21 @@ _MADV_HUGEPAGE = 14
 _PAGE_BYTES = 4096
 
 
+def _whole_pages(tensor: Any) -> tuple[int, int]:
+    """``(first, last)`` addresses of the whole pages inside ``tensor``'s bytes (``last`` exclusive;
+    ``first >= last`` when none is whole)."""
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    return -(-start // _PAGE_BYTES) * _PAGE_BYTES, end // _PAGE_BYTES * _PAGE_BYTES
+
+
+def _page_span(tensor: Any) -> tuple[int, int]:
+    """``(first, length)`` of the page-rounded range covering ``tensor``'s bytes."""
+    start = tensor.data_ptr() // _PAGE_BYTES * _PAGE_BYTES
+    end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
+    return start, -(-(end - start) // _PAGE_BYTES) * _PAGE_BYTES
+
+
 def release_pages(tensor: Any) -> int:
     """Return the whole pages under a CPU tensor to the OS; they read as zero until written again.
 
@@ -142,10 +160,7 @@ def release_pages(tensor: Any) -> int:
             return 0
     except RuntimeError:  # no pinned-memory backend in this torch build: plain malloc memory
         pass
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    first = -(-start // _PAGE_BYTES) * _PAGE_BYTES
-    last = end // _PAGE_BYTES * _PAGE_BYTES
+    first, last = _whole_pages(tensor)
     if last - first < 2 * _PAGE_BYTES:
         return 0
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -155,13 +170,7 @@ def release_pages(tensor: Any) -> int:
     return last - first
 
 
-def _page_span(tensor: Any) -> tuple[int, int]:
-    """``(first, length)`` of the page-rounded range covering ``tensor``'s bytes."""
-    start = tensor.data_ptr() // _PAGE_BYTES * _PAGE_BYTES
-    end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
-    return start, -(-(end - start) // _PAGE_BYTES) * _PAGE_BYTES
-
-
+@functools.lru_cache(maxsize=1)
 def _memory_calls() -> Any | None:
     libc = _libc()
     if libc is None or not all(hasattr(libc, name) for name in ("mlock", "munlock", "madvise")):
@@ -206,8 +215,7 @@ def park_locked_pages(tensor: Any, *, huge_pages: bool) -> int:
     if libc is None or tensor is None or tensor.device.type != "cpu" or not tensor.is_contiguous():
         return 0
     start, length = _page_span(tensor)
-    first = -(-tensor.data_ptr() // _PAGE_BYTES) * _PAGE_BYTES
-    last = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // _PAGE_BYTES * _PAGE_BYTES
+    first, last = _whole_pages(tensor)
     if last - first < 2 * _PAGE_BYTES:
         return 0
     if libc.munlock(ctypes.c_void_p(start), ctypes.c_size_t(length)) != 0:
@@ -235,10 +243,6 @@ def lock_pages(tensor: Any) -> int:
         return 0
     start, length = _page_span(tensor)
     if libc.mlock(ctypes.c_void_p(start), ctypes.c_size_t(length)) != 0:
-        import os
-
-        from memascend.errors import UserError
-
         err = ctypes.get_errno()
         raise UserError(f"cannot lock {length / 2**20:.1f} MiB for an optimizer swap buffer "
                         f"({os.strerror(err) if err else 'mlock failed'}); raise the memlock limit "
@@ -261,12 +265,10 @@ def resident_bytes(tensor: Any) -> int | None:
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         return 0
-    start = tensor.data_ptr() // _PAGE_BYTES * _PAGE_BYTES
-    end = tensor.data_ptr() + nbytes
-    pages = -(-(end - start) // _PAGE_BYTES)
-    vec = (ctypes.c_ubyte * pages)()
+    start, length = _page_span(tensor)
+    vec = (ctypes.c_ubyte * (length // _PAGE_BYTES))()
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     libc.mincore.restype = ctypes.c_int
-    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), vec) != 0:
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) != 0:
         return None
     return min(nbytes, sum(v & 1 for v in vec) * _PAGE_BYTES)

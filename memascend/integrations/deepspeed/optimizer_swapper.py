@@ -68,7 +68,6 @@ class OnDemandSwapBufferManager(SwapBufferManager):
         self.peak_locked_bytes = 0
         self.gigabytes = 0.0
         self.parked_buffer_index: set[int] = set()
-        self.parks = 0
 
     @property
     def buffer_bytes(self) -> int:
@@ -187,7 +186,6 @@ class OnDemandSwapBufferManager(SwapBufferManager):
                 if index not in self.parked_buffer_index:
                     host_allocator.park_locked_pages(buffer, huge_pages=self.memascend_settings.enable_torch_thp)
                     self.parked_buffer_index.add(index)
-            self.parks += 1
         else:
             for buffer in self.all_buffers:
                 self.allocator.free(buffer)
