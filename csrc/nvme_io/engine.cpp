@@ -297,6 +297,14 @@ void Engine::finish_request_locked(Request* r) {
   Job* job = r->job;
   delete r;
   if (--job->remaining == 0) job->finished = true;
+  // A checksummed read's waiter checksums each leading run of requests as it completes.
+  if (job->blocked_on && (job->finished || !job->request_done.empty())) wake_waiters_ = true;
+}
+
+bool Engine::take_wake_locked() {
+  const bool wake = wake_waiters_ || (in_flight_ == 0 && pending_.empty());
+  wake_waiters_ = false;
+  return wake;
 }
 
 void Engine::worker_loop() {
@@ -309,6 +317,7 @@ void Engine::worker_loop() {
       continue;
     }
     bool stop = false;
+    bool wake = false;
     {
       std::lock_guard<std::mutex> lk(mu_);
       unsigned head = 0;
@@ -324,8 +333,9 @@ void Engine::worker_loop() {
       }
       io_uring_cq_advance(&ring_, seen);
       issue_pending_locked();
+      wake = take_wake_locked();
     }
-    cv_.notify_all();
+    if (wake || stop) cv_.notify_all();
     if (stop) return;
   }
 }
@@ -359,6 +369,7 @@ void Engine::worker_loop_aio() {
     timespec timeout{0, 100 * 1000 * 1000};  // libaio has no wake-up entry: poll for close()
     const int n = io_getevents(aio_ctx_, 1, static_cast<long>(events.size()), events.data(), &timeout);
     bool stop = false;
+    bool wake = false;
     {
       std::lock_guard<std::mutex> lk(mu_);
       for (int i = 0; i < n; ++i) {
@@ -367,8 +378,9 @@ void Engine::worker_loop_aio() {
       }
       issue_pending_locked();
       stop = stopping_ && in_flight_ == 0;
+      wake = take_wake_locked();
     }
-    cv_.notify_all();
+    if (wake || stop) cv_.notify_all();
     if (stop) return;
   }
 }
@@ -381,6 +393,7 @@ JobResult Engine::wait(std::int64_t job_id) {
   std::shared_ptr<Job> job = it->second;  // alive while the lock is dropped below
   job->waited = true;
   Job* j = job.get();
+  j->blocked_on = true;
   if (j->want_crc && j->op == OpKind::kRead) {
     // Checksum the job's leading requests as they complete, while the later ones are in flight.
     std::uint32_t crc = 0;
@@ -404,6 +417,7 @@ JobResult Engine::wait(std::int64_t job_id) {
   } else {
     cv_.wait(lk, [j] { return j->finished && !j->crc_pending; });
   }
+  j->blocked_on = false;
   jobs_.erase(job_id);
   lk.unlock();
   JobResult r = j->result;

@@ -129,6 +129,7 @@ class Engine {
     bool finished = false;
     bool crc_pending = false;  // a write's checksum is still being computed by its submitter
     bool waited = false;       // wait() has been called for it
+    bool blocked_on = false;   // a wait() for it is in progress (the worker wakes it on progress)
     std::vector<unsigned char> request_done;  // reads with a checksum: which requests completed
     JobResult result;
     std::shared_ptr<void> keep_alive;
@@ -140,6 +141,8 @@ class Engine {
   void issue_pending_locked();
   void complete_locked(Request* req, int res);
   void finish_request_locked(Request* req);
+  // Whether the waiters must be woken after this batch of completions (clears the flag).
+  bool take_wake_locked();
 
   EngineConfig config_;
   int fd_ = -1;
@@ -164,6 +167,10 @@ class Engine {
   std::unordered_map<std::int64_t, std::shared_ptr<Job>> jobs_;
   std::vector<unsigned char*> bounce_;  // slots, allocated on first need
   std::vector<int> free_bounce_;
+  // Set under mu_ when a completion may let a waiter return (a job that a wait() is blocked on
+  // finished, or its checksummed read advanced; the engine drained): the worker wakes the waiters
+  // only then, not after every completion.
+  bool wake_waiters_ = false;
 };
 
 // posix_memalign'ed block of `nbytes` (rounded up to `align_bytes`); release with free().

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -192,6 +193,39 @@ def test_many_jobs_in_flight_from_threads(op, store_file, backend):
         t.join()
     assert not errors, errors
     assert e.outstanding() == 0
+    e.close()
+
+
+@pytest.mark.parametrize("backend", ["io_uring", "libaio"])
+def test_completion_does_not_wait_for_the_submitting_thread(op, store_file, backend):
+    """A swapper thread submits and goes back to computing (no system call for a while); a job it
+    submitted must still complete and wake another thread's wait. With io_uring, a completion is
+    posted by task work of the submitting thread: a ring set up so that only that thread's next
+    io_uring_enter runs it (DEFER_TASKRUN) would hold the job until the computation ends."""
+    e = op.Engine(str(store_file), queue_depth=8, request_bytes=1 * MiB, backend=backend)
+    buf = op.aligned_empty(8 * MiB)
+    buf.random_(0, 256)
+    jobs: list[int] = []
+    submitted = threading.Event()
+    spin_s = 2.0
+
+    def submit_then_compute():
+        jobs.extend(e.submit_write(buf[k * MiB : (k + 1) * MiB], k * MiB) for k in range(8))
+        submitted.set()
+        t_end = time.perf_counter() + spin_s
+        while time.perf_counter() < t_end:  # pure Python: no system call of this thread's own
+            pass
+
+    t = threading.Thread(target=submit_then_compute)
+    t0 = time.perf_counter()
+    t.start()
+    assert submitted.wait(10)
+    # wait() releases the GIL while it blocks; its return needs the GIL back (a switch interval).
+    results = [e.wait(j) for j in jobs]
+    waited_s = time.perf_counter() - t0
+    t.join()
+    assert all(r.error == 0 and r.bytes_done == MiB for r in results)
+    assert waited_s < spin_s / 2, f"the writes completed only after {waited_s:.2f} s"
     e.close()
 
 
