@@ -32,8 +32,11 @@ Usage::
 
     python -m memascend.bench.io_bench --target /var/tmp/bench.bin --total-mib 64 \\
         --block-kib 1024,16384 --queue-depth 8,32 --deepspeed-folder /var/tmp/ds_swap
-    python -m memascend.bench.io_bench --ram-loop-mib 1100 --total-mib 1024 --region-mib 256 \\
-        --repeats 7 --crc both --json io.json        # root
+    python -m memascend.bench.io_bench --ram-loop-mib 1200 --total-mib 4096 --region-mib 256 \\
+        --repeats 11 --crc both --json io.json        # root
+
+Measure a few GiB per measurement: on a fast device a few hundred MiB take a tenth of a second,
+and the repeat-by-repeat ratios then spread by tens of percent (README, io-bench section).
 
 Source: MemAscend (arXiv 2505.23254), direct NVMe engine: "at least 0.95x fio and at least
 DeepSpeed's aio handle".
@@ -608,7 +611,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="folder for the default target and DeepSpeed's files (default: a temp dir)",
     )
-    p.add_argument("--total-mib", type=int, default=64, help="MiB moved per measurement (default 64)")
+    p.add_argument(
+        "--total-mib",
+        type=int,
+        default=64,
+        help="MiB moved per measurement (default 64, a smoke run; use a few GiB to compare tools)",
+    )
     p.add_argument(
         "--region-mib",
         type=int,
