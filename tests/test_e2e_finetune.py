@@ -123,6 +123,9 @@ def test_ctrl_c_removes_swap_files(tmp_path):
          "--seq-len", "32", "--micro-batch", "1", "--eval-blocks", "1", "--output", str(tmp_path / "out"),
          "--nvme-path", str(swap)],
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        # Ctrl-C as a terminal delivers it: the child must not inherit SIGINT ignored (a suite run
+        # as a background job of a non-interactive shell has it so, and exec keeps it).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + 600

@@ -159,9 +159,15 @@ def test_ctrl_c_removes_the_cgroup_and_the_child(tmp_path):
             time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGINT)
 
-    threading.Thread(target=interrupt, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt):
-        run_capped(cmd, 256 * MIB, term_grace_s=2.0)
+    # A suite started as a background job of a non-interactive shell inherits SIGINT ignored;
+    # Ctrl-C is what this test is about, so it gets Python's own handler for its duration.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Thread(target=interrupt, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            run_capped(cmd, 256 * MIB, term_grace_s=2.0)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     child = int(pidfile.read_text())
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
     assert not _my_groups()
