@@ -297,8 +297,9 @@ void Engine::finish_request_locked(Request* r) {
   Job* job = r->job;
   delete r;
   if (--job->remaining == 0) job->finished = true;
-  // A checksummed read's waiter checksums each leading run of requests as it completes.
-  if (job->blocked_on && (job->finished || !job->request_done.empty())) wake_waiters_ = true;
+  // A waited job: its wait() returns when it finishes, and a checksummed read's waiter checksums
+  // each leading run of requests as it completes. (wait() erases the job before it returns.)
+  if (job->waited && (job->finished || !job->request_done.empty())) wake_waiters_ = true;
 }
 
 bool Engine::take_wake_locked() {
@@ -393,7 +394,6 @@ JobResult Engine::wait(std::int64_t job_id) {
   std::shared_ptr<Job> job = it->second;  // alive while the lock is dropped below
   job->waited = true;
   Job* j = job.get();
-  j->blocked_on = true;
   if (j->want_crc && j->op == OpKind::kRead) {
     // Checksum the job's leading requests as they complete, while the later ones are in flight.
     std::uint32_t crc = 0;
@@ -417,7 +417,6 @@ JobResult Engine::wait(std::int64_t job_id) {
   } else {
     cv_.wait(lk, [j] { return j->finished && !j->crc_pending; });
   }
-  j->blocked_on = false;
   jobs_.erase(job_id);
   lk.unlock();
   JobResult r = j->result;

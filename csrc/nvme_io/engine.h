@@ -128,8 +128,7 @@ class Engine {
     std::size_t remaining;  // requests not finished
     bool finished = false;
     bool crc_pending = false;  // a write's checksum is still being computed by its submitter
-    bool waited = false;       // wait() has been called for it
-    bool blocked_on = false;   // a wait() for it is in progress (the worker wakes it on progress)
+    bool waited = false;       // a wait() for it is in progress (it erases the job when done)
     std::vector<unsigned char> request_done;  // reads with a checksum: which requests completed
     JobResult result;
     std::shared_ptr<void> keep_alive;
@@ -167,7 +166,7 @@ class Engine {
   std::unordered_map<std::int64_t, std::shared_ptr<Job>> jobs_;
   std::vector<unsigned char*> bounce_;  // slots, allocated on first need
   std::vector<int> free_bounce_;
-  // Set under mu_ when a completion may let a waiter return (a job that a wait() is blocked on
+  // Set under mu_ when a completion may let a waiter return (a job that a wait() is in progress for
   // finished, or its checksummed read advanced; the engine drained): the worker wakes the waiters
   // only then, not after every completion.
   bool wake_waiters_ = false;
