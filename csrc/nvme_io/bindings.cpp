@@ -107,6 +107,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("request_bytes", &Engine::request_bytes)
       .def_property_readonly("direct", &Engine::direct)
       .def_property_readonly("backend", &Engine::backend, "'io_uring' or 'libaio'")
+      .def_property_readonly("single_issuer", &Engine::single_issuer,
+                             "True when the worker thread is the ring's only issuer (IORING_SETUP_SINGLE_ISSUER | "
+                             "DEFER_TASKRUN, Linux 6.1+); False on libaio or an older kernel")
       .def_property_readonly("bounce_bytes_allocated", &Engine::bounce_bytes_allocated);
 
   m.def(

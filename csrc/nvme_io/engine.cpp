@@ -2,9 +2,11 @@
 
 #include <fcntl.h>
 #include <linux/fs.h>
+#include <sys/eventfd.h>
 #include <sys/file.h>
 #include <sys/ioctl.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,6 +14,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <future>
 
 #include "crc32c.h"
 
@@ -21,6 +24,12 @@ namespace {
 std::size_t round_up(std::size_t n, std::size_t a) { return (n + a - 1) / a * a; }
 
 std::string errno_text(int err) { return std::string(std::strerror(err)); }
+
+// io_uring_enable_rings: liburing 2.3 declares it but its shared library does not export it.
+int enable_ring(io_uring* ring) {
+  const long rc = ::syscall(__NR_io_uring_register, ring->ring_fd, IORING_REGISTER_ENABLE_RINGS, nullptr, 0);
+  return rc < 0 ? -errno : 0;
+}
 
 }  // namespace
 
@@ -93,7 +102,7 @@ Engine::Engine(const EngineConfig& config) : config_(config) {
     throw std::invalid_argument("backend must be auto, io_uring or libaio, got " + config_.backend);
   }
   int uring_rc = -ENOSYS;
-  if (config_.backend != "libaio") uring_rc = io_uring_queue_init(config_.queue_depth, &ring_, 0);
+  if (config_.backend != "libaio") uring_rc = init_ring();
   if (uring_rc == 0) {
     ring_ready_ = true;
   } else if (config_.backend == "io_uring") {
@@ -112,7 +121,52 @@ Engine::Engine(const EngineConfig& config) : config_(config) {
   }
   bounce_.assign(config_.queue_depth, nullptr);
   for (int i = static_cast<int>(config_.queue_depth) - 1; i >= 0; --i) free_bounce_.push_back(i);
-  worker_ = std::thread([this] { use_uring_ ? worker_loop() : worker_loop_aio(); });
+  if (!use_uring_) {
+    worker_ = std::thread([this] { worker_loop_aio(); });
+    return;
+  }
+  // A ring set up for a single issuer is bound to the task that enables it: the worker.
+  std::promise<int> enabled;
+  std::future<int> enabled_rc = enabled.get_future();
+  worker_ = std::thread([this, enabled = std::move(enabled)]() mutable {
+    const int rc = single_issuer_ ? enable_ring(&ring_) : 0;
+    enabled.set_value(rc);
+    if (rc == 0) worker_loop();
+  });
+  const int rc = enabled_rc.get();
+  if (rc != 0) {
+    worker_.join();
+    io_uring_queue_exit(&ring_);
+    ring_ready_ = false;
+    ::close(kick_fd_);
+    ::close(fd_);
+    throw SystemError(-rc, "io_uring_enable_rings failed: " + errno_text(-rc));
+  }
+}
+
+int Engine::init_ring() {
+  kick_fd_ = ::eventfd(0, EFD_CLOEXEC);
+  if (kick_fd_ < 0) return -errno;
+  // One entry more than the queue depth: the worker's read of the kick eventfd.
+  const unsigned entries = config_.queue_depth + 1;
+  // Only the worker thread submits: the kernel may skip the locking a ring shared between
+  // submitters needs (SINGLE_ISSUER) and run completion work when the worker waits for it
+  // instead of interrupting whatever the CPU runs (DEFER_TASKRUN). Kernels before 6.1 refuse
+  // the flags with EINVAL: a plain ring works the same way, only without those savings.
+  io_uring_params params{};
+  params.flags = IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN | IORING_SETUP_R_DISABLED;
+  int rc = io_uring_queue_init_params(entries, &ring_, &params);
+  if (rc == -EINVAL) {
+    params = io_uring_params{};
+    rc = io_uring_queue_init_params(entries, &ring_, &params);
+  } else if (rc == 0) {
+    single_issuer_ = true;
+  }
+  if (rc != 0) {
+    ::close(kick_fd_);
+    kick_fd_ = -1;
+  }
+  return rc;
 }
 
 Engine::~Engine() {
@@ -167,6 +221,7 @@ std::int64_t Engine::submit(OpKind op, void* buf, std::size_t nbytes, std::uint6
   if (want_crc && op == OpKind::kRead) job->request_done.assign(reqs.size(), 0);
 
   std::int64_t id = 0;
+  bool kick = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (closed_) {
@@ -182,8 +237,16 @@ std::int64_t Engine::submit(OpKind op, void* buf, std::size_t nbytes, std::uint6
     }
     jobs_.emplace(id, job);
     for (auto* r : reqs) pending_.push_back(r);
-    issue_pending_locked();
+    if (!use_uring_) {
+      issue_pending_locked();
+    } else if (!reqs.empty() && !kicked_ && in_flight_ < config_.queue_depth) {
+      // The worker may be asleep in io_uring_enter with room in the ring: wake it. (With the
+      // ring full it wakes on the next completion and takes the new requests then.)
+      kicked_ = true;
+      kick = true;
+    }
   }
+  if (kick) kick_worker();
   if (crc_after_queue) {
     const std::uint32_t crc = crc32c(0, buf, nbytes);
     std::lock_guard<std::mutex> lk(mu_);
@@ -240,13 +303,15 @@ void Engine::issue_pending_locked() {
     submit_aio_locked(aio_batch);
     return;
   }
-  if (queued == 0) return;
-  for (;;) {
-    const int rc = io_uring_submit(&ring_);
-    if (rc >= 0 || (rc != -EINTR && rc != -EAGAIN && rc != -EBUSY)) break;
-    // EAGAIN/EBUSY: the kernel is short of resources for a moment; the queued entries stay in
-    // the ring and go with the next submit, so retrying here is safe.
-  }
+  // io_uring: the worker submits the prepared entries with its next io_uring_enter.
+  (void)queued;
+}
+
+void Engine::kick_worker() {
+  const std::uint64_t one = 1;
+  // The eventfd counter cannot overflow here (one kick in flight at a time), so the write
+  // only fails on a closed descriptor, which close() rules out before it joins the worker.
+  [[maybe_unused]] const ssize_t n = ::write(kick_fd_, &one, sizeof(one));
 }
 
 void Engine::complete_locked(Request* r, int res) {
@@ -309,35 +374,39 @@ bool Engine::take_wake_locked() {
 }
 
 void Engine::worker_loop() {
+  std::unique_lock<std::mutex> lk(mu_);
   for (;;) {
-    io_uring_cqe* cqe = nullptr;
-    const int rc = io_uring_wait_cqe(&ring_, &cqe);
-    if (rc == -EINTR || rc == -EAGAIN) continue;
-    if (rc < 0) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      continue;
+    issue_pending_locked();
+    if (!kick_armed_) {
+      io_uring_sqe* sqe = io_uring_get_sqe(&ring_);  // the ring has queue_depth + 1 entries
+      io_uring_prep_read(sqe, kick_fd_, &kick_buf_, sizeof(kick_buf_), 0);
+      io_uring_sqe_set_data(sqe, &kick_buf_);
+      kick_armed_ = true;
     }
-    bool stop = false;
-    bool wake = false;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      unsigned head = 0;
-      unsigned seen = 0;
-      io_uring_for_each_cqe(&ring_, head, cqe) {
-        auto* r = static_cast<Request*>(io_uring_cqe_get_data(cqe));
-        if (r == nullptr) {
-          stop = stop || stopping_;
-        } else {
-          complete_locked(r, cqe->res);
-        }
-        ++seen;
-      }
-      io_uring_cq_advance(&ring_, seen);
-      issue_pending_locked();
-      wake = take_wake_locked();
-    }
+    const bool wake = take_wake_locked();
+    const bool stop = stopping_;
+    lk.unlock();
     if (wake || stop) cv_.notify_all();
     if (stop) return;
+    // Submit what issue_pending_locked prepared and sleep until a completion (or a kick).
+    const int rc = io_uring_submit_and_wait(&ring_, 1);
+    if (rc < 0 && rc != -EINTR && rc != -EAGAIN && rc != -EBUSY)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    lk.lock();
+    unsigned head = 0;
+    unsigned seen = 0;
+    io_uring_cqe* cqe = nullptr;
+    io_uring_for_each_cqe(&ring_, head, cqe) {
+      void* data = io_uring_cqe_get_data(cqe);
+      if (data == &kick_buf_) {
+        kick_armed_ = false;
+        kicked_ = false;
+      } else {
+        complete_locked(static_cast<Request*>(data), cqe->res);
+      }
+      ++seen;
+    }
+    io_uring_cq_advance(&ring_, seen);
   }
 }
 
@@ -452,18 +521,13 @@ void Engine::close() {
     closed_ = true;
     cv_.wait(lk, [this] { return in_flight_ == 0 && pending_.empty(); });
     stopping_ = true;
-    if (use_uring_) {
-      io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
-      if (sqe != nullptr) {
-        io_uring_prep_nop(sqe);
-        io_uring_sqe_set_data(sqe, nullptr);
-        io_uring_submit(&ring_);
-      }
-    }
   }
+  if (use_uring_ && worker_.joinable()) kick_worker();
   if (worker_.joinable()) worker_.join();
   if (ring_ready_) io_uring_queue_exit(&ring_);
   ring_ready_ = false;
+  if (kick_fd_ >= 0) ::close(kick_fd_);
+  kick_fd_ = -1;
   if (aio_ctx_ != nullptr) io_destroy(aio_ctx_);
   aio_ctx_ = nullptr;
   if (fd_ >= 0) ::close(fd_);

@@ -3,9 +3,13 @@
 // One Engine owns one file descriptor (a raw block device or one preallocated regular file),
 // opened with O_DIRECT, and one io_uring of `queue_depth` entries. A job (one tensor's bytes at
 // one device offset) is split into requests of at most `request_bytes`; requests of all jobs share
-// the ring, so up to `queue_depth` of them are in flight at once. Callers submit from any thread;
-// a worker thread reaps completions, resubmits the rest of a short transfer, and keeps the ring
-// full from the pending queue. Memory that is not aligned for O_DIRECT (or a length that is not a
+// the ring, so up to `queue_depth` of them are in flight at once. Callers submit from any thread:
+// submit() only queues requests. One worker thread is the ring's only issuer (set up with
+// IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN where the kernel has them, 6.1+): it
+// fills the ring from the pending queue, submits and sleeps in one io_uring_enter until a
+// completion or a kick from submit() (an eventfd whose read it keeps armed in the ring), reaps
+// completions and resubmits the rest of a short transfer. (libaio: submit() issues, the worker
+// reaps.) Memory that is not aligned for O_DIRECT (or a length that is not a
 // multiple of the block) goes through bounce buffers (at most `queue_depth` of `request_bytes`,
 // allocated on first need); aligned memory is transferred in place.
 //
@@ -103,6 +107,8 @@ class Engine {
   bool direct() const { return config_.enable_direct; }
   // "io_uring" or "libaio": the kernel interface in use.
   const char* backend() const { return use_uring_ ? "io_uring" : "libaio"; }
+  // Whether the ring was set up SINGLE_ISSUER | DEFER_TASKRUN (false on libaio and before 6.1).
+  bool single_issuer() const { return use_uring_ && single_issuer_; }
   std::size_t bounce_bytes_allocated();
 
  private:
@@ -134,6 +140,10 @@ class Engine {
     std::shared_ptr<void> keep_alive;
   };
 
+  // Sets up the ring (queue_depth + 1 entries); returns 0 or a negative errno.
+  int init_ring();
+  // Wakes the io_uring worker from io_uring_enter (an eventfd write its armed read completes on).
+  void kick_worker();
   void worker_loop();
   void worker_loop_aio();
   void submit_aio_locked(std::vector<Request*>& batch);
@@ -153,6 +163,16 @@ class Engine {
   io_uring ring_{};
   bool ring_ready_ = false;
   bool use_uring_ = true;
+  // Set up SINGLE_ISSUER | DEFER_TASKRUN | R_DISABLED: the worker enables the ring, which binds it
+  // to the worker as its only issuer.
+  bool single_issuer_ = false;
+  // io_uring: only the worker thread touches the submission queue. submit() queues requests in
+  // pending_ and, when the worker may be asleep with room in the ring, writes kick_fd_ (an
+  // eventfd); the worker keeps a read of it armed in the ring, so the write completes that read.
+  int kick_fd_ = -1;
+  std::uint64_t kick_buf_ = 0;
+  bool kick_armed_ = false;  // the worker's read of kick_fd_ is in the ring (worker only)
+  bool kicked_ = false;      // a kick is written and its completion not yet reaped (under mu_)
   io_context_t aio_ctx_ = nullptr;
   std::thread worker_;
 

@@ -57,6 +57,9 @@ def test_offsets_wrap_over_the_region():
     )
     assert c.offsets() == [0, 2 * MiB] * 3
     assert (c.n_requests, c.n_blocks, c.span_bytes) == (6, 2, 4 * MiB)
+    # One buffer per request in flight, as fio has, though only two blocks are distinct.
+    assert c.n_buffers == 6
+    assert Case(pattern="seq", op="write", block_bytes=MiB, queue_depth=4, total_bytes=64 * MiB).n_buffers == 4
     s = Case(pattern="seq", op="read", block_bytes=MiB, queue_depth=8, total_bytes=4 * MiB)
     assert s.offsets() == [0, MiB, 2 * MiB, 3 * MiB] and s.span_bytes == 4 * MiB
 
@@ -226,6 +229,7 @@ def test_ram_loop_run_interleaves_every_tool_and_leaves_nothing(tmp_path, capsys
     assert "RAM-backed loop device" in printed and "| engine/fio |" in printed
     doc = json.loads(out.read_text())
     assert "RAM-backed loop device" in doc["meta"]["device"] and doc["meta"]["repeats"] == 3
+    assert doc["meta"]["engine_ring"] in ("io_uring, single issuer", "io_uring", "libaio")
     rows = {(r["pattern"], r["op"]): r for r in doc["rows"]}
     assert set(rows) == {(p, o) for p in ("seq", "strided") for o in ("write", "read")}
     tools = {"engine", "engine_crc"} | ({"fio"} if shutil.which("fio") else set())

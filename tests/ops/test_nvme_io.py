@@ -229,6 +229,34 @@ def test_completion_does_not_wait_for_the_submitting_thread(op, store_file, back
     e.close()
 
 
+def _kernel_at_least(major: int, minor: int) -> bool:
+    release = os.uname().release.split("-")[0].split(".")
+    return (int(release[0]), int(release[1])) >= (major, minor)
+
+
+@pytest.mark.parametrize("backend", ["io_uring", "libaio"])
+def test_worker_is_the_rings_single_issuer_and_wakes_for_new_work(op, store_file, backend):
+    """On Linux 6.1+ the io_uring ring is set up SINGLE_ISSUER | DEFER_TASKRUN (the worker thread
+    submits everything); submit() from other threads, made while the worker sleeps in
+    io_uring_enter with nothing in flight, must wake it (the eventfd kick) every time."""
+    e = op.Engine(str(store_file), queue_depth=4, request_bytes=64 << 10, backend=backend)
+    assert e.single_issuer == (backend == "io_uring" and _kernel_at_least(6, 1))
+    buf = op.aligned_empty(256 << 10)
+    buf.random_(0, 256)
+    back = op.aligned_empty(256 << 10)
+    for k in range(5):
+        time.sleep(0.05)  # the worker is idle, asleep, when the next job arrives
+        results: list = []
+        t = threading.Thread(target=lambda: results.append(e.wait(e.submit_write(buf, k * (256 << 10)))))
+        t.start()
+        t.join(10)
+        assert not t.is_alive(), f"job {k} submitted to an idle worker never completed"
+        assert results[0].error == 0
+        assert e.wait(e.submit_read(back, k * (256 << 10))).bytes_done == 256 << 10
+        assert torch.equal(back, buf)
+    e.close()
+
+
 def test_aligned_memory_needs_no_bounce(op, store_file):
     e = op.Engine(str(store_file), queue_depth=4, request_bytes=1 * MiB)
     buf = op.aligned_empty(4 * MiB)
