@@ -247,12 +247,13 @@ def test_worker_is_the_rings_single_issuer_and_wakes_for_new_work(op, store_file
     for k in range(5):
         time.sleep(0.05)  # the worker is idle, asleep, when the next job arrives
         results: list = []
-        t = threading.Thread(target=lambda: results.append(e.wait(e.submit_write(buf, k * (256 << 10)))))
+        offset = k * (256 << 10)
+        t = threading.Thread(target=lambda out=results, off=offset: out.append(e.wait(e.submit_write(buf, off))))
         t.start()
         t.join(10)
         assert not t.is_alive(), f"job {k} submitted to an idle worker never completed"
         assert results[0].error == 0
-        assert e.wait(e.submit_read(back, k * (256 << 10))).bytes_done == 256 << 10
+        assert e.wait(e.submit_read(back, offset)).bytes_done == 256 << 10
         assert torch.equal(back, buf)
     e.close()
 
