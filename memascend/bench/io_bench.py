@@ -113,8 +113,8 @@ class Case:
         """Host buffers a tool gets: one per request in flight (fio allocates ``iodepth`` buffers;
         stock and memascend swappers never have two transfers of one buffer in flight), even when
         the region has fewer distinct blocks than the queue depth (16 MiB at depth 32 over 256 MiB).
-        Two in-flight requests sharing a buffer cost the engine ~15 % there: 16 MiB depth-32
-        writes, 12 interleaved repeats, engine/fio 1.03 with 16 shared buffers, 1.20 with 32."""
+        With 16 buffers shared by 32 requests the engine's 16 MiB depth-32 writes were at
+        0.90-0.94x of fio, with one buffer per request 0.98-1.04x (README, io-bench records)."""
         return min(self.queue_depth, self.n_requests)
 
     def offsets(self) -> list[int]:
