@@ -258,7 +258,6 @@ std::int64_t Engine::submit(OpKind op, void* buf, std::size_t nbytes, std::uint6
 }
 
 void Engine::issue_pending_locked() {
-  unsigned queued = 0;
   std::vector<Request*> aio_batch;
   while (!pending_.empty() && in_flight_ < config_.queue_depth) {
     Request* r = pending_.front();
@@ -297,14 +296,10 @@ void Engine::issue_pending_locked() {
     }
     pending_.pop_front();
     ++in_flight_;
-    ++queued;
   }
-  if (!use_uring_) {
-    submit_aio_locked(aio_batch);
-    return;
-  }
-  // io_uring: the worker submits the prepared entries with its next io_uring_enter.
-  (void)queued;
+  // io_uring: the worker (the only caller there) submits the prepared entries with its next
+  // io_uring_enter.
+  if (!use_uring_) submit_aio_locked(aio_batch);
 }
 
 void Engine::kick_worker() {
