@@ -1,14 +1,47 @@
-"""User-facing errors.
+"""Errors with their exit codes.
 
-Anything raised as :class:`UserError` is printed by the CLI as one line (``memascend: error: ...``)
-and the process exits with code 2, without a traceback.
+Every error memascend raises on purpose derives from :class:`MemascendError`; the CLI prints it as
+one line (``memascend: error: ...``) and exits with the class's ``exit_code``, without a traceback:
+
+==========  =========================  ====================================================
+exit code   class                      meaning
+==========  =========================  ====================================================
+1           (regression found)         ``memascend regress``: a result is worse than golden
+2           :class:`UserError`         bad input or an unusable host; nothing was changed
+3           :class:`DeviceError`       the swap target failed during the run (I/O error,
+                                       disk full); the last complete checkpoint is intact
+4           :class:`IntegrityError`    data read back differs from what was written
+                                       (checksum mismatch, damaged checkpoint or store)
+==========  =========================  ====================================================
 """
 
 
-class UserError(Exception):
+class MemascendError(Exception):
+    """Base of every error the CLI turns into one line. The message names the thing and the fix."""
+
+    exit_code = 1
+
+
+class UserError(MemascendError):
     """Bad input or an unusable host: a wrong path, a corrupt data line, a too-small device, ...
 
     The message must be one line and say what to fix.
     """
 
     exit_code = 2
+
+
+class DeviceError(MemascendError):
+    """The swap target failed while in use: an I/O error, a short transfer, a full disk.
+
+    Not bad input: the command was right, the device was not.
+    """
+
+    exit_code = 3
+
+
+class IntegrityError(MemascendError):
+    """Bytes read back differ from what was written: a CRC32C mismatch, a damaged checkpoint file,
+    a store header or extent table that does not verify. Names the tensor or file and the offset."""
+
+    exit_code = 4

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from memascend.errors import UserError
+from memascend.errors import MemascendError
 
 # (module, attribute) of each subcommand; a module is imported only when listed here.
 _COMMANDS: tuple[tuple[str, str], ...] = (
@@ -19,12 +19,12 @@ _COMMANDS: tuple[tuple[str, str], ...] = (
 
 
 class _Group(click.Group):
-    """Turns :class:`UserError` (and OS-level input errors) into one line and exit code 2."""
+    """Turns :class:`MemascendError` (and OS-level input errors) into one line and exit code 2."""
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except UserError as exc:
+        except MemascendError as exc:
             click.echo(f"memascend: error: {exc}", err=True)
             sys.exit(exc.exit_code)
         except KeyboardInterrupt:
