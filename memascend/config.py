@@ -11,7 +11,10 @@ CLI flags override the file.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -26,6 +29,79 @@ Engine = Literal["baseline", "memascend"]
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_DATA = "shakespeare"
+
+MAX_STEPS = 10_000_000
+"""Most optimizer steps a run may ask for (``--steps``, or ``--epochs`` converted to steps): more
+is a typo (``--epochs 1e30``) that would otherwise run for ever."""
+MAX_EPOCHS = 1_000_000
+"""Most passes over the training data ``--epochs`` accepts."""
+MAX_SEED = 2**32 - 1
+"""Largest ``--seed``: every RNG a run seeds (torch, Python, numpy) accepts 0 .. 2**32 - 1."""
+
+# CLI flag of a config field where it is not ``--`` + the field name with dashes; fields without a
+# flag (set only in a --config TOML file) are named by their section and key alone.
+_FLAGS = {
+    "name_or_path": "--model",
+    "source": "--data",
+    "param": "--offload-param",
+    "optimizer": "--offload-optimizer",
+    "enable_crc": "--no-crc",
+    "output_dir": "--output",
+    "from_scratch": "--from-scratch",
+}
+_NO_FLAG = {"max_documents", "weight_decay", "warmup_steps", "gradient_clipping"}
+
+
+def _field_name(section: str, name: str) -> str:
+    """How an error names a field: ``--lr ([train] lr)``, or ``[train] weight_decay`` (TOML only)."""
+    key = f"[{section}] {name}" if section else name
+    if section == "from_scratch":
+        return f"from-scratch model: {name}"
+    if name in _NO_FLAG:
+        return key
+    return f"{_FLAGS.get(name, '--' + name.replace('_', '-'))} ({key})"
+
+
+def _type_problem(value: Any, kind: Any) -> str | None:
+    """Why ``value`` is not of the annotated ``kind`` (``None`` if it is)."""
+    if typing.get_origin(kind) is Literal:
+        ok = isinstance(value, str) and value in typing.get_args(kind)
+        return None if ok else f"must be one of {', '.join(typing.get_args(kind))}, got {value!r}"
+    if kind is bool:
+        return None if isinstance(value, bool) else f"must be true or false, got {value!r}"
+    if kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        return None if ok else f"must be a whole number, got {value!r}"
+    if kind is float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return f"must be a number, got {value!r}"
+        return None if math.isfinite(value) else f"must be a finite number, got {value}"
+    if kind is str:
+        return None if isinstance(value, str) else f"must be a string, got {value!r}"
+    return None if isinstance(value, kind) else f"has the wrong type: {value!r}"
+
+
+def _check_types(obj: Any, section: str) -> None:
+    """Check every field of a config dataclass against its annotation.
+
+    An ``int`` field takes an integer (not a bool, not 2.0), a ``float`` field a finite number
+    (``nan``, ``inf`` are refused), a ``str`` or ``bool`` field that type, a ``Literal`` one of its
+    values. Values come from click (already typed) or a ``--config`` TOML file (any type).
+
+    Raises:
+        UserError: naming the option and the TOML field, e.g. ``--lr ([train] lr) must be a finite
+            number, got nan``.
+    """
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value, hint = getattr(obj, f.name), hints[f.name]
+        union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+        kinds = [k for k in (typing.get_args(hint) if union else (hint,)) if k is not type(None)]
+        if value is None and len(kinds) < (len(typing.get_args(hint)) if union else 1):
+            continue  # an optional field left unset
+        problems = [_type_problem(value, kind) for kind in kinds]
+        if all(problems):
+            raise UserError(f"{_field_name(section, f.name)} {problems[0]}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +124,7 @@ class FromScratchConfig:
     """Longest sequence the model accepts, in tokens."""
 
     def __post_init__(self) -> None:
+        _check_types(self, "from_scratch")
         for name in ("hidden_size", "num_layers", "num_heads", "vocab_size", "max_position_embeddings"):
             if getattr(self, name) <= 0:
                 raise UserError(f"from-scratch model: {name} must be positive, got {getattr(self, name)}")
@@ -123,7 +200,9 @@ def parse_from_scratch(spec: str) -> FromScratchConfig:
 
                 raw = json.loads(text)
         except ValueError as exc:
-            raise UserError(f"cannot parse from-scratch config {spec}: {exc}") from None
+            raise UserError(f"cannot parse from-scratch config {spec}: {' '.join(str(exc).split())}") from None
+        if not isinstance(raw, dict):
+            raise UserError(f"from-scratch config {spec} must hold a table/object of sizes, not {type(raw).__name__}")
     elif "=" in spec:
         raw = {}
         for item in spec.split(","):
@@ -132,8 +211,8 @@ def parse_from_scratch(spec: str) -> FromScratchConfig:
                 raise UserError(f"--from-scratch: expected key=value, got '{item}'")
             try:
                 raw[key.strip()] = int(float(value))
-            except ValueError:
-                raise UserError(f"--from-scratch: value of '{key}' is not a number: '{value}'") from None
+            except (ValueError, OverflowError):  # OverflowError: inf
+                raise UserError(f"--from-scratch: value of '{key}' is not a finite number: '{value}'") from None
     else:
         raise UserError(
             f"--from-scratch: unknown preset '{spec}' (presets: {', '.join(FROM_SCRATCH_PRESETS)}; "
@@ -178,10 +257,13 @@ class DataConfig:
     """Read at most this many documents/conversations (``None``: all)."""
 
     def __post_init__(self) -> None:
+        _check_types(self, "data")
         if self.seq_len < 8:
             raise UserError(f"--seq-len must be at least 8 tokens, got {self.seq_len}")
         if self.eval_blocks < 0:
-            raise UserError(f"eval_blocks must be >= 0, got {self.eval_blocks}")
+            raise UserError(f"--eval-blocks must be >= 0, got {self.eval_blocks}")
+        if self.max_documents is not None and self.max_documents < 1:
+            raise UserError(f"[data] max_documents must be >= 1, got {self.max_documents}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,14 +302,24 @@ class TrainConfig:
     continue; ``steps`` counts total optimizer steps."""
 
     def __post_init__(self) -> None:
+        _check_types(self, "train")
         if self.micro_batch < 1 or self.grad_accum < 1:
             raise UserError("--micro-batch and --grad-accum must be >= 1")
         if self.epochs is None and (self.steps is None or self.steps < 1):
             raise UserError("--steps must be >= 1 (or give --epochs)")
+        if self.epochs is None and self.steps > MAX_STEPS:
+            raise UserError(f"--steps must be at most {MAX_STEPS:,}, got {self.steps:,}")
         if self.epochs is not None and self.epochs <= 0:
             raise UserError(f"--epochs must be positive, got {self.epochs}")
+        if self.epochs is not None and self.epochs > MAX_EPOCHS:
+            raise UserError(f"--epochs must be at most {MAX_EPOCHS:,}, got {self.epochs:g}")
         if self.lr <= 0:
             raise UserError(f"--lr must be positive, got {self.lr}")
+        for name in ("weight_decay", "gradient_clipping", "warmup_steps"):
+            if getattr(self, name) < 0:
+                raise UserError(f"[train] {name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise UserError(f"--seed must be between 0 and {MAX_SEED}, got {self.seed}")
         if self.dtype not in ("bf16", "fp16", "fp32"):
             raise UserError(f"--dtype must be bf16, fp16 or fp32, got {self.dtype}")
 
@@ -253,6 +345,7 @@ class OffloadConfig:
         for name in ("param", "optimizer"):
             if getattr(self, name) not in ("nvme", "cpu", "none"):
                 raise UserError(f"--offload-{name} must be nvme, cpu or none, got {getattr(self, name)}")
+        _check_types(self, "offload")
 
     @property
     def uses_nvme(self) -> bool:
@@ -277,6 +370,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.engine not in ("baseline", "memascend"):
             raise UserError(f"--engine must be baseline or memascend, got {self.engine}")
+        _check_types(self, "")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -303,6 +397,8 @@ def load_toml(path: str | os.PathLike) -> dict[str, Any]:
     top_fields = {"output_dir", "engine", "deepspeed_config"}
     for key, value in raw.items():
         if key in _SECTIONS:
+            if not isinstance(value, dict):
+                raise UserError(f"config file {path}: [{key}] must be a table, got {value!r}")
             known = {f.name for f in dataclasses.fields(_SECTIONS[key])}
             for sub in value:
                 if sub not in known:
@@ -326,11 +422,11 @@ def build_run_config(file_values: dict[str, Any], overrides: dict[str, dict[str,
     for section, cls in _SECTIONS.items():
         values = dict(file_values.get(section, {}))
         values.update({k: v for k, v in (overrides.get(section) or {}).items() if v is not None})
-        if section == "model" and isinstance(values.get("from_scratch"), str):
-            values["from_scratch"] = parse_from_scratch(values["from_scratch"])
-        elif section == "model" and isinstance(values.get("from_scratch"), dict):
-            values["from_scratch"] = FromScratchConfig(**values["from_scratch"])
         try:
+            if section == "model" and isinstance(values.get("from_scratch"), str):
+                values["from_scratch"] = parse_from_scratch(values["from_scratch"])
+            elif section == "model" and isinstance(values.get("from_scratch"), dict):
+                values["from_scratch"] = FromScratchConfig(**values["from_scratch"])
             merged[section] = cls(**values)
         except TypeError as exc:
             raise UserError(f"invalid [{section}] settings: {exc}") from None

@@ -18,8 +18,42 @@ _COMMANDS: tuple[tuple[str, str], ...] = (
 )
 
 
+def usage_error_line(exc: click.ClickException) -> str:
+    """The one-line form of a click error: its message, and for a usage error the help to read.
+
+    Click prints ``Usage: ...`` / ``Try ... for help.`` / ``Error: ...`` (three lines); memascend
+    prints every bad input as the one ``memascend: error: ...`` line.
+    """
+    message = " ".join(exc.format_message().split())
+    ctx = getattr(exc, "ctx", None)
+    if ctx is not None:
+        message = f"{message} (see '{ctx.command_path} --help')"
+    return message
+
+
 class _Group(click.Group):
-    """Turns :class:`MemascendError` (and OS-level input errors) into one line and exit code 2."""
+    """Prints every error as one ``memascend: error: ...`` line on stderr and exits with its code:
+    :class:`MemascendError` with the class's code, click's usage errors (a bad option value, an
+    unknown option, a missing argument) with 2, Ctrl-C with 130. ``--help`` and ``--version`` work
+    as usual; ``memascend`` without a command prints the help."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            click.echo(f"memascend: error: {usage_error_line(exc)}", err=True)
+            sys.exit(exc.exit_code)
+        except click.exceptions.Abort:
+            click.echo("memascend: interrupted", err=True)
+            sys.exit(130)
+        # Without standalone mode click returns the code of an explicit exit (--help, --version)
+        # or the command's return value (None).
+        sys.exit(rv if isinstance(rv, int) else 0)
 
     def invoke(self, ctx: click.Context):
         try:
