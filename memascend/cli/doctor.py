@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -44,7 +45,10 @@ class SizeBytes(click.ParamType):
         match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
         if not match or match.group(2).lower() not in _UNITS:
             self.fail(f"{value!r} is not a size (examples: 4GiB, 512MiB, 2G, 1048576)", param, ctx)
-        return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+        number = float(match.group(1)) * _UNITS[match.group(2).lower()]
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is too large", param, ctx)
+        return int(number)
 
 
 def _print_table(results, console) -> None:

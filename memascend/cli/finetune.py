@@ -108,6 +108,8 @@ def finetune(**kw) -> None:
     """
     kw.pop("launcher_local_rank")
     nproc = kw.pop("nproc")
+    if nproc is not None and nproc < 1:
+        raise UserError(f"--nproc must be at least 1, got {nproc}")
     if nproc is not None and nproc > 1 and "RANK" not in os.environ:
         _launch_ranks(nproc)
     file_values = load_toml(kw.pop("config_file")) if kw.get("config_file") else {}

@@ -7,6 +7,7 @@ import json
 import click
 
 from memascend.cli.finetune import finetune as _finetune_cmd
+from memascend.cli.params import POSITIVE_FLOAT
 
 # The run-shaping flags of `memascend finetune` (same names, defaults and help), minus those that
 # only matter when a run happens.
@@ -21,7 +22,7 @@ def _shared_params() -> list[click.Parameter]:
 @click.command("plan", context_settings={"show_default": True})
 @click.option("--nproc", type=int, default=1, help="Ranks on this host (memory is summed over them)")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of a table")
-@click.option("--cap-gib", type=float, default=None,
+@click.option("--cap-gib", type=POSITIVE_FLOAT, default=None,
               help="Also name the largest from-scratch preset each engine fits under this host-memory cap (GiB)")
 def plan(nproc: int, as_json: bool, cap_gib: float | None, **kw) -> None:
     """Predict peak host RSS, locked memory (VmLck) and NVMe space of a fine-tuning run under stock

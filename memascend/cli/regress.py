@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from memascend.bench.matrix import MATRICES
+from memascend.cli.params import POSITIVE_FLOAT
 
 
 class MemorySize(click.ParamType):
@@ -26,6 +27,8 @@ class MemorySize(click.ParamType):
             return parse_size_bytes(value)
         except UserError as exc:
             self.fail(str(exc), param, ctx)
+        except OverflowError:  # a number past float's range (1e999) reads as inf
+            self.fail(f"not a memory size: {value!r} (e.g. 16GiB, 300MiB)", param, ctx)
 
 
 @click.command("regress")
@@ -54,7 +57,7 @@ class MemorySize(click.ParamType):
 @click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
               help="Run each baseline/memascend pair this many times in alternating order (not with --memory-cap); "
               "step time and memory peaks are the medians over the repeats, losses must agree in every repeat")
-@click.option("--timeout", "timeout_s", type=float, default=3600.0, show_default=True,
+@click.option("--timeout", "timeout_s", type=POSITIVE_FLOAT, default=3600.0, show_default=True,
               help="Seconds after which one training run counts as failed")
 def regress(matrix_name, output_dir, only, memory_cap, update_golden, baselines_dir, profile, nvme_path, resume,
             repeats, timeout_s) -> None:

@@ -79,19 +79,32 @@ def model_shape(model) -> ModelShape:
 
 
 def load_user_ds_config(path: str) -> dict:
-    """Read ``--deepspeed-config``.
+    """Read ``--deepspeed-config``: a JSON object (DeepSpeed's config dict).
 
     Raises:
-        UserError: missing file or invalid JSON.
+        UserError: missing/unreadable file, invalid JSON or UTF-8, ``NaN``/``Infinity`` anywhere in
+            it, or a document that is not an object (``[1, 2, 3]``), or a ``"memascend"`` section
+            that is not an object.
     """
+
+    def refuse_constant(name: str):
+        raise UserError(f"DeepSpeed config {path} holds {name}: every number must be finite")
+
     try:
-        return json.loads(Path(path).read_text())
+        doc = json.loads(Path(path).read_text(encoding="utf-8"), parse_constant=refuse_constant)
     except FileNotFoundError:
         raise UserError(f"DeepSpeed config not found: {path}") from None
     except json.JSONDecodeError as exc:
         raise UserError(f"DeepSpeed config {path} is not valid JSON: line {exc.lineno}: {exc.msg}") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"DeepSpeed config {path} is not UTF-8 text (byte {exc.start})") from None
     except OSError as exc:
         raise UserError(f"cannot read DeepSpeed config {path}: {exc.strerror}") from None
+    if not isinstance(doc, dict):
+        raise UserError(f"DeepSpeed config {path} must be a JSON object ({{...}}), got a {type(doc).__name__}")
+    if not isinstance(doc.get("memascend", {}), dict):
+        raise UserError(f"DeepSpeed config {path}: its \"memascend\" section must be a JSON object")
+    return doc
 
 
 def _setdefault_path(d: dict, dotted: str, value: Any) -> None:

@@ -18,7 +18,7 @@ import resource
 import time
 from pathlib import Path
 
-from memascend.config import OffloadConfig, RunConfig
+from memascend.config import MAX_STEPS, OffloadConfig, RunConfig
 from memascend.errors import UserError
 from memascend.telemetry import MemorySampler, read_proc_io
 from memascend.train import dist as dist_setup
@@ -296,6 +296,11 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
     global_batch_blocks = micro_batch * grad_accum * info.world_size
     if cfg.train.epochs is not None:
         steps = max(1, math.floor(cfg.train.epochs * len(split.train) / global_batch_blocks))
+        if steps > MAX_STEPS:
+            raise UserError(
+                f"--epochs {cfg.train.epochs:g} is {steps:,} optimizer steps over {len(split.train):,} training "
+                f"blocks, more than the {MAX_STEPS:,} a run may take"
+            )
     else:
         steps = int(cfg.train.steps)
     start_step = 0
