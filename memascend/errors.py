@@ -12,6 +12,8 @@ exit code   class                      meaning
                                        disk full); the last complete checkpoint is intact
 4           :class:`IntegrityError`    data read back differs from what was written
                                        (checksum mismatch, damaged checkpoint or store)
+5           :class:`TrainingError`     training went wrong although input and devices were
+                                       fine (a non-finite loss); nothing was saved from it
 ==========  =========================  ====================================================
 """
 
@@ -45,3 +47,13 @@ class IntegrityError(MemascendError):
     a store header or extent table that does not verify. Names the tensor or file and the offset."""
 
     exit_code = 4
+
+
+class TrainingError(MemascendError):
+    """Training itself failed: the loss became NaN or infinite (not an fp16 loss-scale skip).
+
+    The run stops before writing a model or a checkpoint from that state. Not bad input and not a
+    device failure: lower the learning rate, check the data, or allow it explicitly.
+    """
+
+    exit_code = 5
