@@ -1,0 +1,679 @@
+"""Checkpoint lifecycle: atomic saves, a manifest that proves completeness, verify, pick, prune.
+
+A memascend checkpoint is a DeepSpeed checkpoint folder (``<root>/global_step<N>/``, what
+``DeepSpeedEngine.save_checkpoint`` writes, plus the raw store's export under
+``memascend_store/rank<NN>/``) with one more file, :data:`MANIFEST_NAME`
+(``memascend_checkpoint.json``): the step, the training dtype, the world size, every parameter's
+name and shape, and the size and SHA-256 (per :data:`HASH_CHUNK_BYTES` chunk) of every other file
+in the folder.
+
+Saving (:func:`save_checkpoint`) is atomic: DeepSpeed writes into a staging folder beside the
+target (``<root>/.partial-global_step<N>-<run id>/``) with ``save_latest=False``; once every rank
+has written its files (the raw-store export included), rank 0 hashes and fsyncs every file,
+writes the manifest last (fsynced), renames the tag folder into place, fsyncs ``<root>``, and only
+then replaces ``<root>/latest`` (write, fsync, rename). A run killed at any point leaves either the
+previous checkpoints untouched plus a ``.partial-*`` folder (never picked; removed by the next
+save into that root once its process is gone) or the new checkpoint complete.
+
+Periodic checkpoints (``--checkpoint-every N`` steps and/or ``--checkpoint-every-minutes M``) go
+to ``<output>/checkpoints/global_step<N>/``; the newest ``--keep-checkpoints K`` are kept.
+``--resume auto`` resumes the newest complete one there (and starts from step 0 when there is
+none); ``--resume DIR`` resumes the tag ``DIR/latest`` names (or ``DIR`` itself when it is a tag
+folder). Before DeepSpeed is started, resume checks the manifest against the run (parameter names
+and shapes, dtype, world size) and every file's checksum, so an incomplete, foreign or corrupt
+checkpoint stops the run with one line instead of training garbage.
+
+Errors: an incomplete checkpoint or one made for another model is :class:`UserError` (exit 2); a
+file whose bytes differ from the manifest, or is missing or truncated, is
+:class:`IntegrityError` (exit 4), naming the file and the byte range.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memascend.errors import IntegrityError, UserError
+
+#: The completion marker and manifest of a checkpoint tag folder.
+MANIFEST_NAME = "memascend_checkpoint.json"
+#: Sub-folder of ``--output`` that holds periodic checkpoints (what ``--resume auto`` searches).
+CHECKPOINTS_SUBDIR = "checkpoints"
+#: Prefix of a staging folder; such folders are never resumed.
+PARTIAL_PREFIX = ".partial-"
+#: Bytes hashed per SHA-256 digest: a mismatch is located to within this many bytes.
+HASH_CHUNK_BYTES = 64 << 20
+FORMAT_VERSION = 1
+#: Bytes per parameter of a checkpoint besides the training-dtype copy: fp32 master and the two
+#: Adam moments (DeepSpeed's optim_states / the swapped optimizer tensors).
+OPTIMIZER_BYTES_PER_PARAM = 12
+#: Free-space margin on the estimate, and a fixed allowance for small files (configs, scheduler).
+SPACE_MARGIN = 1.10
+SPACE_FIXED_BYTES = 64 << 20
+
+_TAG_RE = re.compile(r"^global_step(\d+)$")
+_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def _fmt_bytes(n_bytes: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n_bytes) >= size:
+            return f"{n_bytes / size:.2f} {unit}"
+    return f"{int(n_bytes)} B"
+
+
+def tag_for_step(step: int) -> str:
+    """``global_step<N>``: DeepSpeed's default tag, used for every memascend checkpoint."""
+    return f"global_step{int(step)}"
+
+
+def param_layout(module: Any) -> dict[str, list[int]]:
+    """Every parameter's name and full shape, in registration order (tied weights once).
+
+    Works on a meta-device model and on a ZeRO-3 model (whose partitioned parameters carry
+    their full shape in ``ds_shape``).
+    """
+    out: dict[str, list[int]] = {}
+    for name, p in module.named_parameters():
+        shape = getattr(p, "ds_shape", None) or p.shape
+        out[name] = [int(d) for d in shape]
+    return out
+
+
+def meta_param_layout(src: Any, model_cfg: Any) -> dict[str, list[int]]:
+    """:func:`param_layout` of the run's model built on the meta device (no memory, no weights
+    read), as ``runner._meta_shape`` builds it: what a checkpoint records and resume compares."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memascend.models.loading import llama_config
+
+    hf_cfg = llama_config(model_cfg.from_scratch) if model_cfg.from_scratch else AutoConfig.from_pretrained(src.hf_dir)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(hf_cfg)
+    return param_layout(meta)
+
+
+def estimate_checkpoint_bytes(total_numel: int, dtype: str) -> int:
+    """Upper estimate of one checkpoint's bytes for ``total_numel`` parameters trained in ``dtype``
+    with AdamW: the parameters in the training dtype plus the fp32 master and two fp32 moments
+    (:data:`OPTIMIZER_BYTES_PER_PARAM`), times :data:`SPACE_MARGIN`, plus :data:`SPACE_FIXED_BYTES`.
+
+    Raises:
+        UserError: unknown dtype.
+    """
+    if dtype not in _DTYPE_BYTES:
+        raise UserError(f"unknown dtype {dtype!r} (bf16, fp16 or fp32)")
+    per = _DTYPE_BYTES[dtype] + OPTIMIZER_BYTES_PER_PARAM
+    return int(total_numel * per * SPACE_MARGIN) + SPACE_FIXED_BYTES
+
+
+def _nearest_existing(path: Path) -> Path:
+    probe = path.expanduser().absolute()
+    while not probe.exists():
+        probe = probe.parent
+    return probe
+
+
+def check_checkpoint_target(path: str | os.PathLike, need_bytes: int, what: str) -> None:
+    """Refuse a checkpoint folder that cannot be written or lacks ``need_bytes`` of free space,
+    before the first step. Creates nothing that outlives the call (the writability probe is a
+    temporary folder removed at once).
+
+    Args:
+        path: the checkpoint root (may not exist yet).
+        need_bytes: free bytes required on its filesystem.
+        what: the option named in messages (``--save-checkpoint``, ``--checkpoint-every``).
+
+    Raises:
+        UserError: inside a file, not writable (permissions, read-only filesystem), or too small.
+    """
+    target = Path(path)
+    base = _nearest_existing(target)
+    if not base.is_dir():
+        raise UserError(f"{what} {target} is inside a file ({base}), not a folder")
+    try:
+        probe = tempfile.mkdtemp(prefix=".memascend-probe-", dir=base)
+    except OSError as exc:
+        raise UserError(f"{what} {target} is not writable ({base}: {exc.strerror}); choose a writable folder") from None
+    os.rmdir(probe)
+    free = shutil.disk_usage(base).free
+    if free < need_bytes:
+        raise UserError(
+            f"{what} {target} has {_fmt_bytes(free)} free; a checkpoint of this run needs about "
+            f"{_fmt_bytes(need_bytes)}: free space or choose another folder"
+        )
+
+
+def check_checkpoint_space(train_cfg: Any, output_dir: str | os.PathLike, total_numel: int) -> None:
+    """Refuse, before the first step, checkpoint folders the run could not write: ``--save-checkpoint``
+    and (with periodic checkpoints) ``<output>/checkpoints``, each needing
+    :func:`estimate_checkpoint_bytes` per checkpoint it will hold at once (periodic: up to
+    ``keep + 1`` while a new one is written, less the complete ones already there; folders on one
+    filesystem add up).
+
+    Raises:
+        UserError: see :func:`check_checkpoint_target`.
+    """
+    one = estimate_checkpoint_bytes(total_numel, train_cfg.dtype)
+    wants: list[tuple[Path, int, str]] = []
+    if train_cfg.save_checkpoint is not None:
+        wants.append((Path(train_cfg.save_checkpoint), one, "--save-checkpoint"))
+    if train_cfg.checkpoint_every is not None or train_cfg.checkpoint_every_minutes is not None:
+        root = periodic_root(output_dir)
+        planned = train_cfg.keep_checkpoints + 1
+        if train_cfg.checkpoint_every_minutes is None and train_cfg.epochs is None and train_cfg.steps:
+            planned = min(planned, max(1, train_cfg.steps // train_cfg.checkpoint_every))
+        have = min(len(complete_checkpoints(root)), train_cfg.keep_checkpoints)
+        count = max(1, min(planned, train_cfg.keep_checkpoints + 1 - have))
+        what = "--checkpoint-every" if train_cfg.checkpoint_every is not None else "--checkpoint-every-minutes"
+        wants.append((root, one * count, f"{what} (in {root})"))
+    by_dev: dict[int, int] = {}
+    for path, need, _ in wants:
+        with contextlib.suppress(OSError):
+            dev = _nearest_existing(path).stat().st_dev
+            by_dev[dev] = by_dev.get(dev, 0) + need
+    for path, need, what in wants:
+        try:
+            need = by_dev.get(_nearest_existing(path).stat().st_dev, need)
+        except OSError:
+            pass
+        check_checkpoint_target(path, need, what)
+
+
+# ---- manifest ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Checkpoint:
+    """A complete checkpoint found on disk.
+
+    Attributes:
+        load_dir: the folder holding the tag folder (``engine.load_checkpoint``'s ``load_dir``).
+        tag: the tag folder's name (``global_step<N>``).
+        manifest: the parsed :data:`MANIFEST_NAME`.
+    """
+
+    load_dir: Path
+    tag: str
+    manifest: dict = field(repr=False)
+
+    @property
+    def path(self) -> Path:
+        return self.load_dir / self.tag
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+
+def _hash_file(path: Path, *, fsync: bool = False) -> tuple[int, list[str]]:
+    """(bytes, SHA-256 per :data:`HASH_CHUNK_BYTES` chunk) of ``path``; with ``fsync`` the file's
+    data is flushed to the device too."""
+    digests = []
+    size = 0
+    with open(path, "rb") as f:
+        while True:
+            h = hashlib.sha256()
+            left = HASH_CHUNK_BYTES
+            while left:
+                block = f.read(min(left, 8 << 20))
+                if not block:
+                    break
+                h.update(block)
+                left -= len(block)
+            got = HASH_CHUNK_BYTES - left
+            if got == 0 and digests:
+                break
+            digests.append(h.hexdigest())
+            size += got
+            if got < HASH_CHUNK_BYTES:
+                break
+        if fsync:
+            os.fsync(f.fileno())
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    return size, digests
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durable(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically: a temporary file beside it, fsync, rename, fsync dir."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def write_manifest(tag_dir: str | os.PathLike, info: dict) -> Path:
+    """Hash and fsync every file under ``tag_dir``, fsync its folders, then write
+    :data:`MANIFEST_NAME` (fsynced) with ``info`` and the files' sizes and digests.
+
+    Args:
+        info: run facts: ``step``, ``dtype``, ``world_size``, ``param_shapes`` (name -> shape) and
+            anything else worth recording (engine, backend).
+
+    Returns:
+        The manifest's path.
+    """
+    root = Path(tag_dir)
+    files = {}
+    dirs = [root]
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirs.extend(Path(dirpath) / d for d in dirnames)
+        for name in sorted(filenames):
+            p = Path(dirpath) / name
+            rel = p.relative_to(root).as_posix()
+            if rel == MANIFEST_NAME:
+                continue
+            size, digests = _hash_file(p, fsync=True)
+            files[rel] = {"bytes": size, "sha256": digests}
+    for d in reversed(dirs):
+        _fsync_dir(d)
+    manifest = {
+        "format": FORMAT_VERSION,
+        "complete": True,
+        "created_unix": time.time(),
+        "hash_chunk_bytes": HASH_CHUNK_BYTES,
+        **info,
+        "files": dict(sorted(files.items())),
+    }
+    path = root / MANIFEST_NAME
+    _write_durable(path, json.dumps(manifest, indent=1) + "\n")
+    return path
+
+
+def read_manifest(tag_dir: str | os.PathLike) -> dict:
+    """The manifest of a tag folder.
+
+    Raises:
+        UserError: no manifest (the save never finished, or not a memascend checkpoint).
+        IntegrityError: a manifest that does not parse or lacks its fields.
+    """
+    tag = Path(tag_dir)
+    path = tag / MANIFEST_NAME
+    if not path.is_file():
+        raise UserError(
+            f"checkpoint {tag} is incomplete: no {MANIFEST_NAME} (its save never finished, or it was not "
+            "written by memascend); resume an earlier checkpoint or start again"
+        )
+    try:
+        manifest = json.loads(path.read_text())
+        if not (isinstance(manifest, dict) and manifest.get("complete") is True):
+            raise ValueError("not marked complete")
+        int(manifest["step"])
+        if not isinstance(manifest["files"], dict) or not isinstance(manifest["param_shapes"], dict):
+            raise ValueError("files/param_shapes are not tables")
+        str(manifest["dtype"])
+        int(manifest["world_size"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise IntegrityError(f"checkpoint manifest {path} is damaged: {exc}") from None
+    if int(manifest.get("format", 0)) != FORMAT_VERSION:
+        raise UserError(f"checkpoint {tag} has manifest format {manifest.get('format')}, this memascend reads {FORMAT_VERSION}")
+    return manifest
+
+
+def verify_files(ck: Checkpoint, *, share: tuple[int, int] = (0, 1)) -> None:
+    """Check the size and SHA-256 of every file the manifest lists (or this rank's share of them:
+    file ``i`` of the sorted list when ``i % world == rank`` for ``share=(rank, world)``).
+
+    Raises:
+        IntegrityError: a file is missing, of another size, or its bytes differ (names the file and
+            the byte range of the first differing chunk).
+    """
+    rank, world = share
+    chunk = int(ck.manifest.get("hash_chunk_bytes", HASH_CHUNK_BYTES))
+    if chunk != HASH_CHUNK_BYTES:
+        raise IntegrityError(f"checkpoint manifest {ck.path / MANIFEST_NAME} is damaged: hash_chunk_bytes {chunk}")
+    for i, (rel, entry) in enumerate(sorted(ck.manifest["files"].items())):
+        if i % world != rank:
+            continue
+        path = ck.path / rel
+        if not path.is_file():
+            raise IntegrityError(f"checkpoint file {path} is missing: the checkpoint is damaged")
+        size = path.stat().st_size
+        if size != int(entry["bytes"]):
+            raise IntegrityError(
+                f"checkpoint file {path} is {size} bytes, the manifest says {entry['bytes']}: the checkpoint is damaged"
+            )
+        _, digests = _hash_file(path)
+        for j, (got, want) in enumerate(zip(digests, entry["sha256"], strict=False)):
+            if got != want:
+                lo, hi = j * chunk, min(size, (j + 1) * chunk)
+                raise IntegrityError(
+                    f"checkpoint file {path} is corrupt: the SHA-256 of bytes {lo}..{hi} differs from the manifest's"
+                )
+        if len(digests) != len(entry["sha256"]):
+            raise IntegrityError(f"checkpoint file {path} does not match its manifest entry: the checkpoint is damaged")
+
+
+def verify_checkpoint(ck: Checkpoint, *, rank: int = 0, world_size: int = 1) -> None:
+    """:func:`verify_files` with the files shared among the ranks (each hashes its share; every
+    rank then raises the first failure any rank found).
+
+    Raises:
+        IntegrityError: see :func:`verify_files`.
+    """
+    err = None
+    try:
+        verify_files(ck, share=(rank, world_size))
+    except IntegrityError as exc:
+        err = str(exc)
+    d = _dist()
+    if d is not None and world_size > 1:
+        errs: list[str | None] = [None] * world_size
+        d.all_gather_object(errs, err)
+        err = next((e for e in errs if e), None)
+    if err:
+        raise IntegrityError(err)
+
+
+def check_compatible(ck: Checkpoint, *, param_shapes: dict[str, list[int]], dtype: str, world_size: int) -> None:
+    """Refuse a checkpoint saved for another model, dtype or number of ranks.
+
+    Raises:
+        UserError: names the first difference.
+    """
+    m = ck.manifest
+    if m["dtype"] != dtype:
+        raise UserError(f"checkpoint {ck.path} was saved with --dtype {m['dtype']}; this run uses {dtype}: resume with --dtype {m['dtype']}")
+    if int(m["world_size"]) != world_size:
+        raise UserError(
+            f"checkpoint {ck.path} was saved by {m['world_size']} rank(s); this run has {world_size}: "
+            f"resume with --nproc {m['world_size']}"
+        )
+    saved = {k: list(v) for k, v in m["param_shapes"].items()}
+    here = {k: list(v) for k, v in param_shapes.items()}
+    if saved != here:
+        for name, shape in here.items():
+            if name not in saved:
+                detail = f"parameter {name} {shape} is not in the checkpoint"
+                break
+            if saved[name] != shape:
+                detail = f"parameter {name} is {saved[name]} in the checkpoint, {shape} in this model"
+                break
+        else:
+            extra = next(k for k in saved if k not in here)
+            detail = f"the checkpoint's parameter {extra} {saved[extra]} is not in this model"
+        raise UserError(f"checkpoint {ck.path} was saved for a different model: {detail}")
+
+
+# ---- finding checkpoints -----------------------------------------------------------------------
+
+
+def complete_checkpoints(root: str | os.PathLike) -> list[Checkpoint]:
+    """Complete checkpoints (tag folders with a readable manifest) under ``root``, oldest first.
+    Staging folders and tag folders without a manifest are skipped; a damaged manifest is too."""
+    base = Path(root)
+    found = []
+    if not base.is_dir():
+        return found
+    for child in base.iterdir():
+        if not _TAG_RE.match(child.name) or not child.is_dir():
+            continue
+        try:
+            manifest = read_manifest(child)
+        except (UserError, IntegrityError):
+            continue
+        found.append(Checkpoint(base, child.name, manifest))
+    return sorted(found, key=lambda c: c.step)
+
+
+def periodic_root(output_dir: str | os.PathLike) -> Path:
+    """``<output>/checkpoints``: where periodic checkpoints go and ``--resume auto`` looks."""
+    return Path(output_dir) / CHECKPOINTS_SUBDIR
+
+
+def resolve_resume(resume: str, output_dir: str | os.PathLike) -> Checkpoint | None:
+    """The checkpoint ``--resume`` names.
+
+    ``auto``: the newest complete checkpoint in :func:`periodic_root` (``None`` when there is none:
+    the run starts from step 0). A folder holding ``latest``: the tag it names, which must be
+    complete. A tag folder with a manifest: that one.
+
+    Raises:
+        UserError: nothing to resume in an explicit folder, or ``latest`` names an incomplete
+            checkpoint. IntegrityError: its manifest is damaged.
+    """
+    if resume == "auto":
+        found = complete_checkpoints(periodic_root(output_dir))
+        return found[-1] if found else None
+    base = Path(resume)
+    if not base.is_dir():
+        raise UserError(f"--resume {resume}: no such folder")
+    latest = base / "latest"
+    if latest.is_file():
+        try:
+            tag = latest.read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"--resume {resume}: cannot read {latest}: {exc}") from None
+        if not tag or "/" in tag or not (base / tag).is_dir():
+            raise UserError(f"--resume {resume}: {latest} names '{tag}', which is not a folder there")
+        return Checkpoint(base, tag, read_manifest(base / tag))
+    if (base / MANIFEST_NAME).is_file() or _TAG_RE.match(base.name):
+        return Checkpoint(base.parent, base.name, read_manifest(base))
+    raise UserError(f"--resume {resume}: no checkpoint there (no 'latest' file and not a global_step<N> folder)")
+
+
+# ---- saving ------------------------------------------------------------------------------------
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_partials(root: str | os.PathLike) -> list[Path]:
+    """Remove staging folders (``.partial-<tag>-<YYYYmmdd-HHMMSS>-<pid>``) under ``root`` whose
+    process is gone: what a save killed mid-way left. Returns the folders removed."""
+    base = Path(root)
+    removed = []
+    if not base.is_dir():
+        return removed
+    for child in base.iterdir():
+        m = re.match(rf"^{re.escape(PARTIAL_PREFIX)}global_step\d+-(?:old-)?\d{{8}}-\d{{6}}-(\d+)$", child.name)
+        if m and child.is_dir() and not _pid_alive(int(m.group(1))):
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append(child)
+    return removed
+
+
+def _dist():
+    import torch.distributed as tdist
+
+    return tdist if tdist.is_available() and tdist.is_initialized() else None
+
+
+def _barrier() -> None:
+    d = _dist()
+    if d is not None and d.get_world_size() > 1:
+        d.barrier()
+
+
+def save_checkpoint(
+    engine: Any,
+    root: str | os.PathLike,
+    *,
+    run_id: str,
+    info: dict,
+    rank: int,
+    client_state: dict | None = None,
+) -> Checkpoint:
+    """Save ``engine`` atomically as ``<root>/global_step<N>`` (N = ``engine.global_steps``) and
+    point ``<root>/latest`` at it. Every rank calls it (DeepSpeed's save is collective).
+
+    Replaces a direct ``DeepSpeedEngine.save_checkpoint(root, tag)`` (0.19.8 writes ``latest``
+    before a raw store's export and fsyncs nothing): DeepSpeed saves into a staging folder with
+    ``save_latest=False``, then rank 0 writes the manifest (:func:`write_manifest`), renames the tag
+    folder into place and replaces ``latest``. A memascend checkpoint of the same tag already there
+    is replaced; any other folder of that name is refused.
+
+    Args:
+        run_id: the run's id (same on every rank): names the staging folder.
+        info: manifest facts (``dtype``, ``world_size``, ``param_shapes``, ...); ``step`` is added.
+        client_state: passed to DeepSpeed (stored in its model_states file).
+
+    Returns:
+        The saved checkpoint.
+
+    Raises:
+        UserError: ``<root>/global_step<N>`` exists and is not a memascend checkpoint.
+        OSError: the filesystem failed (disk full, I/O error): the target is left as it was.
+    """
+    base = Path(root)
+    step = int(engine.global_steps)
+    tag = tag_for_step(step)
+    staging = base / f"{PARTIAL_PREFIX}{tag}-{run_id}"
+    final = base / tag
+    if rank == 0:
+        base.mkdir(parents=True, exist_ok=True)
+        remove_stale_partials(base)
+        if final.exists() and not (final / MANIFEST_NAME).is_file():
+            raise UserError(f"checkpoint folder {final} exists and is not a memascend checkpoint; move it away")
+        if staging.exists():
+            shutil.rmtree(staging)
+    _barrier()
+    try:
+        engine.save_checkpoint(str(staging), tag=tag, client_state=client_state or {}, save_latest=False)
+        _barrier()
+        if rank == 0:
+            write_manifest(staging / tag, {**info, "step": step, "tag": tag})
+            old = None
+            if final.exists():
+                old = base / f"{PARTIAL_PREFIX}{tag}-old-{run_id}"
+                os.replace(final, old)
+            os.replace(staging / tag, final)
+            _fsync_dir(base)
+            _write_durable(base / "latest", tag)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(staging, ignore_errors=True)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _barrier()
+    manifest = read_manifest(final) if rank == 0 else {"step": step}
+    return Checkpoint(base, tag, manifest)
+
+
+def prune(root: str | os.PathLike, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` complete memascend checkpoints under ``root`` (never a
+    folder without a memascend manifest, never the one ``latest`` names). Returns what was removed."""
+    base = Path(root)
+    found = complete_checkpoints(base)
+    latest = (base / "latest").read_text().strip() if (base / "latest").is_file() else None
+    removed = []
+    for ck in found[: max(0, len(found) - max(1, keep))]:
+        if ck.tag == latest:
+            continue
+        shutil.rmtree(ck.path, ignore_errors=True)
+        removed.append(ck.path)
+    return removed
+
+
+class PeriodicCheckpointer:
+    """Decides after each optimizer step whether to save, saves, and prunes.
+
+    Args:
+        root: where the checkpoints go (:func:`periodic_root`).
+        every_steps: save when the step number is a multiple of it (``None``: off).
+        every_minutes: save when this many minutes passed since the last save or the start
+            (``None``: off); the decision is rank 0's, shared with every rank.
+        keep: newest checkpoints kept.
+        save: ``save(root) -> Checkpoint``, called on every rank.
+        clock: seconds, monotonic (tests pass their own).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        every_steps: int | None,
+        every_minutes: float | None,
+        keep: int,
+        save: Callable[[Path], Checkpoint],
+        rank: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.root = Path(root)
+        self.every_steps = every_steps
+        self.every_s = None if every_minutes is None else float(every_minutes) * 60.0
+        self.keep = keep
+        self._save = save
+        self._rank = rank
+        self._clock = clock
+        self._last_s = clock()
+        self.saved: list[str] = []
+
+    @property
+    def enabled(self) -> bool:
+        return self.every_steps is not None or self.every_s is not None
+
+    def due(self, step: int) -> bool:
+        """Whether step ``step`` (1-based, just finished) should be saved (same answer on every rank)."""
+        if self.every_steps is not None and step % self.every_steps == 0:
+            return True
+        if self.every_s is None:
+            return False
+        local = self._clock() - self._last_s >= self.every_s
+        d = _dist()
+        if d is not None and d.get_world_size() > 1:
+            box = [local]
+            d.broadcast_object_list(box, src=0)
+            local = bool(box[0])
+        return local
+
+    def maybe_checkpoint(self, step: int) -> Checkpoint | None:
+        """Save after step ``step`` when due (then prune to ``keep``); returns the checkpoint or ``None``."""
+        if not self.enabled or not self.due(step):
+            return None
+        ck = self._save(self.root)
+        self._last_s = self._clock()
+        self.saved.append(ck.tag)
+        if self._rank == 0:
+            prune(self.root, self.keep)
+        return ck
+
+
+def check_finite_loss(step: int, loss: float, *, skipped: bool, allow: bool) -> None:
+    """Stop the run on a non-finite loss (unless ``allow``, or DeepSpeed skipped the step: an fp16
+    loss-scale overflow).
+
+    Raises:
+        TrainingError: the loss of ``step`` is NaN or infinite.
+    """
+    from memascend.errors import TrainingError
+
+    if allow or skipped or math.isfinite(loss):
+        return
+    raise TrainingError(
+        f"step {step}: the training loss is {loss} (not finite); the run stopped without writing a model or a "
+        "checkpoint from this state: lower --lr, check the data, or pass --allow-nonfinite-loss to continue anyway"
+    )
