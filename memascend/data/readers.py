@@ -76,13 +76,22 @@ def read_jsonl(path: Path) -> Iterator[Document]:
     """Read ``{"text": ...}`` / ``{"messages": [...]}`` lines.
 
     Raises:
-        UserError: naming the file and 1-based line number of a malformed line.
+        UserError: naming the file and 1-based line number of a malformed line or of a line that
+            is not UTF-8 (with the byte offset in the file).
     """
-    with open(path, encoding="utf-8", errors="strict") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        offset_bytes = 0
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise UserError(
+                    f"{where}: not UTF-8 text ({exc.reason} at byte {offset_bytes + exc.start} of the file)"
+                ) from None
+            offset_bytes += len(raw)
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
@@ -158,6 +167,6 @@ def _read_paths(source: str) -> Iterator[Document]:
             try:
                 text = file.read_text(encoding="utf-8")
             except UnicodeDecodeError as exc:
-                raise UserError(f"{file}: not UTF-8 text (byte {exc.start})") from None
+                raise UserError(f"{file}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
             if text.strip():
                 yield Document(text=text, origin=str(file))

