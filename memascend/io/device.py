@@ -51,7 +51,10 @@ SIGNATURES: tuple[tuple[str, int, bytes], ...] = (
     ("GPT partition table", 512, b"EFI PART"),
 )
 
-FIX_OVERWRITE = "pick an empty device/file, or pass allow_overwrite=True if its contents are disposable"
+FIX_OVERWRITE = (
+    "pick an empty device/file, or pass --nvme-overwrite (allow_overwrite=True from Python) if its contents "
+    "are disposable"
+)
 
 
 @dataclass(frozen=True, kw_only=True)
