@@ -32,6 +32,10 @@ FIX_SIGNATURE = (
     "(`wipefs -a PATH`, or nvme_raw_allow_wipe in the inventory)"
 )
 FIX_DISK = "pass the memascend partition (e.g. /dev/nvme0n1p1), not the whole disk that holds partitions"
+FIX_SIZE = (
+    "give a larger partition (one per rank: the run's bytes are split over the --device partitions), "
+    "or pass --nvme-bytes with this run's size (`memascend plan` shows it)"
+)
 
 
 def probe_signature(path: Path) -> str | None:
@@ -110,7 +114,9 @@ def _size_bytes(real: str, st: os.stat_result, paths: HostPaths) -> int | None:
     return int(text) * 512 if text and text.strip().isdigit() else None
 
 
-def check_device(path: Path, paths: HostPaths, *, user: str | None = None) -> CheckResult:
+def check_device(
+    path: Path, paths: HostPaths, *, user: str | None = None, need_bytes: int | None = None
+) -> CheckResult:
     """Check one raw partition for memascend's device store.
 
     Args:
@@ -118,11 +124,13 @@ def check_device(path: Path, paths: HostPaths, *, user: str | None = None) -> Ch
         paths: procfs/sysfs roots used for mounts, swaps, holders, partitions and size.
         user: check read/write access as this user (from the node's owner, group and mode);
             ``None`` checks the current process with ``os.access``.
+        need_bytes: bytes the run stores on this partition; ``None`` skips the size check (as does
+            a size sysfs does not report).
 
     Returns:
         PASS when the node is a block device, readable and writable, unmounted, not held by
-        another layer, not a disk with partitions and without any known signature; otherwise
-        FAIL (required) with the fix for the first problem found.
+        another layer, not a disk with partitions, without any known signature and at least
+        ``need_bytes`` large; otherwise FAIL (required) with the fix for the first problem found.
     """
     name = f"device {path}"
     try:
@@ -168,6 +176,14 @@ def check_device(path: Path, paths: HostPaths, *, user: str | None = None) -> Ch
         return CheckResult(
             name=name, status=Status.FAIL, detail=f"{owner}; carries a {signature}", fix=FIX_SIGNATURE
         )
+    if need_bytes is not None and size is not None and size < need_bytes:
+        return CheckResult(
+            name=name,
+            status=Status.FAIL,
+            detail=f"{owner}; too small: the run stores ~{format_bytes(need_bytes)} here",
+            fix=FIX_SIZE,
+        )
+    room = "" if need_bytes is None or size is None else f", room for ~{format_bytes(need_bytes)}"
     return CheckResult(
-        name=name, status=Status.PASS, detail=f"{owner}; rw for {who.name}, unmounted, no signature"
+        name=name, status=Status.PASS, detail=f"{owner}; rw for {who.name}, unmounted, no signature{room}"
     )

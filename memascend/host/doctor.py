@@ -30,7 +30,8 @@ class DoctorOptions:
         devices: raw partitions the run will use as its device store.
         device_user: check device access as this user (``None``: the current process).
         nvme_path: offload folder to check (``None``: skip the folder check).
-        nvme_bytes: bytes the run writes under ``nvme_path`` (default: :func:`estimate_nvme_bytes`).
+        nvme_bytes: bytes the run writes under ``nvme_path``, or split over ``devices`` (one partition
+            per rank; default: :func:`estimate_nvme_bytes`).
         require_hugepages: whether missing huge pages fail the run instead of warning.
         require_gpu: whether a CUDA device is required; ``None`` = when torch is a CUDA build.
         paths: procfs/sysfs/etc roots (tests point them at fakes).
@@ -59,7 +60,11 @@ def run_checks(options: DoctorOptions) -> list[CheckResult]:
         check_memlock(paths, lock_bytes=options.lock_bytes),
         check_hugepages(paths, required=options.require_hugepages),
     ]
-    results += [check_device(dev, paths, user=options.device_user) for dev in options.devices]
+    # One partition per rank: the run's NVMe bytes are split over the devices.
+    per_device_bytes = -(-options.nvme_bytes // len(options.devices)) if options.devices else None
+    results += [
+        check_device(dev, paths, user=options.device_user, need_bytes=per_device_bytes) for dev in options.devices
+    ]
     results.append(check_library("aio", "libaio.h", required=True))
     results.append(check_library("uring", "liburing.h", required=False))
     results.append(check_aio_syscalls(required=options.nvme_path is not None))

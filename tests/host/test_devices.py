@@ -1,12 +1,14 @@
+import json
 import os
 import shutil
 import subprocess
+import sys
 import types
 
 import pytest
 from loopdev import loop_disk, require_loop_devices
 
-from memascend.host import Status
+from memascend.host import HostPaths, Status
 from memascend.host.devices import _Identity, can_read_write, check_device, probe_signature
 
 
@@ -94,3 +96,36 @@ def test_loop_partition_pass_and_failures(fake_host, tmp_path):
             assert mounted.status is Status.FAIL and f"mounted on {mnt}" in mounted.detail
         finally:
             subprocess.run(["umount", str(mnt)], check=True)
+
+
+@pytest.mark.root
+@pytest.mark.nvme
+def test_device_too_small_for_the_run_fails(tmp_path):
+    """doctor's --device check compares the partition's size with the bytes the run stores there."""
+    require_loop_devices()
+    real = HostPaths()  # the live /proc and /sys: the loop device's size
+    with loop_disk(tmp_path / "small.img", 8 << 20) as dev:
+        small = check_device(dev, real, need_bytes=1 << 30)
+        assert small.status is Status.FAIL, small
+        assert "8.00 MiB" in small.detail or "8 MiB" in small.detail, small.detail
+        assert "too small" in small.detail and "larger partition" in small.fix
+        fits = check_device(dev, real, need_bytes=4 << 20)
+        assert fits.status is Status.PASS and "room for" in fits.detail, fits
+        unchecked = check_device(dev, real)
+        assert unchecked.status is Status.PASS
+        # the CLI splits --nvme-bytes over the --device partitions (one per rank)
+        proc = subprocess.run(
+            [sys.executable, "-m", "memascend", "doctor", "--json", "--device", str(dev), "--device", str(dev),
+             "--nvme-bytes", "12MiB", "--no-gpu"],
+            capture_output=True, text=True, timeout=300,
+        )
+        checks = {c["name"]: c for c in json.loads(proc.stdout)["checks"]}
+        assert checks[f"device {dev}"]["status"] == "pass", checks[f"device {dev}"]
+        proc = subprocess.run(
+            [sys.executable, "-m", "memascend", "doctor", "--json", "--device", str(dev), "--nvme-bytes", "12MiB",
+             "--no-gpu"],
+            capture_output=True, text=True, timeout=300,
+        )
+        assert proc.returncode == 1
+        check = {c["name"]: c for c in json.loads(proc.stdout)["checks"]}[f"device {dev}"]
+        assert check["status"] == "fail" and "too small" in check["detail"], check
