@@ -299,7 +299,16 @@ class TrainConfig:
     store's swapped optimizer state is exported to ordinary files inside it."""
     resume: str | None = None
     """Load the DeepSpeed checkpoint in this folder (its ``latest`` tag) before training and
-    continue; ``steps`` counts total optimizer steps."""
+    continue; ``steps`` counts total optimizer steps. ``auto``: the newest complete checkpoint in
+    ``output_dir/checkpoints`` (none: start from step 0)."""
+    checkpoint_every: int | None = None
+    """Save a checkpoint to ``output_dir/checkpoints/global_step<N>`` every this many steps."""
+    checkpoint_every_minutes: float | None = None
+    """Save a checkpoint there when this many minutes passed since the last one."""
+    keep_checkpoints: int = 2
+    """Periodic checkpoints kept (the newest); older ones are deleted after a new one is complete."""
+    allow_nonfinite_loss: bool = False
+    """Keep training when the loss is NaN or infinite (stopped with exit code 5 otherwise)."""
 
     def __post_init__(self) -> None:
         _check_types(self, "train")
@@ -322,6 +331,12 @@ class TrainConfig:
             raise UserError(f"--seed must be between 0 and {MAX_SEED}, got {self.seed}")
         if self.dtype not in ("bf16", "fp16", "fp32"):
             raise UserError(f"--dtype must be bf16, fp16 or fp32, got {self.dtype}")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise UserError(f"--checkpoint-every must be >= 1 step, got {self.checkpoint_every}")
+        if self.checkpoint_every_minutes is not None and self.checkpoint_every_minutes <= 0:
+            raise UserError(f"--checkpoint-every-minutes must be positive, got {self.checkpoint_every_minutes}")
+        if self.keep_checkpoints < 1:
+            raise UserError(f"--keep-checkpoints must be >= 1, got {self.keep_checkpoints}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -88,7 +88,15 @@ def _launch_ranks(nproc: int) -> None:
               "the swapped optimizer state is exported as files into it")
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False), default=None,
               help="Load the latest checkpoint in this folder before training and continue from its step "
-              "up to --steps (total optimizer steps)")
+              "up to --steps (total optimizer steps); 'auto': the newest complete checkpoint in "
+              "OUTPUT/checkpoints (none: start from step 0). Shapes, dtype, ranks and checksums are checked first")
+@click.option("--checkpoint-every", type=int, default=None,
+              help="Save a checkpoint to OUTPUT/checkpoints/global_step<N> every N steps (atomic)")
+@click.option("--checkpoint-every-minutes", type=float, default=None,
+              help="Save a checkpoint there when this many minutes passed since the last one")
+@click.option("--keep-checkpoints", type=int, default=None, help="Periodic checkpoints kept [default: 2]")
+@click.option("--allow-nonfinite-loss", is_flag=True, default=False,
+              help="Keep training on a NaN/inf loss (by default the run stops, exit code 5, saving nothing)")
 @click.option("--output", "output_dir", default=None, help="Output folder (model, report.json, memory timeline) [default: runs/latest]")
 @click.option("--engine", type=click.Choice(["baseline", "memascend"]), default=None, help="memascend's memory optimisations (default) or stock ZeRO-Infinity (baseline) [default: memascend]")
 @click.option("--eval-blocks", type=int, default=None, help="Held-out blocks evaluated before/after training [default: 16]")
@@ -129,6 +137,10 @@ def finetune(**kw) -> None:
             "save_model": kw["save_model"],
             "save_checkpoint": kw["save_checkpoint_dir"],
             "resume": kw["resume_dir"],
+            "checkpoint_every": kw["checkpoint_every"],
+            "checkpoint_every_minutes": kw["checkpoint_every_minutes"],
+            "keep_checkpoints": kw["keep_checkpoints"],
+            "allow_nonfinite_loss": kw["allow_nonfinite_loss"] or None,
         },
         "offload": {
             "param": kw["offload_param"],

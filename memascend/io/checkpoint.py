@@ -35,7 +35,9 @@ def export_files(
     """Copy every tensor to ordinary files in ``folder`` (one ``.bin`` per tensor plus
     ``manifest.json`` with key, dtype, shape, bytes, CRC32C): the checkpoint of a raw store,
     in place of DeepSpeed's ``shutil.copytree`` of the swap folder. Host memory used: one
-    staging buffer of ``chunk_bytes``. Every tensor is verified against its CRC32C.
+    staging buffer of ``chunk_bytes``. Every tensor is verified against its CRC32C. Complete or
+    absent: every tensor file is fsynced before the manifest is written (atomically, then the
+    folder fsynced), so a folder without ``manifest.json`` is an export that never finished.
 
     Args:
         select: export only the keys for which it returns true (default: every key).
@@ -70,6 +72,7 @@ def export_files(
                 crc = op.crc32c(staging, n, crc)
                 f.write(view[:n].data)
             f.flush()
+            os.fsync(f.fileno())
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         if rec.crc32c is not None and crc != rec.crc32c:
             raise ChecksumError(
@@ -89,8 +92,20 @@ def export_files(
                 "crc32c": crc,
             }
         )
+    # The manifest is the export's completion marker: written last, after every tensor file is
+    # on the device, atomically (a temporary file renamed into place), then the folder fsynced.
     path = out / MANIFEST_NAME
-    path.write_text(json.dumps({"format": 1, "tensors": manifest}, indent=1))
+    tmp = out / f".{MANIFEST_NAME}.tmp"
+    with open(tmp, "w") as f:
+        f.write(json.dumps({"format": 1, "tensors": manifest}, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     return path
 
 

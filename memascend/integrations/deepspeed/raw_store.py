@@ -165,6 +165,8 @@ def prepare_folder_resume(engine: Any, load_dir: str | os.PathLike, tag: Any = N
         return []
     export = checkpoint_rank_dir(tag_dir, rank)
     if not (export / "manifest.json").is_file():
+        if (tag_dir / CHECKPOINT_SUBDIR).is_dir():
+            raise _incomplete_export(tag_dir, rank)
         if stock_offload_rank_dir(tag_dir, rank).is_dir():
             return []  # stock checkpoint of a run with nothing swapped
         raise _no_optimizer_state(tag_dir, rank)
@@ -492,17 +494,50 @@ def _optimizer_swap_folder(engine: Any) -> str | None:
 
 def _make_save_checkpoint(original, handle: RawStoreHandle):
     @functools.wraps(original)
-    def save_checkpoint(self, save_dir, tag=None, *args, **kwargs):
-        """Stock save, then the optimizer's swapped state exported from the store (the stock
-        ``copytree`` of the swap folder copies an empty folder)."""
-        result = original(self, save_dir, tag, *args, **kwargs)
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
+        """Stock save with ``save_latest=False``, then the optimizer's swapped state exported from
+        the store (the stock ``copytree`` of the swap folder copies an empty folder), then, once
+        every rank's export is on disk (fsynced, manifest last), ``latest`` (stock 0.19.8 writes
+        ``latest`` before returning, so a run killed during the export left a ``latest`` naming a
+        checkpoint without its optimizer state)."""
+        resolved = str(tag) if tag is not None else f"global_step{self.global_steps}"
+        result = original(self, save_dir, resolved, client_state if client_state is not None else {},
+                          False, exclude_frozen_parameters)
         folder = _optimizer_swap_folder(self)
         if folder is not None:
-            resolved = str(tag) if tag is not None else f"global_step{self.global_steps}"
             handle.export_checkpoint(Path(save_dir) / resolved, folder)
+        if save_latest:
+            from deepspeed import comm as ds_comm
+
+            ds_comm.barrier()
+            if self.global_rank == 0:
+                _write_latest(Path(save_dir), resolved)
+            ds_comm.barrier()
         return result
 
     return save_checkpoint
+
+
+def _write_latest(save_dir: Path, tag: str) -> None:
+    """``<save_dir>/latest`` = ``tag``, atomically (temporary file, fsync, rename, fsync folder)."""
+    tmp = save_dir / f".latest.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(tag)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, save_dir / "latest")
+    fd = os.open(save_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _incomplete_export(tag_dir: Path, world_rank: int) -> UserError:
+    return UserError(
+        f"checkpoint {tag_dir} is incomplete: {checkpoint_rank_dir(tag_dir, world_rank)} has no manifest.json "
+        "(the raw store's export of the optimizer state never finished); resume an earlier checkpoint"
+    )
 
 
 def _make_load_checkpoint(original, handle: RawStoreHandle):
@@ -520,6 +555,8 @@ def _make_load_checkpoint(original, handle: RawStoreHandle):
             stock_files = _swap_files(stock_offload_rank_dir(tag_dir, handle.world_rank))
             if (rank_dir / "manifest.json").is_file():
                 handle._pending_import = ("export", rank_dir)
+            elif (tag_dir / CHECKPOINT_SUBDIR).is_dir():
+                raise _incomplete_export(tag_dir, handle.world_rank)
             elif stock_files:
                 prefix = handle.key_prefix(folder)
                 files = {prefix + f.name: f for f in stock_files}
