@@ -10,6 +10,8 @@ import enum
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from memascend.units import format_bytes  # noqa: F401 - re-exported for the doctor checks
+
 
 class Status(str, enum.Enum):
     """Outcome of a check. ``FAIL`` on a *required* check makes ``memascend doctor`` exit non-zero."""
@@ -73,13 +75,3 @@ def read_text(path: Path) -> str | None:
         return path.read_text()
     except OSError:
         return None
-
-
-def format_bytes(n_bytes: int | float) -> str:
-    """Human-readable binary size, e.g. ``1.50 GiB``."""
-    value = float(n_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")

@@ -229,7 +229,8 @@ def check_target(path: str | os.PathLike, *, allow_overwrite: bool = False, own_
             owner UUID), so that header alone is no reason to refuse.
 
     Raises:
-        DeviceRefusedError: in use (always), or a signature without ``allow_overwrite``; the
+        DeviceRefusedError: in use (always); without ``allow_overwrite``: a signature, or a regular
+            file that is not empty and not the caller's own store (whatever its content); the
             message names the path, what was found and the fix.
     """
     reason = in_use_reason(path)
@@ -246,6 +247,14 @@ def check_target(path: str | os.PathLike, *, allow_overwrite: bool = False, own_
         sig = blkid_signature(path)
     if sig:
         raise DeviceRefusedError(f"nvme path {path} carries a {sig}: {FIX_OVERWRITE}")
+    # A regular file has no signature to look for: text, SQLite or tar content is as precious as a
+    # filesystem. Any non-empty file that is not a store is the user's data.
+    st = os.stat(path)
+    if stat.S_ISREG(st.st_mode) and st.st_size > 0:
+        raise DeviceRefusedError(
+            f"nvme path {path} is an existing file of {st.st_size} bytes that is not a memascend store: "
+            f"{FIX_OVERWRITE}"
+        )
 
 
 def preallocate_file(path: str | os.PathLike, size_bytes: int) -> None:

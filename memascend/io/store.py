@@ -36,6 +36,7 @@ from memascend.io.errors import ChecksumError, DeviceRefusedError, StoreError, S
 from memascend.io.extent import Extent, ExtentAllocator
 from memascend.io.header import STORE_MAGIC, StoreHeader, decode_table, encode_table
 from memascend.ops import nvme_io as _op
+from memascend.units import format_bytes
 
 DEFAULT_QUEUE_DEPTH = 32
 DEFAULT_REQUEST_BYTES = 8 << 20
@@ -169,6 +170,7 @@ class TensorStore:
         enable_direct: bool = True,
         table_slot_bytes: int = DEFAULT_TABLE_SLOT_BYTES,
         backend: str = "auto",
+        min_capacity_bytes: int | None = None,
     ) -> TensorStore:
         """Create an empty store on ``path``, refusing a target that holds anything else.
 
@@ -186,31 +188,42 @@ class TensorStore:
             enable_direct: O_DIRECT; turn off only for filesystems without it (tmpfs).
             table_slot_bytes: room for the compressed extent table (two slots are reserved).
             backend: ``"auto"`` (io_uring, else libaio), ``"io_uring"`` or ``"libaio"``.
+            min_capacity_bytes: refuse a target whose data region is smaller (checked before
+                anything is written to it).
+
+        A refused or failed create leaves the target as it was: a file it created is removed, a
+        file it grew is truncated back to its size before.
 
         Raises:
-            DeviceRefusedError: the target is in use or carries data (see above).
+            DeviceRefusedError: the target is in use or carries data (see above); a regular file
+                that is not empty and not this owner's store counts as data, whatever its content.
             UserError: the path is unusable (missing, no size given, too small, no O_DIRECT).
         """
         p = Path(path)
         owner = owner_uuid or uuid.uuid4()
-        if not p.exists():
-            if size_bytes is None:
-                raise UserError(f"nvme path {p} does not exist: pass a size to create a store file there")
-            _device.preallocate_file(p, size_bytes)
-        else:
-            own = False
-            head = _device.read_head(p, 4096)
-            if head[:8] == STORE_MAGIC:
-                try:
-                    own = StoreHeader.unpack(head, _crc_bytes).owner_uuid == owner
-                except StoreError:
-                    own = False
-            _device.check_target(p, allow_overwrite=allow_overwrite, own_store=own)
-            if size_bytes is not None and not _device.probe_info(p).is_block_device:
-                _device.preallocate_file(p, size_bytes)
-        info = _device.probe_info(p)
-        engine = _open_engine(p, queue_depth, request_bytes, enable_direct, backend)
+        created = False
+        original_size_bytes: int | None = None
+        engine = None
         try:
+            if not p.exists():
+                if size_bytes is None:
+                    raise UserError(f"nvme path {p} does not exist: pass a size to create a store file there")
+                created = True  # before preallocating: a failure half-way must remove the file
+                _device.preallocate_file(p, size_bytes)
+            else:
+                own = False
+                head = _device.read_head(p, 4096)
+                if head[:8] == STORE_MAGIC:
+                    try:
+                        own = StoreHeader.unpack(head, _crc_bytes).owner_uuid == owner
+                    except StoreError:
+                        own = False
+                _device.check_target(p, allow_overwrite=allow_overwrite, own_store=own)
+                if size_bytes is not None and not _device.probe_info(p).is_block_device:
+                    original_size_bytes = p.stat().st_size
+                    _device.preallocate_file(p, size_bytes)
+            info = _device.probe_info(p)
+            engine = _open_engine(p, queue_depth, request_bytes, enable_direct, backend)
             align = engine.align_bytes
             slot = -(-table_slot_bytes // align) * align
             header = StoreHeader(
@@ -218,13 +231,23 @@ class TensorStore:
             )
             if header.data_offset + align > engine.size_bytes:
                 raise UserError(
-                    f"nvme path {p} holds {engine.size_bytes} bytes: too small for a store (needs > {header.data_offset + align})"
+                    f"nvme path {p} holds {format_bytes(engine.size_bytes)}: too small for a store "
+                    f"(needs more than {format_bytes(header.data_offset + align)})"
                 )
             store = cls(engine=engine, info=info, header=header, records={}, enable_crc=enable_crc)
+            # Checked before the header is written: a refused target is never modified.
+            if min_capacity_bytes is not None and store.capacity_bytes < min_capacity_bytes:
+                raise UserError(
+                    f"nvme path {p} holds {format_bytes(store.capacity_bytes)} of store space; this run "
+                    f"needs about {format_bytes(min_capacity_bytes)} for swapped parameters and optimizer "
+                    "state: give a larger device or file"
+                )
             store._write_raw(0, header.pack(_crc_bytes), "<store header>")
             return store
         except BaseException:
-            engine.close()
+            if engine is not None:
+                engine.close()
+            _restore_target(p, created=created, original_size_bytes=original_size_bytes)
             raise
 
     @classmethod
@@ -645,6 +668,17 @@ class TensorStore:
             raise ValueError(f"tensor must be on the CPU, got {t.device}")
         if not t.is_contiguous():
             raise ValueError("tensor must be contiguous")
+
+
+def _restore_target(path: Path, *, created: bool, original_size_bytes: int | None) -> None:
+    """Undo what a failed :meth:`TensorStore.create` did to a file target (never raises)."""
+    try:
+        if created:
+            path.unlink(missing_ok=True)
+        elif original_size_bytes is not None and path.is_file() and path.stat().st_size > original_size_bytes:
+            os.truncate(path, original_size_bytes)
+    except OSError:
+        pass
 
 
 def _crc_bytes(data: bytes) -> int:

@@ -95,6 +95,7 @@ class MemorySampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._n = 0
+        self._csv = None  # open file the samples are streamed to (stream_csv)
         self._cuda = None
         try:
             import torch
@@ -122,6 +123,7 @@ class MemorySampler:
             self._thread.join()
             self._thread = None
         self.sample()
+        self.stream_csv(None)
 
     def phase(self, name: str) -> None:
         """Mark the start of phase ``name`` (and take a sample right away)."""
@@ -165,6 +167,9 @@ class MemorySampler:
                 **io,
             )
             self.samples.append(s)
+            if self._csv is not None:
+                self._csv.write(_csv_row(s) + "\n")
+                self._csv.flush()
             ph = self._phase
             self.phase_peak_rss_bytes[ph] = max(self.phase_peak_rss_bytes.get(ph, 0), s.rss_bytes)
             self.phase_peak_locked_bytes[ph] = max(self.phase_peak_locked_bytes.get(ph, 0), s.locked_bytes)
@@ -195,26 +200,45 @@ class MemorySampler:
             }
 
     def write_csv(self, path: str | os.PathLike) -> None:
-        """One row per sample; byte columns; empty cells where a value was not taken."""
-        cols = [
-            "t_s",
-            "phase",
-            "rss_bytes",
-            "uss_bytes",
-            "hwm_bytes",
-            "locked_bytes",
-            "read_bytes",
-            "write_bytes",
-            "gpu_allocated_bytes",
-            "gpu_reserved_bytes",
-        ]
+        """One row per sample (:data:`CSV_COLUMNS`); byte columns; empty cells where a value was
+        not taken."""
         with self._lock:
             rows = list(self.samples)
-        lines = [",".join(cols)]
-        for s in rows:
-            vals = []
-            for c in cols:
-                v = getattr(s, c)
-                vals.append("" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v)))
-            lines.append(",".join(vals))
-        Path(path).write_text("\n".join(lines) + "\n")
+        Path(path).write_text("\n".join([",".join(CSV_COLUMNS), *(_csv_row(s) for s in rows)]) + "\n")
+
+    def stream_csv(self, path: str | os.PathLike | None) -> None:
+        """Write the samples so far to ``path`` as :meth:`write_csv` does, then append every new
+        sample as it is taken (flushed), so the timeline survives a crash; ``None`` stops."""
+        with self._lock:
+            if self._csv is not None:
+                self._csv.close()
+                self._csv = None
+            if path is None:
+                return
+            f = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed by stream_csv(None)
+            f.write("\n".join([",".join(CSV_COLUMNS), *(_csv_row(s) for s in self.samples)]) + "\n")
+            f.flush()
+            self._csv = f
+
+
+#: Columns of the memory timeline CSV, in order.
+CSV_COLUMNS = (
+    "t_s",
+    "phase",
+    "rss_bytes",
+    "uss_bytes",
+    "hwm_bytes",
+    "locked_bytes",
+    "read_bytes",
+    "write_bytes",
+    "gpu_allocated_bytes",
+    "gpu_reserved_bytes",
+)
+
+
+def _csv_row(s: Sample) -> str:
+    vals = []
+    for c in CSV_COLUMNS:
+        v = getattr(s, c)
+        vals.append("" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v)))
+    return ",".join(vals)

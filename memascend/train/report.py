@@ -66,6 +66,9 @@ def build_report(
     steady_steps = per_step[1:] or per_step
     return {
         "report_version": REPORT_VERSION,
+        # a report.json written while the run goes says "complete": false (memascend.train.run_log)
+        "complete": True,
+        "status": "completed",
         "engine": cfg.engine,
         "config": cfg.to_dict(),
         "deepspeed_config": ds_cfg,

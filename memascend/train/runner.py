@@ -11,7 +11,6 @@ state go to a raw store instead (:mod:`memascend.integrations.deepspeed.raw_stor
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import resource
@@ -33,6 +32,7 @@ from memascend.train.preflight import (
     check_stock_param_dram,
     upfront_locked_bytes,
 )
+from memascend.train.run_log import RunLog, write_json_atomic
 from memascend.train.store_target import (
     is_store_target,
     resolve_store_target,
@@ -154,6 +154,7 @@ class _Cleanup:
         self.revert = None
         self.raw_store = None
         self.created_out_dir: Path | None = None
+        self.run_log: RunLog | None = None
 
     def run(self, *, failed: bool = False) -> None:
         """Undo everything; every step runs even when an earlier one raises (the first error is
@@ -203,9 +204,13 @@ def run_finetune(cfg: RunConfig) -> dict | None:
     with TerminationAsInterrupt(), MemorySampler() as sampler:
         try:
             result = _run(cfg, info, sampler, cleanup)
-        except BaseException:
+        except BaseException as exc:
             # The run's own error (e.g. a checksum mismatch naming tensor and offset) is what the
             # user must see; a second failure while cleaning up must not replace it.
+            if cleanup.run_log is not None:
+                with contextlib.suppress(Exception):
+                    # bad input leaves nothing behind; a crash or an interrupt leaves its record
+                    cleanup.run_log.fail(exc, discard=isinstance(exc, UserError))
             with contextlib.suppress(Exception):
                 cleanup.run(failed=True)
             raise
@@ -291,6 +296,7 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
         if not out_dir.exists():
             cleanup.created_out_dir = out_dir
         out_dir.mkdir(parents=True, exist_ok=True)
+        cleanup.run_log = RunLog(out_dir, sampler, _log_header(cfg, shape, split, info))
 
     # ---- initialize -----------------------------------------------------------------------------
     sampler.phase("initialize")
@@ -425,6 +431,8 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
                 "skipped": int(getattr(engine, "skipped_steps", 0)) > skipped_before,
             }
             per_step.append(entry)
+            if cleanup.run_log is not None:
+                cleanup.run_log.step(entry)
             if raw_store is not None:
                 raw_store.sample_usage()
             elif swap_dir is not None and step == start_step:
@@ -520,6 +528,8 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
         "saved_to": save_checkpoint_dir,
         "saved_tag": checkpoint_tag,
     }
+    if cleanup.run_log is not None:
+        cleanup.run_log.close()
     sampler.write_csv(out_dir / "memory_timeline.csv")
     from memascend.telemetry.plot import plot_timelines
 
@@ -528,8 +538,23 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
         out_dir / "memory_timeline.png",
         title=f"{cfg.model.name_or_path if not cfg.model.from_scratch else 'from-scratch'} / {cfg.engine}",
     )
-    (out_dir / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
+    write_json_atomic(out_dir / "report.json", rep)
     return rep
+
+
+def _log_header(cfg: RunConfig, shape, split, info) -> dict:
+    """What a partial ``report.json`` carries before the first step (the final report's keys)."""
+    return {
+        "report_version": report_mod.REPORT_VERSION,
+        "engine": cfg.engine,
+        "config": cfg.to_dict(),
+        "versions": report_mod.versions(),
+        "host": {"device_type": info.device_type, "world_size": info.world_size},
+        "model": {"source": cfg.model.name_or_path, "from_scratch": cfg.model.from_scratch is not None,
+                  "param_numel": shape.total_numel, "largest_param_numel": shape.largest_numel},
+        "data": {"source": cfg.data.source, "documents": split.num_documents, "tokens": split.num_tokens,
+                 "train_blocks": len(split.train), "eval_blocks": len(split.eval), "seq_len": cfg.data.seq_len},
+    }
 
 
 def _lock_swap_folder(nvme_path: str, info, run_id: str):

@@ -7,6 +7,7 @@ which are turned into :class:`KeyboardInterrupt` so the same unwinding runs.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import time
@@ -14,12 +15,17 @@ from pathlib import Path
 
 from memascend.errors import UserError
 from memascend.host.storage import o_direct_works
+from memascend.io.runlock import RunLock, acquire_run_lock
+from memascend.units import format_bytes
 
 # Bytes per parameter on the NVMe path under ZeRO-Infinity with Adam: the 16-bit parameter
 # (params offloaded) plus the fp32 master copy, two Adam moments and the fp32 gradient swapped by
 # the optimizer swapper (4 x 4 bytes).
 OPTIMIZER_NVME_BYTES_PER_PARAM = 16
 SPACE_MARGIN = 1.10
+#: A run's private folder under ``--nvme-path``: ``memascend-<YYYYmmdd-HHMMSS>-<pid>``.
+RUN_DIR_PREFIX = "memascend-"
+RUN_DIR_RE = re.compile(r"memascend-\d{8}-\d{6}-\d+")
 
 
 def estimate_nvme_bytes(total_numel: int, param_bytes: int, offload_param_nvme: bool, offload_opt_nvme: bool) -> int:
@@ -33,12 +39,11 @@ def estimate_nvme_bytes(total_numel: int, param_bytes: int, offload_param_nvme: 
     return int(total_numel * per * SPACE_MARGIN)
 
 
-def prepare_swap_dir(nvme_path: str, need_bytes: int, run_id: str) -> Path:
-    """Create ``<nvme_path>/memascend-<run_id>`` after checking the folder is writable and large enough.
+def check_swap_base(nvme_path: str) -> Path:
+    """Create ``--nvme-path`` if missing and check it is a writable folder.
 
     Raises:
-        UserError: the path is not a folder, not writable, refuses O_DIRECT, or lacks ``need_bytes``
-            of free space.
+        UserError: the path is not a folder, cannot be created or is not writable.
     """
     base = Path(nvme_path).expanduser()
     if base.exists() and not base.is_dir():
@@ -49,6 +54,43 @@ def prepare_swap_dir(nvme_path: str, need_bytes: int, run_id: str) -> Path:
         raise UserError(f"cannot create --nvme-path {nvme_path}: {exc.strerror}") from None
     if not os.access(base, os.W_OK | os.X_OK):
         raise UserError(f"--nvme-path is not writable: {nvme_path}")
+    return base
+
+
+def lock_swap_folder(nvme_path: str, run_id: str) -> tuple[RunLock, list[tuple[Path, int]]]:
+    """Take the run lock of the swap folder, then remove the run folders that runs which died
+    (SIGKILL, OOM kill, power cut) left in it.
+
+    Holding the lock proves no live run uses the folder, so every ``memascend-<run id>`` folder in
+    it other than this run's is a leftover. Only folders with memascend's exact run-folder name
+    are touched; anything else in ``--nvme-path`` is the user's.
+
+    Returns:
+        The held lock and the removed folders with their allocated bytes.
+
+    Raises:
+        TargetBusyError: another live run holds the folder (names its pid).
+        UserError: as :func:`check_swap_base`.
+    """
+    base = check_swap_base(nvme_path)
+    lock = acquire_run_lock(base, what="--nvme-path")
+    removed = []
+    for child in sorted(base.iterdir()):
+        if child.name != f"{RUN_DIR_PREFIX}{run_id}" and RUN_DIR_RE.fullmatch(child.name) and child.is_dir():
+            size_bytes = folder_bytes(child)
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append((child, size_bytes))
+    return lock, removed
+
+
+def prepare_swap_dir(nvme_path: str, need_bytes: int, run_id: str) -> Path:
+    """Create ``<nvme_path>/memascend-<run_id>`` after checking the folder is writable and large enough.
+
+    Raises:
+        UserError: the path is not a folder, not writable, refuses O_DIRECT, or lacks ``need_bytes``
+            of free space.
+    """
+    base = check_swap_base(nvme_path)
     # DeepSpeed's aio opens every swap file with O_DIRECT; where that is refused its swapper fails
     # deep inside zero.Init with a bare assertion. Probe one block now and say what to do instead.
     refused = o_direct_works(base)
@@ -61,10 +103,10 @@ def prepare_swap_dir(nvme_path: str, need_bytes: int, run_id: str) -> Path:
     free = shutil.disk_usage(base).free
     if free < need_bytes:
         raise UserError(
-            f"--nvme-path {nvme_path} has {free / 2**30:.2f} GiB free; this run needs about "
-            f"{need_bytes / 2**30:.2f} GiB for swapped parameters and optimizer state"
+            f"--nvme-path {nvme_path} has {format_bytes(free)} free; this run needs about "
+            f"{format_bytes(need_bytes)} for swapped parameters and optimizer state"
         )
-    run_dir = base / f"memascend-{run_id}"
+    run_dir = base / f"{RUN_DIR_PREFIX}{run_id}"
     run_dir.mkdir(exist_ok=True)
     return run_dir
 
@@ -88,7 +130,8 @@ def remove_swap_dir(path: Path | None) -> None:
 
 
 def make_run_id() -> str:
-    """Unique across launches; rank 0 makes it and broadcasts it to the other ranks."""
+    """Unique across launches; rank 0 makes it and broadcasts it to the other ranks (the run
+    folder is ``memascend-<run id>``, matched by :data:`RUN_DIR_RE`)."""
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
 

@@ -35,7 +35,9 @@ def blank(path, size=8 * MiB):
 def test_signatures_are_found_and_refused(tmp_path, offset, magic, name):
     path = blank(tmp_path / "t.bin")
     assert device.find_signature(device.read_head(path)) is None
-    device.check_target(path)  # blank: accepted
+    # no signature, but a non-empty file that is not a store is the user's data all the same
+    with pytest.raises(DeviceRefusedError, match="existing file of .* not a memascend store.*--nvme-overwrite"):
+        device.check_target(path)
     with open(path, "r+b") as f:
         f.seek(offset)
         f.write(magic)

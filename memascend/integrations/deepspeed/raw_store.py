@@ -67,9 +67,11 @@ Source: MemAscend (arXiv 2505.23254), direct NVMe engine.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -80,13 +82,21 @@ from typing import Any
 
 from memascend.errors import UserError
 from memascend.integrations.deepspeed.patches import PatchRecord, PatchRegistry
+from memascend.io.runlock import RunLock, acquire_run_lock, pid_alive
 from memascend.io.store import DEFAULT_QUEUE_DEPTH, DEFAULT_REQUEST_BYTES, TensorStore
 from memascend.io.swap_backend import StoreSwapHandle
 
-#: Owner identity written into the header of stores made by :func:`apply_raw_store`: a device left
-#: by an earlier run carries it and is reused without ``allow_overwrite``; another tool's store is
-#: refused.
+#: Owner identity written into the header of stores made by :func:`apply_raw_store` on a target
+#: memascend keeps (a block device, a file that existed before the run): a target left by an
+#: earlier run carries it and is reused without ``allow_overwrite``; another tool's store is refused.
 FINETUNE_OWNER_UUID = uuid.uuid5(uuid.NAMESPACE_URL, "https://memascend/finetune-swap-store")
+#: Owner identity of a store *file* that :func:`apply_raw_store` created: the file is memascend's
+#: and is deleted when the store closes. One found at start-up (under a run lock nobody holds) was
+#: left by a run that died; it is reused and deleted like a file of this run.
+FINETUNE_CREATED_FILE_UUID = uuid.uuid5(uuid.NAMESPACE_URL, "https://memascend/finetune-swap-store-file")
+#: Prefix of the scratch key folders in the temp dir; the creating pid is part of the name so the
+#: folders of dead runs can be told apart and removed.
+KEY_ROOT_PREFIX = "memascend-store-keys-"
 #: Folder (under a checkpoint's tag folder) that holds the exported store of each rank.
 CHECKPOINT_SUBDIR = "memascend_store"
 
@@ -193,7 +203,11 @@ class RawStoreHandle:
         target: the block device or file it lives on.
         key_root: the folder to give DeepSpeed as ``nvme_path`` (``offload_param``/``offload_optimizer``).
         world_rank: the rank that owns it.
-        created_file: the store file did not exist before (a file target).
+        created_file: memascend created the store file (this run, or a run that died and left it):
+            deleted at close. A file the user had is never deleted.
+        owns_key_root: the key folder is a scratch folder of this handle (removed at close).
+        run_lock: the exclusive lock on the target, held until close.
+        restore_size_bytes: a file that existed empty is truncated back to this size at close.
         peak_used_bytes: the most bytes of extents in use seen by :meth:`sample_usage`.
     """
 
@@ -203,6 +217,8 @@ class RawStoreHandle:
     world_rank: int
     created_file: bool
     owns_key_root: bool
+    run_lock: RunLock | None = None
+    restore_size_bytes: int | None = None
     peak_used_bytes: int = 0
     train_io: Any = None
     """:class:`~memascend.io.store.IOCounters` of the training window (set by the runner)."""
@@ -323,8 +339,10 @@ class RawStoreHandle:
         }
 
     def close(self) -> None:
-        """Free every key, close the store (the header stays, marking a device as this owner's
-        store for the next run), delete a file target and the key folder. Idempotent."""
+        """Free every key, close the store (the header stays, marking a kept target as this
+        owner's store for the next run), delete a store file memascend created (never one the user
+        had: that one is kept, or truncated back to empty if it was empty), remove the key folder
+        and release the run lock. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -336,10 +354,15 @@ class RawStoreHandle:
             finally:
                 self.store.close()
         finally:
-            if not self.is_block_device:
+            if self.created_file and not self.is_block_device:
                 self.target.unlink(missing_ok=True)
+            elif self.restore_size_bytes is not None and not self.is_block_device:
+                with contextlib.suppress(OSError):
+                    os.truncate(self.target, self.restore_size_bytes)
             if self.owns_key_root:
                 shutil.rmtree(self.key_root, ignore_errors=True)
+            if self.run_lock is not None:
+                self.run_lock.release()
 
 
 class _StoreOp:
@@ -380,6 +403,7 @@ def apply_raw_store(
     queue_depth: int = DEFAULT_QUEUE_DEPTH,
     request_bytes: int = DEFAULT_REQUEST_BYTES,
     backend: str = "auto",
+    min_capacity_bytes: int | None = None,
 ) -> RawStoreHandle:
     """Create this rank's store on ``target`` and make DeepSpeed's swappers use it.
 
@@ -390,20 +414,25 @@ def apply_raw_store(
         target: raw block device (``/dev/nvme0n1p3``, a loop device) or a file (created and
             preallocated with ``posix_fallocate`` to ``size_bytes``). One per rank.
         world_rank: this process's rank (names the checkpoint export folder).
-        allow_overwrite: accept a target carrying a filesystem, a partition table or another
-            owner's store. A store left by an earlier :func:`apply_raw_store` is reused without it.
-            A mounted or otherwise held device is refused regardless.
+        allow_overwrite: accept a target carrying a filesystem, a partition table, another owner's
+            store or, for a file, any content (the file is then kept at close). A store left by an
+            earlier :func:`apply_raw_store` is reused without it. A mounted or otherwise held
+            device, and a target another run holds the run lock of, are refused regardless.
         enable_crc: CRC32C per extent, checked on every read.
         size_bytes: file size (required for a file target that does not exist; ignored for devices).
         key_root: folder DeepSpeed will see as ``nvme_path`` (default: a new temporary folder,
             removed by :meth:`RawStoreHandle.close`).
         queue_depth, request_bytes, backend: engine settings (see :meth:`TensorStore.create`).
+        min_capacity_bytes: refuse a target with less store space, before writing to it.
+
+    A refused target is left exactly as it was (a file this call created is removed).
 
     Returns:
         The handle (store, key folder, checkpoint export/import, report, close).
 
     Raises:
         DeviceRefusedError: the target is in use or carries data (one line naming what was found).
+        TargetBusyError: another live run holds the target's run lock.
         UserError: already applied (call :func:`revert_raw_store`), or an unusable target.
     """
     global _active
@@ -411,20 +440,33 @@ def apply_raw_store(
         if _active is not None:
             raise UserError("a raw store is already applied to DeepSpeed; call revert_raw_store() first")
         path = Path(target)
-        created = not path.exists()
-        store = TensorStore.create(
-            path,
-            size_bytes=size_bytes,
-            allow_overwrite=allow_overwrite,
-            owner_uuid=FINETUNE_OWNER_UUID,
-            queue_depth=queue_depth,
-            request_bytes=request_bytes,
-            enable_crc=enable_crc,
-            backend=backend,
-        )
-        own_root = key_root is None
+        existed = path.exists()
+        # Locked before anything is read or written; a new file is created empty by the lock itself.
+        run_lock = acquire_run_lock(path, create_file=not existed, what="--nvme-path")
+        store = None
         try:
-            root = Path(tempfile.mkdtemp(prefix=f"memascend-store-keys-rank{world_rank}-")) if own_root else Path(key_root)
+            prior = _prior_store_kind(path) if existed else "new"
+            created = prior in ("new", "leftover")
+            if prior == "leftover":
+                _note(f"--nvme-path {path} holds the store of an earlier memascend run that did not finish; "
+                      "reusing it (it is deleted at exit)")
+            store = TensorStore.create(
+                path,
+                size_bytes=size_bytes,
+                allow_overwrite=allow_overwrite,
+                owner_uuid=FINETUNE_CREATED_FILE_UUID if created else FINETUNE_OWNER_UUID,
+                queue_depth=queue_depth,
+                request_bytes=request_bytes,
+                enable_crc=enable_crc,
+                backend=backend,
+                min_capacity_bytes=min_capacity_bytes,
+            )
+            own_root = key_root is None
+            if own_root:
+                _remove_dead_key_roots()
+                root = Path(tempfile.mkdtemp(prefix=f"{KEY_ROOT_PREFIX}rank{world_rank}-pid{os.getpid()}-"))
+            else:
+                root = Path(key_root)
             root.mkdir(parents=True, exist_ok=True)
             handle = RawStoreHandle(
                 store=store,
@@ -433,16 +475,55 @@ def apply_raw_store(
                 world_rank=world_rank,
                 created_file=created,
                 owns_key_root=own_root,
+                run_lock=run_lock,
+                restore_size_bytes=0 if prior == "empty" else None,
             )
             _patch_all(handle)
         except BaseException:
             _registry.restore_all()
-            store.close()
-            if created and not store.info.is_block_device:
+            if store is not None:
+                store.close()
+            if not existed:
                 path.unlink(missing_ok=True)
+            run_lock.release()
             raise
         _active = handle
         return handle
+
+
+def _prior_store_kind(path: Path) -> str:
+    """What an existing target holds: ``device``, ``empty`` (a file of 0 bytes), ``leftover`` (a
+    store file memascend created in a run that is gone: the run lock was free), ``store`` (a kept
+    store or another owner's: :meth:`TensorStore.create` decides) or ``data``."""
+    from memascend.io.device import probe_info, read_head
+    from memascend.io.header import STORE_MAGIC, StoreHeader
+    from memascend.io.store import _crc_bytes
+
+    if probe_info(path).is_block_device:
+        return "device"
+    if path.stat().st_size == 0:
+        return "empty"
+    head = read_head(path, 4096)
+    if head[:8] != STORE_MAGIC:
+        return "data"
+    try:
+        owner = StoreHeader.unpack(head, _crc_bytes).owner_uuid
+    except UserError:
+        return "data"
+    return "leftover" if owner == FINETUNE_CREATED_FILE_UUID else "store"
+
+
+def _remove_dead_key_roots() -> None:
+    """Remove the scratch key folders of runs whose process is gone (they hold only empty
+    sub-folders; a live run's folder is left alone)."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{KEY_ROOT_PREFIX}rank*-pid*-*"):
+        pid_part = folder.name.split("-pid", 1)[1].split("-", 1)[0]
+        if pid_part.isdigit() and not pid_alive(int(pid_part)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _note(message: str) -> None:
+    print(f"memascend: note: {message}", file=sys.stderr, flush=True)
 
 
 def revert_raw_store(*, close: bool = False) -> None:
