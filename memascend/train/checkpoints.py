@@ -663,8 +663,8 @@ class PeriodicCheckpointer:
 
 
 def check_finite_loss(step: int, loss: float, *, skipped: bool, allow: bool) -> None:
-    """Stop the run on a non-finite loss (unless ``allow``, or DeepSpeed skipped the step: an fp16
-    loss-scale overflow).
+    """Stop the run on a non-finite loss (unless ``allow``, or ``skipped``: the caller passes true
+    only for an fp16 loss-scale overflow step that DeepSpeed skipped).
 
     Raises:
         TrainingError: the loss of ``step`` is NaN or infinite.

@@ -442,7 +442,9 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
             )
             bar.update(1)
             # A NaN/inf loss stops the run before anything is saved from that state.
-            ckpt.check_finite_loss(step + 1, entry["loss"], skipped=entry["skipped"],
+            # fp16 excepted: a loss-scale overflow step that DeepSpeed skipped (bf16/fp32 steps that
+            # DeepSpeed skips on a non-finite gradient norm are not excused).
+            ckpt.check_finite_loss(step + 1, entry["loss"], skipped=entry["skipped"] and cfg.train.dtype == "fp16",
                                    allow=cfg.train.allow_nonfinite_loss)
             periodic.maybe_checkpoint(step + 1)
     finally:
