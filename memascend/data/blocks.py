@@ -70,43 +70,139 @@ def _assistant_spans(text: str, messages: Sequence[dict], end_marker: str | None
     return spans
 
 
-def tokenize_document(doc: Document, tokenizer) -> tuple[list[int], list[bool]]:
+#: Longest piece of text handed to the tokenizer in one call, in characters. A fast (Rust)
+#: tokenizer holds the GIL for the whole call and needs ~160 bytes of transient memory per
+#: character (its encoding, offsets and the returned Python lists): 256 Ki characters is ~40 MiB
+#: and a fraction of a second, so memory stays bounded and SIGTERM/Ctrl-C are served between
+#: calls whatever the document sizes.
+TOKENIZE_WINDOW_CHARS = 1 << 18
+
+
+def _cut(text: str, lo: int, hi: int) -> int:
+    """Where to end the piece ``text[lo:...]`` (a position in ``(lo, hi]``); see :func:`text_pieces`."""
+    floor = lo + (hi - lo) // 2  # keep pieces at least half a window long
+    # 1. Before a single space between two non-space characters ("word| word").
+    p = text.rfind(" ", floor, hi)
+    while p > floor:
+        if not text[p - 1].isspace() and not text[p + 1].isspace():
+            return p
+        p = text.rfind(" ", floor, p)
+    # 2. After a single newline between two non-space characters ("line\n|next").
+    p = text.rfind("\n", floor, hi - 1)
+    while p > floor:
+        if not text[p - 1].isspace() and not text[p + 1].isspace():
+            return p + 1
+        p = text.rfind("\n", floor, p)
+    # 3. Before any whitespace; 4. at the window's end (text without whitespace).
+    for p in range(hi - 1, floor, -1):
+        if text[p].isspace():
+            return p
+    return hi
+
+
+def text_pieces(text: str, window_chars: int = TOKENIZE_WINDOW_CHARS) -> Iterator[tuple[int, int]]:
+    """Split ``text`` into consecutive pieces of at most ``window_chars`` characters.
+
+    A text no longer than the window is one piece (every ordinary document: the tokens are then
+    exactly those of one tokenizer call, as before chunking existed). A longer one is cut, in this
+    order of preference, before a single space between two non-space characters, after a single
+    newline between two non-space characters, before any whitespace, or, in a window without any
+    whitespace, at the window's end.
+
+    Tokenizing the pieces one by one and concatenating the ids gives exactly the ids of the whole
+    text when the tokenizer's pre-tokenizer always starts a new piece at such a cut and never looks
+    across it: byte-level BPE with the GPT-2 / Llama 3 split patterns (SmolLM2, GPT-2, Llama 3,
+    Qwen2), where " word" begins a pre-token and a lone newline between words is a pre-token of its
+    own (tests/data/test_blocks.py checks this on every built-in play with a small window). The
+    ids can differ within a few tokens of a cut of the last two kinds (a whitespace run split in
+    two, or a word cut in a text without whitespace), and with tokenizers whose normalizer adds a
+    prefix to every call (SentencePiece "prepend ▁"): the cut's neighbourhood is then tokenized as
+    if a new text started there. Nothing is lost: the pieces cover the text exactly.
+
+    Yields:
+        ``(start, end)`` character offsets, ``end - start <= window_chars``.
+    """
+    start, n = 0, len(text)
+    while n - start > window_chars:
+        end = _cut(text, start, start + window_chars)
+        yield start, end
+        start = end
+    if start < n or n == 0:
+        yield start, n
+
+
+def _encode(tokenizer, text: str, *, offsets: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token ids (int64 ``[n]``) and, with ``offsets``, character offsets (int64 ``[n, 2]``) of ``text``,
+    tokenized piece by piece (:func:`text_pieces`) into compact tensors."""
+    ids_parts, off_parts = [], []
+    for start, end in text_pieces(text, TOKENIZE_WINDOW_CHARS):
+        enc = tokenizer(text[start:end], add_special_tokens=False, return_offsets_mapping=offsets, verbose=False)
+        ids_parts.append(torch.tensor(enc["input_ids"], dtype=torch.long))
+        if offsets:
+            off_parts.append(torch.tensor(enc["offset_mapping"], dtype=torch.long).view(-1, 2) + start)
+        del enc
+    ids = torch.cat(ids_parts) if len(ids_parts) != 1 else ids_parts[0]
+    if not offsets:
+        return ids, None
+    return ids, (torch.cat(off_parts) if len(off_parts) != 1 else off_parts[0])
+
+
+def tokenize_document(doc: Document, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids of one document and, per token, whether it carries a loss.
+
+    The text is tokenized in pieces of at most :data:`TOKENIZE_WINDOW_CHARS` characters
+    (:func:`text_pieces` says when that equals tokenizing it whole: always for documents up to
+    that length), so a huge document needs memory for its ids (9 bytes per token) and one piece's
+    transient encoding only, and a signal is acted on between pieces.
+
+    Returns:
+        ``(ids, mask)``: int64 ``[n]`` and bool ``[n]``; a text document ends with EOS (when the
+        tokenizer has one) and every token is learned; a chat document learns only assistant tokens.
 
     Raises:
         UserError: the tokenizer has no chat template for a chat document.
     """
     if doc.text is not None:
-        ids = tokenizer(doc.text, add_special_tokens=False, verbose=False)["input_ids"]
+        ids, _ = _encode(tokenizer, doc.text, offsets=False)
         if tokenizer.eos_token_id is not None:
-            ids = ids + [tokenizer.eos_token_id]
-        return ids, [True] * len(ids)
+            ids = torch.cat([ids, torch.tensor([tokenizer.eos_token_id], dtype=torch.long)])
+        return ids, torch.ones(len(ids), dtype=torch.bool)
     if not tokenizer.chat_template:
         raise UserError(f"{doc.origin}: chat data needs a model whose tokenizer has a chat template")
     text = tokenizer.apply_chat_template(list(doc.messages), tokenize=False)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+    ids, offsets = _encode(tokenizer, text, offsets=True)
+    assert offsets is not None
     spans = _assistant_spans(text, doc.messages, tokenizer.eos_token)
-    mask, span_i = [], 0
-    for start, end in enc["offset_mapping"]:
-        while span_i < len(spans) and spans[span_i][1] <= start:
-            span_i += 1
-        inside = span_i < len(spans) and spans[span_i][0] <= start < spans[span_i][1] and end > start
-        mask.append(inside)
-    return enc["input_ids"], mask
+    if not spans:
+        return ids, torch.zeros(len(ids), dtype=torch.bool)
+    span_start = torch.tensor([s for s, _ in spans], dtype=torch.long)
+    span_end = torch.tensor([e for _, e in spans], dtype=torch.long)
+    tok_start, tok_end = offsets[:, 0].contiguous(), offsets[:, 1].contiguous()
+    # The first span ending after the token's start (spans are sorted and disjoint).
+    idx = torch.searchsorted(span_end, tok_start, right=True)
+    found = idx < len(spans)
+    idx = idx.clamp(max=len(spans) - 1)
+    mask = found & (span_start[idx] <= tok_start) & (tok_start < span_end[idx]) & (tok_end > tok_start)
+    return ids, mask
 
 
-def _pack(token_lists: Iterator[tuple[list[int], list[bool]]], seq_len: int) -> TokenBlocks:
-    ids: list[int] = []
-    mask: list[bool] = []
-    for t, m in token_lists:
-        ids.extend(t)
-        mask.extend(m)
-    n = len(ids) // seq_len
+def _pack(parts: Sequence[tuple[torch.Tensor, torch.Tensor]], seq_len: int) -> TokenBlocks:
+    """Concatenate documents' ``(ids, mask)`` and cut the stream into whole blocks (the rest is dropped)."""
+    n = sum(len(t) for t, _ in parts) // seq_len
     if n == 0:
         return TokenBlocks(torch.empty(0, seq_len, dtype=torch.long), torch.empty(0, seq_len, dtype=torch.long))
-    input_ids = torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
-    keep = torch.tensor(mask[: n * seq_len], dtype=torch.bool).view(n, seq_len)
-    labels = torch.where(keep, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
+    input_ids = torch.empty(n * seq_len, dtype=torch.long)
+    keep = torch.empty(n * seq_len, dtype=torch.bool)
+    pos = 0
+    for t, m in parts:
+        k = min(len(t), n * seq_len - pos)
+        if k <= 0:
+            break
+        input_ids[pos : pos + k] = t[:k]
+        keep[pos : pos + k] = m[:k]
+        pos += k
+    input_ids = input_ids.view(n, seq_len)
+    labels = input_ids.masked_fill(~keep.view(n, seq_len), IGNORE_INDEX)
     return TokenBlocks(input_ids, labels)
 
 
@@ -127,7 +223,7 @@ def build_blocks(docs: Sequence[Document], tokenizer, seq_len: int, eval_blocks:
         n_eval_docs += 1
     if eval_blocks and (n_eval_docs >= len(tokenized) or acc > total // 2):
         # Too few documents to hold out whole ones: hold out the tail of the token stream instead.
-        everything = _pack(iter(tokenized), seq_len)
+        everything = _pack(tokenized, seq_len)
         if len(everything) <= eval_blocks:
             raise UserError(
                 f"corpus too small: {total} tokens give {len(everything)} blocks of {seq_len}, "
@@ -136,9 +232,9 @@ def build_blocks(docs: Sequence[Document], tokenizer, seq_len: int, eval_blocks:
         train = TokenBlocks(everything.input_ids[:-eval_blocks], everything.labels[:-eval_blocks])
         held = TokenBlocks(everything.input_ids[-eval_blocks:], everything.labels[-eval_blocks:])
     else:
-        held_all = _pack(iter(tokenized[:n_eval_docs]), seq_len)
+        held_all = _pack(tokenized[:n_eval_docs], seq_len)
         held = TokenBlocks(held_all.input_ids[:eval_blocks], held_all.labels[:eval_blocks])
-        train = _pack(iter(tokenized[n_eval_docs:]), seq_len)
+        train = _pack(tokenized[n_eval_docs:], seq_len)
     if len(train) == 0:
         raise UserError(f"corpus too small: {total} tokens give no training block of {seq_len} tokens")
     trainable = (train.labels != IGNORE_INDEX).any(dim=1)
