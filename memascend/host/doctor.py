@@ -12,7 +12,7 @@ from pathlib import Path
 
 from memascend.host.aio_syscalls import check_aio_syscalls
 from memascend.host.devices import check_device
-from memascend.host.extensions import check_extension, op_names
+from memascend.host.extensions import check_build_locks, check_extension, op_names
 from memascend.host.gpu import check_cuda, check_gds
 from memascend.host.hugepages import check_hugepages
 from memascend.host.libraries import check_library
@@ -52,7 +52,7 @@ def run_checks(options: DoctorOptions) -> list[CheckResult]:
 
     Returns:
         One result per check: memlock, hugepages, each device, libaio, liburing, aio syscalls
-        (required with an NVMe folder: DeepSpeed's aio swaps there), each op, cuda,
+        (required with an NVMe folder: DeepSpeed's aio swaps there), each op, build locks, cuda,
         gds, and the NVMe folder when given.
     """
     paths = options.paths
@@ -69,6 +69,7 @@ def run_checks(options: DoctorOptions) -> list[CheckResult]:
     results.append(check_library("uring", "liburing.h", required=False))
     results.append(check_aio_syscalls(required=options.nvme_path is not None))
     results += [check_extension(name) for name in op_names()]
+    results.append(check_build_locks())
     results.append(check_cuda(paths, required=options.require_gpu))
     results.append(check_gds(paths))
     if options.nvme_path is not None:

@@ -2,8 +2,10 @@
 
 An op ``X`` (``memascend/ops/X.py`` + ``csrc/X/``) is usable without a compiler when its module
 ``memascend_X`` is prebuilt (on ``sys.path`` or in ``$MEMASCEND_PREBUILT_DIR``, as in the
-container image) or already JIT-built in the cache (``$MEMASCEND_EXT_DIR``). The check imports
-what is there and never starts a build (a build takes minutes).
+container image) or already JIT-built in this environment's cache
+(:func:`memascend.ops.build.ext_cache_dir`). The check imports what is there and never starts a
+build (a build takes minutes). :func:`check_build_locks` reports build lock files left by killed
+builds (every later build of that op would otherwise wait on them forever).
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ def check_extension(name: str, *, cache_dir: Path | None = None) -> CheckResult:
 
     Args:
         name: op name (module ``memascend_<name>``).
-        cache_dir: JIT cache root; default ``$MEMASCEND_EXT_DIR`` or ``~/.cache/memascend/ext``.
+        cache_dir: JIT cache root; default :func:`memascend.ops.build.ext_cache_dir`
+            (``$MEMASCEND_EXT_DIR`` or ``~/.cache/memascend/ext/<environment key>``).
 
     Returns:
         PASS when built and importable; WARN "not built" when it would be JIT-built on first use
@@ -68,9 +71,9 @@ def check_extension(name: str, *, cache_dir: Path | None = None) -> CheckResult:
         the built module does not import.
     """
     mod_name = f"memascend_{name}"
-    cache = cache_dir or Path(
-        os.environ.get("MEMASCEND_EXT_DIR", Path.home() / ".cache" / "memascend" / "ext")
-    )
+    from memascend.ops.build import ext_cache_dir
+
+    cache = cache_dir or ext_cache_dir(create=False)
     where, so_path = _find_built(mod_name, cache)
     label = f"op {name}"
     if so_path is None:
@@ -98,3 +101,48 @@ def check_extension(name: str, *, cache_dir: Path | None = None) -> CheckResult:
             fix=f"rebuild: remove {so_path} and run python -c 'import memascend.ops.{name} as m; m.load()'",
         )
     return CheckResult(name=label, status=Status.PASS, detail=f"{where}: {so_path}")
+
+
+def build_lock_roots() -> list[Path]:
+    """Build folders whose lock files :func:`check_build_locks` inspects: this environment's
+    memascend ops and torch extensions folders, and torch's default root (plain DeepSpeed and
+    older memascend versions build there)."""
+    from memascend.ops.build import ext_cache_dir, torch_extensions_dir
+
+    roots = [ext_cache_dir(create=False), torch_extensions_dir()]
+    try:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        roots.append(Path(get_default_build_root()))
+    except ImportError:
+        pass
+    return list(dict.fromkeys(roots))
+
+
+def check_build_locks(roots: list[Path] | None = None) -> CheckResult:
+    """Report JIT build lock files: left by a killed build (stale) or held by a running build.
+
+    Args:
+        roots: build roots to search (default :func:`build_lock_roots`); each lock is
+            ``<root>/<op>/lock`` or ``<root>/py<XY>_<accel>/<op>/lock`` (torch's layout).
+
+    Returns:
+        PASS when there is none; WARN naming every stale lock (memascend removes one itself
+        before it builds that op; any other program that loads the op waits on it forever) with
+        the ``rm`` that clears them, or naming the pid of a build in progress. Never blocks a run.
+    """
+    from memascend.ops.build import find_build_locks
+
+    states = find_build_locks(roots if roots is not None else build_lock_roots())
+    stale = [s for s in states if s.stale]
+    live = [s for s in states if not s.stale]
+    if not states:
+        return CheckResult(name="build locks", status=Status.PASS, detail="no JIT build lock files", required=False)
+    parts = [f"stale (build killed {s.age_s:.0f} s ago or earlier): {s.lock_path}" for s in stale]
+    parts += [
+        f"build in progress by pid {s.owner_pid or s.live_pids[0]}: {s.lock_path}" for s in live
+    ]
+    fix = ""
+    if stale:
+        fix = "rm " + " ".join(str(s.lock_path) for s in stale) + " (memascend removes them itself before building)"
+    return CheckResult(name="build locks", status=Status.WARN, detail="; ".join(parts), fix=fix, required=False)

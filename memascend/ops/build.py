@@ -1,21 +1,47 @@
-"""Build-or-load of the C++/CUDA extensions in ``csrc/``.
+"""Build-or-load of the C++/CUDA extensions in ``csrc/``, and safe JIT builds for DeepSpeed's ops.
 
 An op is looked up in this order:
 1. a prebuilt module ``memascend_<op>`` importable from ``sys.path`` or from
    ``$MEMASCEND_PREBUILT_DIR`` (the container image builds these ahead of time);
 2. a JIT build with :func:`torch.utils.cpp_extension.load` (ninja), cached under
-   ``$MEMASCEND_EXT_DIR`` (default ``~/.cache/memascend/ext``) so later processes reuse it.
+   ``$MEMASCEND_EXT_DIR`` (default ``~/.cache/memascend/ext/<environment key>``) so later
+   processes reuse it.
 
 CUDA sources (``*.cu``) are compiled only when torch was built with CUDA and ``nvcc`` is found;
 the C++ part of an op must therefore work on its own (CPU-only hosts).
+
+Build folders per environment: a build is specific to the interpreter, torch (and its CUDA) and
+DeepSpeed it was compiled against, and torch's JIT reuses a build folder whatever the torch
+version. :func:`configure_builds` therefore points ``TORCH_EXTENSIONS_DIR`` (DeepSpeed's JIT ops:
+async_io, cpu_adam, shm_comm, ...) at ``~/.cache/memascend/torch_extensions/<environment key>``
+when the user has not set it, as every training rank, ``python3 -m memascend.ops.build``
+(install.sh) and memascend's own ops do; the key (:func:`build_env_key`) hashes the interpreter
+path, ``sys.prefix`` (a venv), the Python, torch/CUDA and DeepSpeed versions.
+
+Stale build locks: torch's JIT build holds a lock file ``<build folder>/lock``
+(:class:`torch.utils.file_baton.FileBaton`) and every other process waits, polling, until it is
+gone. A builder killed mid-way (SIGKILL, an OOM kill, a timeout) leaves it, and every later
+process then waits forever without a word. :func:`guarded_build` (wrapped around every
+``cpp_extension.load`` of the process by :func:`configure_builds`) serialises memascend's builders
+on a ``flock`` of ``<build folder>/memascend-build.pid`` (released by the kernel when its
+holder dies; holds the holder's pid), says once which pid it is waiting for, and removes torch's
+lock when no process holds it open (FileBaton keeps it open for the whole build) and none works
+in the build folder (ninja and the compilers run there), checked twice 0.5 s apart.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
+import hashlib
 import importlib
+import importlib.metadata
 import os
 import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -26,11 +52,296 @@ class OpBuildError(RuntimeError):
     """Raised when an op can be neither imported prebuilt nor built."""
 
 
-def ext_cache_dir() -> Path:
-    """Folder holding JIT-built extensions (created on demand)."""
-    root = Path(os.environ.get("MEMASCEND_EXT_DIR", Path.home() / ".cache" / "memascend" / "ext"))
-    root.mkdir(parents=True, exist_ok=True)
+def _package_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+def build_env_key(
+    *,
+    executable: str | None = None,
+    prefix: str | None = None,
+    python_version: str | None = None,
+    torch_version: str | None = None,
+    deepspeed_version: str | None = None,
+) -> str:
+    """Name of this environment's build folders: ``py<XY>-torch<V>-ds<V>-<hash>``.
+
+    Args:
+        executable, prefix, python_version, torch_version, deepspeed_version: the inputs
+            (default: this process's ``sys.executable`` (not resolved: a venv's interpreter is a
+            link to the base one), ``sys.prefix``, ``sys.version``, torch's version and CUDA
+            version, DeepSpeed's version or ``none``).
+
+    Returns:
+        A folder name; two environments differing in any input get different names.
+    """
+    if torch_version is None:
+        import torch
+
+        torch_version = f"{torch.__version__}+cuda{torch.version.cuda}" if torch.version.cuda else torch.__version__
+    inputs = (
+        os.path.abspath(executable if executable is not None else sys.executable),
+        os.path.abspath(prefix if prefix is not None else sys.prefix),
+        python_version if python_version is not None else sys.version,
+        torch_version,
+        deepspeed_version if deepspeed_version is not None else _package_version("deepspeed"),
+    )
+    digest = hashlib.sha256("\0".join(inputs).encode()).hexdigest()[:12]
+    py = "".join(inputs[2].split()[0].split(".")[:2])
+    short_torch = torch_version.split("+")[0]
+    return f"py{py}-torch{short_torch}-ds{inputs[4]}-{digest}"
+
+
+def _cache_root() -> Path:
+    return Path.home() / ".cache" / "memascend"
+
+
+def ext_cache_dir(*, create: bool = True) -> Path:
+    """Folder holding memascend's JIT-built extensions: ``$MEMASCEND_EXT_DIR`` or
+    ``~/.cache/memascend/ext/<build_env_key()>`` (created on demand with ``create``)."""
+    env = os.environ.get("MEMASCEND_EXT_DIR")
+    root = Path(env) if env else _cache_root() / "ext" / build_env_key()
+    if create:
+        root.mkdir(parents=True, exist_ok=True)
     return root
+
+
+def torch_extensions_dir() -> Path:
+    """Where torch's JIT builds (DeepSpeed's ops) go: ``$TORCH_EXTENSIONS_DIR`` when set, else
+    ``~/.cache/memascend/torch_extensions/<build_env_key()>`` (what :func:`configure_builds` sets)."""
+    env = os.environ.get("TORCH_EXTENSIONS_DIR")
+    return Path(env) if env else _cache_root() / "torch_extensions" / build_env_key()
+
+
+def configure_builds() -> Path:
+    """Keep this environment's JIT builds apart and guard every build of this process.
+
+    Sets ``TORCH_EXTENSIONS_DIR`` to :func:`torch_extensions_dir` unless the user set it (child
+    processes, e.g. torchrun's ranks, inherit it), and wraps :func:`torch.utils.cpp_extension.load`
+    (which DeepSpeed's ``OpBuilder.jit_load`` looks up at each call) in :func:`guarded_build`.
+    Idempotent.
+
+    Returns:
+        The torch extensions folder in use.
+    """
+    root = torch_extensions_dir()
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(root))
+    from torch.utils import cpp_extension
+
+    # Marked on torch's function itself: this module may be loaded twice (``python3 -m
+    # memascend.ops.build`` runs it as __main__ too), and a second wrapper would wait on the first.
+    if not getattr(cpp_extension.load, "memascend_guarded", False):
+        original = cpp_extension.load
+
+        @functools.wraps(original)
+        def load(name, sources, *args, **kwargs):
+            build_dir = kwargs.get("build_directory")
+            if build_dir is None and len(args) >= 6:  # positional build_directory (after the 6 flag lists)
+                build_dir = args[5]
+            if build_dir is None:
+                build_dir = _default_build_directory(name)
+            with guarded_build(name, Path(build_dir)):
+                return original(name, sources, *args, **kwargs)
+
+        load.memascend_guarded = True
+        cpp_extension.load = load
+    return root
+
+
+def _default_build_directory(name: str) -> str:
+    """The folder torch's ``load`` builds ``name`` in when not given one (created)."""
+    from torch.utils import cpp_extension
+
+    getter = getattr(cpp_extension, "_get_build_directory", None)
+    if getter is not None:
+        return getter(name, False)
+    path = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / name
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
+
+
+# ---- build locks --------------------------------------------------------------------------------
+
+#: Torch's lock file in a build folder (FileBaton).
+TORCH_LOCK_NAME = "lock"
+#: memascend's builder lock beside it: flock-ed by the process building, holds its pid.
+OWNER_LOCK_NAME = "memascend-build.pid"
+
+
+@dataclass(frozen=True)
+class LockState:
+    """What holds torch's lock file of one build folder.
+
+    Attributes:
+        lock_path: ``<build folder>/lock``.
+        live_pids: processes that have the lock file open (the builder) or work in the build folder
+            (ninja, the compilers); empty when none does.
+        owner_pid: the memascend builder holding the folder's ``flock``, or ``None``.
+        age_s: seconds since the lock file was created.
+    """
+
+    lock_path: Path
+    live_pids: tuple[int, ...]
+    owner_pid: int | None
+    age_s: float
+
+    @property
+    def stale(self) -> bool:
+        """True when nothing is building: the lock was left by a killed build."""
+        return not self.live_pids and self.owner_pid is None
+
+
+def _processes_using(build_dir: Path, lock_stat: os.stat_result | None, proc: Path = Path("/proc")) -> list[int]:
+    """Pids (other than this one) with ``build_dir`` (or a folder in it) as working directory or
+    the lock file (same device and inode) open. Processes whose /proc entries this user cannot
+    read are not seen (another user's build in this user's folder)."""
+    me = os.getpid()
+    target = os.path.realpath(build_dir)
+    found = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            cwd = os.readlink(entry / "cwd")
+        except OSError:
+            continue
+        if cwd == target or cwd.startswith(target + os.sep):
+            found.append(int(entry.name))
+            continue
+        if lock_stat is None:
+            continue
+        try:
+            fds = list((entry / "fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                st = os.stat(fd)
+            except OSError:
+                continue
+            if st.st_ino == lock_stat.st_ino and st.st_dev == lock_stat.st_dev:
+                found.append(int(entry.name))
+                break
+    return found
+
+
+def _owner_pid(build_dir: Path) -> int | None:
+    """Pid of the live memascend builder holding ``build_dir``'s flock, or ``None``."""
+    path = build_dir / OWNER_LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            return int(text) if text.isdigit() else -1
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def lock_state(build_dir: Path) -> LockState | None:
+    """The state of ``build_dir``'s torch lock, or ``None`` when there is no lock file."""
+    lock = build_dir / TORCH_LOCK_NAME
+    try:
+        st = os.stat(lock)
+    except FileNotFoundError:
+        return None
+    return LockState(lock, tuple(_processes_using(build_dir, st)), _owner_pid(build_dir), max(0.0, time.time() - st.st_mtime))
+
+
+def find_build_locks(roots: list[Path]) -> list[LockState]:
+    """Torch lock files under build roots (``<root>/<op>/lock`` and torch's default layout
+    ``<root>/py<XY>_<accel>/<op>/lock``), with what holds each."""
+    states = []
+    for root in roots:
+        if not root.is_dir():
+            continue
+        for lock in sorted({*root.glob(f"*/{TORCH_LOCK_NAME}"), *root.glob(f"*/*/{TORCH_LOCK_NAME}")}):
+            state = lock_state(lock.parent)
+            if state is not None:
+                states.append(state)
+    return states
+
+
+def _say(message: str) -> None:
+    print(f"memascend: {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def guarded_build(name: str, build_dir: Path, *, quiet_s: float = 2.0, poll_s: float = 0.1,
+                  confirm_s: float = 0.5) -> Iterator[None]:
+    """Hold ``build_dir`` for one ``cpp_extension.load`` of op ``name``; clear a stale torch lock first.
+
+    1. Takes the folder's ``flock`` (``memascend-build.pid``), polling; after ``quiet_s`` says once
+       ``waiting for the build of NAME by pid N``. A killed holder's flock is released by the
+       kernel, so this never waits on a dead process.
+    2. While torch's ``lock`` exists: if a process has it open or works in the folder (a builder
+       that does not use this protocol, or ninja/compilers orphaned by a killed builder), says
+       once that it waits for that pid and polls; if none does, twice ``confirm_s`` apart, the lock
+       was left by a killed build: it is removed with one line naming it, and the op is built anew.
+
+    Signals (Ctrl-C, SIGTERM through :class:`memascend.train.swapdir.TerminationAsInterrupt`)
+    interrupt the waits: they sleep in Python.
+
+    Args:
+        name: the op (for the messages).
+        build_dir: the folder torch builds it in (created when missing).
+        quiet_s: how long to wait silently for another memascend builder before saying so.
+        poll_s: seconds between polls.
+        confirm_s: a lock is stale only when seen unheld this long apart.
+    """
+    build_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(build_dir / OWNER_LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        start, announced = time.monotonic(), False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if not announced and time.monotonic() - start >= quiet_s:
+                    text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+                    _say(f"waiting for the build of {name} by pid {text or '?'} ({build_dir})")
+                    announced = True
+                time.sleep(poll_s)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        _clear_torch_lock(name, build_dir, poll_s=poll_s, confirm_s=confirm_s)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def _clear_torch_lock(name: str, build_dir: Path, *, poll_s: float, confirm_s: float) -> None:
+    lock = build_dir / TORCH_LOCK_NAME
+    announced_pid, unheld_since = None, None
+    while True:
+        try:
+            st = os.stat(lock)
+        except FileNotFoundError:
+            return
+        users = _processes_using(build_dir, st)
+        if users:
+            unheld_since = None
+            if announced_pid is None:
+                announced_pid = users[0]
+                _say(f"waiting for the build of {name} by pid {users[0]} ({lock})")
+        elif unheld_since is None:
+            unheld_since = (time.monotonic(), st.st_ino)
+        elif time.monotonic() - unheld_since[0] >= confirm_s and unheld_since[1] == st.st_ino:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lock)
+            _say(f"removed the stale build lock {lock} (a build of {name} was killed); building it again")
+            return
+        time.sleep(poll_s)
 
 
 def cuda_build_available() -> bool:
@@ -74,6 +385,7 @@ def load_op(
     except ImportError:
         pass
 
+    configure_builds()
     from torch.utils import cpp_extension
 
     srcs = [str(CSRC_DIR / s) for s in sources]
@@ -118,6 +430,7 @@ def build_all(*, deepspeed_ops: bool = True) -> list[tuple[str, bool, str]]:
     """
     from memascend.host.extensions import op_names
 
+    configure_builds()
     results: list[tuple[str, bool, str]] = []
     for name in op_names():
         try:
@@ -165,4 +478,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from memascend.ops.build import main as _main  # one module instance (its state) for the loaders too
+
+    raise SystemExit(_main())

@@ -28,9 +28,14 @@ def setup_env() -> DistInfo:
 
     Under torchrun or the ``deepspeed`` launcher RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* are already set
     and kept. Without CUDA, ``DS_ACCELERATOR=cpu`` is set so DeepSpeed uses its CPU accelerator
-    (gloo) instead of probing for mpi4py.
+    (gloo) instead of probing for mpi4py. DeepSpeed's JIT op builds go to this environment's own
+    folder and are guarded against stale build locks (:func:`memascend.ops.build.configure_builds`).
     """
     import torch
+
+    from memascend.ops.build import configure_builds
+
+    configure_builds()
 
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)

@@ -43,3 +43,29 @@ def test_prebuilt_dir_is_searched(tmp_path, monkeypatch):
     (tmp_path / "memascend_pure_op.py").write_text("VALUE = 1\n")
     result = check_extension("pure_op", cache_dir=tmp_path / "empty")
     assert result.status is Status.PASS and result.detail.startswith("prebuilt")
+
+
+def test_doctor_reports_a_stale_build_lock(fake_host, tmp_path, monkeypatch):
+    """A lock left by a killed build in this environment's torch extensions folder is a WARN row
+    naming the file and the rm that clears it; it does not fail the doctor."""
+    import json
+
+    from click.testing import CliRunner
+
+    from memascend.cli.doctor import doctor
+    from memascend.host.extensions import check_build_locks
+
+    lock = tmp_path / "ext" / "async_io" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    fake_host.set_limits("unlimited", "unlimited")
+    p = fake_host.paths
+    result = CliRunner().invoke(doctor, ["--proc-root", str(p.proc), "--sys-root", str(p.sys), "--etc-root",
+                                         str(p.etc), "--no-gpu", "--json"])
+    assert result.exit_code == 0, result.output
+    row = {c["name"]: c for c in json.loads(result.output)["checks"]}["build locks"]
+    assert row["status"] == "warn" and str(lock) in row["detail"] and "stale" in row["detail"]
+    assert row["fix"].startswith("rm ") and str(lock) in row["fix"]
+    lock.unlink()
+    assert check_build_locks([tmp_path / "ext"]).status is Status.PASS
