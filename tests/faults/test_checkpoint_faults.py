@@ -1,0 +1,233 @@
+"""Checkpoints that never lie, and runs that survive kill -9 (issue 19, item 11 and "long runs").
+
+Every run is llama-tiny from scratch, 32-token blocks, micro-batch 1 (~15-25 s on 2 cores). The
+refusals happen before DeepSpeed starts (a few seconds of imports and tokenizing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from memascend.train import checkpoints as ckpt
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.faults
+
+TINY = ["--from-scratch", "llama-tiny", "--seq-len", "32", "--micro-batch", "1", "--eval-blocks", "1",
+        "--no-save-model"]
+STEPS = 6
+
+
+def _finetune(tmp: Path, out: str, *extra: str, nvme: str = "swap") -> dict:
+    proc = run_cli(["finetune", *TINY, "--output", str(tmp / out), "--nvme-path", str(tmp / nvme), *extra],
+                   tmp, timeout_s=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((tmp / out / "report.json").read_text())
+
+
+def _losses(rep: dict) -> dict[int, float]:
+    return {s["step"]: s["loss"] for s in rep["steps"]}
+
+
+def _one_line(proc, code: int, *needles: str) -> str:
+    assert proc.returncode == code, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("memascend: error:")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """An uninterrupted run; a run with a checkpoint every 2 steps killed with SIGKILL after its
+    first checkpoint; a 2-step raw-store run with --save-checkpoint."""
+    tmp = tmp_path_factory.mktemp("ckfaults")
+    straight = _finetune(tmp, "straight", "--steps", str(STEPS))
+    out = tmp / "killed"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "THP_MEM_ALLOC_ENABLE"):
+        env.pop(key, None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "memascend", "finetune", *TINY, "--steps", str(STEPS), "--checkpoint-every", "2",
+         "--keep-checkpoints", "2", "--output", str(out), "--nvme-path", str(tmp / "swap")],
+        cwd=tmp, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    first = ckpt.periodic_root(out) / "global_step2"
+    deadline = time.monotonic() + 400
+    while not first.is_dir() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert first.is_dir(), (proc.poll(), proc.stderr.read()[-3000:] if proc.poll() is not None else "")
+    proc.send_signal(signal.SIGKILL)  # mid-step 3 (or later): a power cut, an OOM kill
+    proc.wait()
+    proc.stderr.close()
+    store = _finetune(tmp, "store2", "--steps", "2", "--save-checkpoint", str(tmp / "ck_store"), nvme="r.store")
+    return {"tmp": tmp, "straight": straight, "killed": out, "killed_rc": proc.returncode, "store2": store}
+
+
+def _resume_losses_equal_within_stock_tolerance(resumed: dict, straight: dict, start: int) -> None:
+    got, want = _losses(resumed), _losses(straight)
+    assert sorted(got) == list(range(start + 1, STEPS + 1))
+    # The first resumed step runs on restored weights before any restored optimizer update: bit-equal.
+    assert got[start + 1] == want[start + 1]
+    for step in got:
+        assert abs(got[step] - want[step]) <= 1e-3 * abs(want[step]), (step, got[step], want[step])
+
+
+def test_kill9_mid_run_then_resume_auto(runs):
+    """kill -9 after a periodic checkpoint, then the same command with --resume auto continues
+    from the newest complete checkpoint; a half-written one (staging folder, tag folder without
+    its manifest) is never picked; --keep-checkpoints holds."""
+    tmp, out = runs["tmp"], runs["killed"]
+    assert runs["killed_rc"] == -signal.SIGKILL
+    root = ckpt.periodic_root(out)
+    newest = ckpt.complete_checkpoints(root)[-1]
+    # what a kill during a save leaves, and a newer tag folder whose save never finished
+    partial = root / f"{ckpt.PARTIAL_PREFIX}global_step{newest.step + 2}-20261125-000000-999999999"
+    (partial / f"global_step{newest.step + 2}").mkdir(parents=True)
+    half = root / f"global_step{newest.step + 1}"
+    shutil.copytree(newest.path, half)
+    (half / ckpt.MANIFEST_NAME).unlink()
+    rep = _finetune(tmp, "killed", "--steps", str(STEPS), "--checkpoint-every", "2", "--keep-checkpoints", "2",
+                    "--resume", "auto")
+    assert rep["checkpoint"]["start_step"] == newest.step
+    assert rep["checkpoint"]["resumed_from"].endswith(newest.tag)
+    _resume_losses_equal_within_stock_tolerance(rep, runs["straight"], newest.step)
+    # the newest two complete checkpoints kept; the foreign half-written folder left alone
+    assert [c.step for c in ckpt.complete_checkpoints(root)] == [STEPS - 2, STEPS]
+    assert (root / "latest").read_text() == f"global_step{STEPS}"
+    assert half.is_dir()
+
+
+@pytest.mark.xfail(reason="stock DeepSpeed 0.19.8 restores NVMe optimizer state inexactly (issue 19 item 2); "
+                   "strict once the exact-resume fix lands", strict=False)
+def test_kill9_resume_auto_bit_exact(runs):
+    if not (runs["killed"] / "report.json").is_file():
+        pytest.skip("needs test_kill9_mid_run_then_resume_auto's resumed run")
+    rep = json.loads((runs["killed"] / "report.json").read_text())
+    got, want = _losses(rep), _losses(runs["straight"])
+    assert got and all(got[s] == want[s] for s in got)
+
+
+def test_explicit_resume_of_half_written_checkpoint_refused(runs, tmp_path):
+    ck = tmp_path / "ck"
+    shutil.copytree(ckpt.periodic_root(runs["killed"]), ck)
+    tag = (ck / "latest").read_text()
+    (ck / tag / ckpt.MANIFEST_NAME).unlink()
+    proc = run_cli(["finetune", *TINY, "--steps", str(STEPS + 2), "--output", str(tmp_path / "o"),
+                    "--nvme-path", str(tmp_path / "swap"), "--resume", str(ck)], tmp_path, timeout_s=600)
+    _one_line(proc, 2, f"{tag} is incomplete: no {ckpt.MANIFEST_NAME}")
+    assert not (tmp_path / "o").exists()
+
+
+def _store_ck(runs, tmp_path) -> Path:
+    ck = tmp_path / "ck"
+    shutil.copytree(runs["tmp"] / "ck_store", ck)
+    return ck
+
+
+def test_store_checkpoint_with_unfinished_export_refused(runs, tmp_path):
+    """Before: a raw-store checkpoint whose export never finished resumed from fresh weights, exit 0."""
+    ck = _store_ck(runs, tmp_path)
+    (ck / "global_step2" / "memascend_store" / "rank00" / "manifest.json").unlink()
+    args = ["finetune", *TINY, "--steps", "4", "--output", str(tmp_path / "o"), "--nvme-path", str(tmp_path / "r.store"),
+            "--resume", str(ck)]
+    _one_line(run_cli(args, tmp_path, timeout_s=600), 4, "memascend_store/rank00/manifest.json is missing")
+    # a checkpoint from before the manifest (or a save killed before it): refused as incomplete
+    (ck / "global_step2" / ckpt.MANIFEST_NAME).unlink()
+    _one_line(run_cli(args, tmp_path, timeout_s=600), 2, "is incomplete")
+    assert not (tmp_path / "r.store").exists() and not (tmp_path / "o").exists()
+
+
+def test_flipped_exponent_bit_in_swapped_fp32_tensor_detected(runs, tmp_path):
+    """Before: a folder checkpoint with one flipped exponent bit trained at loss=inf, exit 0."""
+    ck = tmp_path / "ck"
+    shutil.copytree(ckpt.periodic_root(runs["killed"]), ck)
+    tag = (ck / "latest").read_text()
+    master = next(p for p in (ck / tag / "offloaded_tensors" / "rank00").glob("*.swp") if "exp_avg" not in p.name)
+    with open(master, "r+b") as f:
+        f.seek(4 * 1000 + 3)  # element 1000's byte with the sign and the top exponent bits
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x40]))
+    proc = run_cli(["finetune", *TINY, "--steps", str(STEPS + 2), "--output", str(tmp_path / "o"),
+                    "--nvme-path", str(tmp_path / "swap"), "--resume", str(ck)], tmp_path, timeout_s=600)
+    _one_line(proc, 4, f"{master.name} is corrupt", "bytes 0..")
+    assert not (tmp_path / "o").exists()
+
+
+def test_corrupt_model_states_detected(runs, tmp_path):
+    ck = _store_ck(runs, tmp_path)
+    states = next((ck / "global_step2").glob("*model_states.pt"))
+    states.write_bytes(states.read_bytes()[:100] + b"garbage")
+    proc = run_cli(["finetune", *TINY, "--steps", "4", "--output", str(tmp_path / "o"),
+                    "--nvme-path", str(tmp_path / "swap"), "--resume", str(ck)], tmp_path, timeout_s=600)
+    _one_line(proc, 4, states.name, "manifest says")
+
+
+def test_resume_into_another_model_refused(runs, tmp_path):
+    """Before: trained garbage on a raw store; DeepSpeed aborted (SIGABRT) on a swap folder."""
+    ck = ckpt.periodic_root(runs["killed"])
+    wider = ["--from-scratch", "hidden=128,layers=2,heads=4,vocab=49152"]
+    args = [a for a in TINY if a not in ("--from-scratch", "llama-tiny")]
+    proc = run_cli(["finetune", *args, *wider, "--steps", str(STEPS + 2), "--output", str(tmp_path / "o"),
+                    "--nvme-path", str(tmp_path / "swap"), "--resume", str(ck)], tmp_path, timeout_s=600)
+    _one_line(proc, 2, "was saved for a different model: parameter model.embed_tokens.weight is [49152, 64] in the "
+              "checkpoint, [49152, 128] in this model")
+    proc = run_cli(["finetune", *TINY, "--dtype", "fp32", "--steps", str(STEPS + 2), "--output", str(tmp_path / "o"),
+                    "--nvme-path", str(tmp_path / "swap"), "--resume", str(ck)], tmp_path, timeout_s=600)
+    _one_line(proc, 2, "was saved with --dtype bf16; this run uses fp32")
+    assert not (tmp_path / "o").exists() and not any((tmp_path / "swap").glob("memascend-*"))
+
+
+def test_nonfinite_loss_stops_run_without_saving(tmp_path):
+    """Before: fp32 with a diverging learning rate trained to NaN and exited 0, model saved."""
+    args = ["finetune", "--from-scratch", "llama-tiny", "--seq-len", "32", "--micro-batch", "1", "--eval-blocks", "1",
+            "--dtype", "fp32", "--lr", "1e38", "--steps", "3", "--output", str(tmp_path / "o"),
+            "--nvme-path", str(tmp_path / "swap"), "--save-checkpoint", str(tmp_path / "ck")]
+    proc = run_cli(args, tmp_path, timeout_s=600)
+    _one_line(proc, 5, "step 2: the training loss is nan", "--allow-nonfinite-loss")
+    assert not (tmp_path / "o" / "model").exists() and not (tmp_path / "ck").exists()
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    mounts = []
+
+    def make(name: str, *opts: str) -> Path:
+        mnt = tmp_path / name
+        mnt.mkdir()
+        res = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(("size=4m", *opts)), "tmpfs", str(mnt)],
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs: {res.stderr.strip()}")
+        mounts.append(mnt)
+        return mnt
+
+    yield make
+    for mnt in mounts:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_read_only_or_too_small_checkpoint_folder_refused_before_training(tmp_path, tmpfs):
+    """Before: found only after training (a traceback, the training lost)."""
+    ro, small = tmpfs("ro", "ro"), tmpfs("small")
+    base = ["finetune", *TINY, "--steps", "2", "--output", str(tmp_path / "o"), "--nvme-path", str(tmp_path / "swap")]
+    t0 = time.monotonic()
+    proc = run_cli([*base, "--save-checkpoint", str(ro / "ck")], tmp_path, timeout_s=600)
+    _one_line(proc, 2, f"--save-checkpoint {ro / 'ck'} is not writable", "Read-only file system")
+    proc = run_cli([*base, "--save-checkpoint", str(small / "ck")], tmp_path, timeout_s=600)
+    _one_line(proc, 2, f"--save-checkpoint {small / 'ck'} has 4.00 MiB free; a checkpoint of this run needs about")
+    assert list(small.iterdir()) == [] and not (tmp_path / "o").exists()
+    assert not (tmp_path / "swap").exists() or not any((tmp_path / "swap").glob("memascend-*"))
+    assert time.monotonic() - t0 < 120  # refused up front, not after training
