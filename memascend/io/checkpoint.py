@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from memascend.errors import UserError
+from memascend.errors import IntegrityError, UserError
 from memascend.io.errors import ChecksumError
 from memascend.io.extent import Extent
 from memascend.io.store import EXPORT_CHUNK_BYTES, MANIFEST_NAME, ExtentRecord, _check_job
@@ -118,7 +118,7 @@ def import_files(
         The keys imported.
 
     Raises:
-        UserError: no manifest, or a file of the wrong size.
+        UserError: no manifest. IntegrityError: a file the manifest lists is missing or of the wrong size.
         ChecksumError: a file's CRC32C differs from the manifest's (names the key and file).
         StoreFullError: no room.
     """
@@ -187,7 +187,8 @@ def copy_export_to_folder(
         The files written.
 
     Raises:
-        UserError: no manifest, a key not in it, or an export file missing or of the wrong size.
+        UserError: no manifest, or a key not in it.
+        IntegrityError: an export file the manifest lists is missing or of the wrong size.
         ChecksumError: an export file's CRC32C differs from the manifest's (names key and file;
             the destination file is removed).
     """
@@ -203,7 +204,7 @@ def copy_export_to_folder(
         entry = by_key[key]
         file, nbytes = src / entry["file"], int(entry["nbytes"])
         if not file.is_file() or file.stat().st_size != nbytes:
-            raise UserError(f"checkpoint file {file} of tensor '{key}' is missing or not {nbytes} bytes")
+            raise IntegrityError(f"checkpoint file {file} of tensor '{key}' is missing or not {nbytes} bytes")
         dest = Path(dest)
         dest.parent.mkdir(parents=True, exist_ok=True)
         crc = 0
@@ -234,7 +235,7 @@ def _import_entries(self: TensorStore, entries: list[tuple], chunk_bytes: int) -
     keys = []
     for key, file, nbytes, dtype, shape, expected_crc in entries:
         if not file.is_file() or file.stat().st_size != nbytes:
-            raise UserError(f"checkpoint file {file} of tensor '{key}' is missing or not {nbytes} bytes")
+            raise IntegrityError(f"checkpoint file {file} of tensor '{key}' is missing or not {nbytes} bytes")
         with self._lock:
             self._check_open()
             if key in self._writes or self._reads.get(key):

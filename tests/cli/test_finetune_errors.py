@@ -1,54 +1,76 @@
-"""Bad input: one clear line on stderr, exit code 2, no traceback, nothing left behind."""
+"""Bad input: exactly one ``memascend: error:`` line on stderr, its exit code, no traceback, nothing
+created, changed or deleted. The cases live in :mod:`tests.cli.bad_input_cases`, which also writes the
+README's table from them."""
 
-import json
+import hashlib
+import subprocess
+import sys
 
 import pytest
 
+from tests.cli.bad_input_cases import CASES, README, argv, readme_with_section
 from tests.conftest import run_cli
 
-TINY = ["--from-scratch", "llama-tiny", "--steps", "1", "--seq-len", "32", "--micro-batch", "1", "--eval-blocks", "1"]
+
+def _tree(root) -> dict[str, str]:
+    """Every path under ``root`` with a digest of its content (folders: '')."""
+    return {
+        str(p.relative_to(root)): "" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+    }
 
 
-def _assert_clean_failure(proc, match, tmp_path):
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_is_one_line(tmp_path, case):
+    for rel, content in case.files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(content)
+    before = _tree(tmp_path)
+    proc = run_cli(argv(case, tmp_path), tmp_path, timeout_s=300)
+    assert proc.returncode == case.exit_code, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     err_lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("memascend: error:")]
-    assert len(err_lines) == 1 and match in err_lines[0], proc.stderr[-2000:]
-    assert not (tmp_path / "out").exists()
-    swap = tmp_path / "swap"
-    assert not swap.exists() or not any(swap.iterdir())
+    assert len(err_lines) == 1 and case.message in err_lines[0], proc.stderr[-3000:]
+    assert not proc.stderr.lstrip().startswith("Usage:"), proc.stderr[-3000:]  # click's three-line form
+    assert _tree(tmp_path) == before, "the refused run created, changed or deleted files"
 
 
-@pytest.mark.parametrize(
-    "extra, match",
-    [
-        (["--model", "/nonexistent/model"], "model not found: /nonexistent/model"),
-        (["--data", "/nonexistent/data.jsonl"], "data not found"),
-        (["--seq-len", "100000"], "exceeds the model's limit of 8192"),
-        (["--nvme-path", "/proc/memascend-swap"], "--nvme-path"),
-        (["--config", "/nonexistent.toml"], "config file not found"),
-    ],
-)
-def test_bad_paths_and_limits(tmp_path, extra, match):
-    args = ["finetune", *TINY, "--output", str(tmp_path / "out"), "--nvme-path", str(tmp_path / "swap"), *extra]
-    _assert_clean_failure(run_cli(args, tmp_path, timeout_s=300), match, tmp_path)
+def test_fp16_on_a_cpu_without_fp16_is_refused(tmp_path):
+    """Host-dependent (DeepSpeed's CPU accelerator has fp16 where oneDNN does: AVX512-FP16/AMX), so not
+    in the table."""
+    import torch
+
+    if torch.cuda.is_available() or torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        pytest.skip("this host supports fp16")
+    args = ["finetune", "--from-scratch", "llama-tiny", "--steps", "1", "--seq-len", "32", "--micro-batch", "1",
+            "--eval-blocks", "1", "--dtype", "fp16", "--output", str(tmp_path / "out"),
+            "--nvme-path", str(tmp_path / "swap")]
+    proc = run_cli(args, tmp_path, timeout_s=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("memascend: error:")]
+    assert len(lines) == 1 and "fp16 is not supported on this device" in lines[0], proc.stderr[-3000:]
+    assert not (tmp_path / "out").exists() and not any((tmp_path / "swap").glob("*"))
 
 
-def test_malformed_jsonl_names_the_line(tmp_path):
-    data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps({"text": "fine"}) + "\n" + '{"text": oops}\n')
-    args = ["finetune", *TINY, "--data", str(data), "--output", str(tmp_path / "out"), "--nvme-path", str(tmp_path / "swap")]
-    _assert_clean_failure(run_cli(args, tmp_path, timeout_s=300), "d.jsonl:2: malformed JSON", tmp_path)
+def test_readme_table_is_generated_from_the_cases():
+    text = README.read_text()
+    assert readme_with_section(text) == text, (
+        "README.md's bad-input table differs from tests/cli/bad_input_cases.py: "
+        "run python3 -m tests.cli.bad_input_cases --write-readme"
+    )
 
 
-def test_fp16_on_cpu_is_refused(tmp_path):
-    args = ["finetune", *TINY, "--dtype", "fp16", "--output", str(tmp_path / "out"), "--nvme-path", str(tmp_path / "swap")]
-    _assert_clean_failure(run_cli(args, tmp_path, timeout_s=300), "fp16 is not supported on this device", tmp_path)
+def test_generator_check_mode_runs():
+    proc = subprocess.run([sys.executable, "-m", "tests.cli.bad_input_cases", "--check"],
+                          cwd=README.parent, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
 
 
-def test_help_shows_units_and_defaults(tmp_path):
+def test_help_still_works(tmp_path):
+    for args in (["finetune", "--help"], ["--help"], ["doctor", "-h"]):
+        proc = run_cli(args, tmp_path, timeout_s=120)
+        assert proc.returncode == 0 and "Usage:" in proc.stdout and not proc.stderr.strip(), proc.stderr
     proc = run_cli(["finetune", "--help"], tmp_path, timeout_s=120)
-    assert proc.returncode == 0
     flat = " ".join(proc.stdout.split())
     for text in ("--nvme-path", "--micro-batch", "[default: 4]", "--deepspeed-config", "--from-scratch", "Tokens per sequence"):
         assert text in flat

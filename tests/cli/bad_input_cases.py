@@ -1,0 +1,261 @@
+"""Bad input, its one error line and its exit code: the cases tests/cli/test_finetune_errors.py runs
+and the README's "Bad input" table is generated from.
+
+    python3 -m tests.cli.bad_input_cases --write-readme   # rewrite README.md's table from CASES
+    python3 -m tests.cli.bad_input_cases --check          # exit 1 when README.md's table differs
+
+Each case is run as ``python -m memascend COMMAND [the command's common flags] ARGS`` in a fresh
+folder holding the case's files; ``{tmp}`` in an argument is that folder. The test asserts exactly one
+``memascend: error:`` line containing ``message``, the exit code, no traceback, and that the folder
+holds the same files afterwards (nothing created, nothing modified, nothing deleted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import struct
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+README = REPO / "README.md"
+BEGIN = "<!-- bad-input-table:begin -->"
+END = "<!-- bad-input-table:end -->"
+
+# Flags every case of a command gets before its own (a short run; output and swap in the case folder).
+# No --from-scratch (it would replace a --model case's architecture and weights) and no --micro-batch
+# (a flag overrides a --config case's value).
+COMMON: dict[str, tuple[str, ...]] = {
+    "finetune": ("--steps", "1", "--seq-len", "32", "--eval-blocks", "1", "--output", "{tmp}/out",
+                 "--nvme-path", "{tmp}/swap"),
+    "plan": (),
+    "doctor": (),
+    "regress": ("--output", "{tmp}/out"),
+    "": (),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One bad input."""
+
+    id: str
+    """Test id."""
+    what: str
+    """The input, in words (README)."""
+    command: str
+    """Subcommand (``""``: none, the arguments go to the ``memascend`` group)."""
+    args: tuple[str, ...]
+    """Arguments after the command's :data:`COMMON` flags; ``{tmp}`` is the case folder."""
+    message: str
+    """Text the one ``memascend: error:`` line contains."""
+    exit_code: int = 2
+    files: dict[str, bytes] = field(default_factory=dict)
+    """Files written into the case folder first (relative path -> content)."""
+
+
+def _safetensors(numel_by_name: dict[str, int]) -> bytes:
+    """A valid ``.safetensors`` file of zero-filled fp32 tensors (8-byte header length, JSON header, data)."""
+    header, offset = {}, 0
+    for name, numel in numel_by_name.items():
+        header[name] = {"dtype": "F32", "shape": [numel], "data_offsets": [offset, offset + 4 * numel]}
+        offset += 4 * numel
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + bytes(offset)
+
+
+_LLAMA_CONFIG = json.dumps({
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 16,
+    "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+    "max_position_embeddings": 64, "tie_word_embeddings": True,
+}).encode()
+_GPT2_CONFIG = json.dumps({
+    "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 64, "n_embd": 16, "n_layer": 1,
+    "n_head": 2, "n_positions": 64,
+}).encode()
+_T5_CONFIG = json.dumps({
+    "model_type": "t5", "architectures": ["T5ForConditionalGeneration"], "vocab_size": 64, "d_model": 16,
+    "d_kv": 8, "d_ff": 32, "num_layers": 1, "num_heads": 2,
+}).encode()
+_WEIGHTS = _safetensors({"model.embed_tokens.weight": 64 * 16, "model.norm.weight": 16})
+
+CASES: tuple[Case, ...] = (
+    # ---- numbers: non-finite, out of range (items 3, 4, 7, 11) ----
+    Case("lr-nan", "learning rate NaN", "finetune", ("--lr", "nan"), "--lr ([train] lr) must be a finite number, got nan"),
+    Case("lr-inf", "learning rate infinite", "finetune", ("--lr", "inf"), "--lr ([train] lr) must be a finite number, got inf"),
+    Case("lr-zero", "learning rate 0", "finetune", ("--lr", "0"), "--lr must be positive, got 0.0"),
+    Case("epochs-nan", "epochs NaN", "finetune", ("--epochs", "nan"), "--epochs ([train] epochs) must be a finite number, got nan"),
+    Case("epochs-inf", "epochs infinite", "finetune", ("--epochs", "inf"), "--epochs ([train] epochs) must be a finite number, got inf"),
+    Case("epochs-huge", "epochs absurdly large (a run for ever)", "finetune", ("--epochs", "1e30"),
+         "--epochs must be at most 1,000,000, got 1e+30"),
+    Case("steps-zero", "no steps", "finetune", ("--steps", "0"), "--steps must be >= 1 (or give --epochs)"),
+    Case("steps-huge", "steps absurdly large", "finetune", ("--steps", "100000000000"),
+         "--steps must be at most 10,000,000, got 100,000,000,000"),
+    Case("seed-negative", "negative seed", "finetune", ("--seed", "-1"), "--seed must be between 0 and 4294967295, got -1"),
+    Case("nproc-zero", "zero ranks", "finetune", ("--nproc", "0"), "--nproc must be at least 1, got 0"),
+    Case("nproc-negative", "negative ranks", "finetune", ("--nproc", "-2"), "--nproc must be at least 1, got -2"),
+    Case("from-scratch-inf", "infinite model width", "finetune", ("--from-scratch", "hidden=inf,layers=2,heads=4"),
+         "--from-scratch: value of 'hidden' is not a finite number: 'inf'"),
+    Case("toml-nan", "NaN in a --config TOML field", "finetune", ("--config", "{tmp}/run.toml"),
+         "--lr ([train] lr) must be a finite number, got nan", files={"run.toml": b"[train]\nlr = nan\n"}),
+    Case("toml-inf-no-flag", "inf in a TOML-only field", "finetune", ("--config", "{tmp}/run.toml"),
+         "[train] weight_decay must be a finite number, got inf", files={"run.toml": b"[train]\nweight_decay = inf\n"}),
+    Case("toml-wrong-type", "a string where a number goes (TOML)", "finetune", ("--config", "{tmp}/run.toml"),
+         "--micro-batch ([train] micro_batch) must be a whole number, got 'two'",
+         files={"run.toml": b"[train]\nmicro_batch = \"two\"\n"}),
+    Case("toml-not-a-table", "a TOML section that is not a table", "finetune", ("--config", "{tmp}/run.toml"),
+         "[train] must be a table, got 5", files={"run.toml": b"train = 5\n"}),
+    Case("config-missing", "--config file missing", "finetune", ("--config", "/nonexistent.toml"),
+         "config file not found: /nonexistent.toml"),
+    Case("ds-config-list", "--deepspeed-config holding [1,2,3]", "finetune", ("--deepspeed-config", "{tmp}/ds.json"),
+         "ds.json must be a JSON object ({...}), got a list", files={"ds.json": b"[1, 2, 3]\n"}),
+    Case("ds-config-nan", "NaN in --deepspeed-config", "finetune", ("--deepspeed-config", "{tmp}/ds.json"),
+         "ds.json holds NaN: every number must be finite", files={"ds.json": b'{"gradient_clipping": NaN}\n'}),
+    Case("ds-config-syntax", "--deepspeed-config not JSON", "finetune", ("--deepspeed-config", "{tmp}/ds.json"),
+         "ds.json is not valid JSON: line 1", files={"ds.json": b"{oops\n"}),
+    # ---- usage errors of the command line itself (click) ----
+    Case("dtype-choice", "unknown --dtype", "finetune", ("--dtype", "int8"),
+         "Invalid value for '--dtype': 'int8' is not one of 'bf16', 'fp16', 'fp32'."),
+    Case("int-not-a-number", "a word where an integer goes", "finetune", ("--steps", "ten"),
+         "Invalid value for '--steps': 'ten' is not a valid integer."),
+    Case("unknown-option", "unknown option", "finetune", ("--learning-rate", "1e-4"), "No such option '--learning-rate'"),
+    Case("missing-value", "option without its value", "finetune", ("--seq-len",), "Option '--seq-len' requires an argument."),
+    Case("unknown-command", "unknown command", "", ("train",), "No such command 'train'."),
+    Case("doctor-size", "doctor: a size that is not one", "doctor", ("--lock-bytes", "lots"),
+         "Invalid value for '--lock-bytes': 'lots' is not a size"),
+    Case("doctor-size-overflow", "doctor: a size past float range", "doctor", ("--nvme-bytes", "9" * 400),
+         "is too large"),
+    Case("plan-cap-nan", "plan: --cap-gib NaN", "plan", ("--cap-gib", "nan"),
+         "Invalid value for '--cap-gib': must be a finite number greater than 0, got nan"),
+    Case("plan-nproc-zero", "plan: zero ranks", "plan", ("--nproc", "0"), "--nproc must be at least 1, got 0"),
+    Case("regress-timeout-inf", "regress: --timeout infinite", "regress", ("--timeout", "inf"),
+         "Invalid value for '--timeout': must be a finite number greater than 0, got inf"),
+    Case("regress-cap-overflow", "regress: --memory-cap past float range", "regress", ("--memory-cap", "1e999"),
+         "not a memory size: '1e999'"),
+    # ---- paths, models, data (items 4, 7, 9) ----
+    Case("model-missing", "--model path missing", "finetune", ("--model", "/nonexistent/model"),
+         "model not found: /nonexistent/model"),
+    Case("model-t5", "--model: a T5 folder (no causal-LM head)", "finetune", ("--model", "{tmp}/t5"),
+         "is a 't5' model, an architecture without a causal-LM head", files={"t5/config.json": _T5_CONFIG}),
+    Case("plan-model-t5", "plan --model: a T5 folder", "plan", ("--model", "{tmp}/t5"),
+         "is a 't5' model, an architecture without a causal-LM head", files={"t5/config.json": _T5_CONFIG}),
+    Case("model-truncated", "--model: model.safetensors cut short", "finetune", ("--model", "{tmp}/llama"),
+         "model.safetensors are truncated or damaged",
+         files={"llama/config.json": _LLAMA_CONFIG, "llama/model.safetensors": _WEIGHTS[: len(_WEIGHTS) // 2]}),
+    Case("model-bad-config", "--model: config.json not JSON", "finetune", ("--model", "{tmp}/broken"),
+         "config.json is not valid JSON", files={"broken/config.json": b"{\"model_type\": \n"}),
+    Case("model-no-tokenizer", "--model: folder without tokenizer files", "finetune", ("--model", "{tmp}/gpt2"),
+         "has no tokenizer: none of tokenizer.json",
+         files={"gpt2/config.json": _GPT2_CONFIG, "gpt2/model.safetensors": _safetensors({"wte.weight": 64 * 16})}),
+    Case("seq-len-over-limit", "--seq-len beyond the model's positions", "finetune",
+         ("--from-scratch", "llama-tiny", "--seq-len", "100000"), "--seq-len 100000 exceeds the model's limit of 8192"),
+    Case("data-missing", "--data path missing", "finetune", ("--data", "/nonexistent/data.jsonl"),
+         "data not found: /nonexistent/data.jsonl"),
+    Case("jsonl-malformed", "--data: a malformed JSONL line", "finetune", ("--data", "{tmp}/d.jsonl"),
+         "d.jsonl:2: malformed JSON", files={"d.jsonl": b'{"text": "fine"}\n{"text": oops}\n'}),
+    Case("jsonl-not-utf8", "--data: a JSONL line that is not UTF-8", "finetune", ("--data", "{tmp}/latin1.jsonl"),
+         "latin1.jsonl:2: not UTF-8 text (invalid continuation byte at byte 28 of the file)",
+         files={"latin1.jsonl": b'{"text": "ok"}\n{"text": "caf\xe9 au lait"}\n'}),
+    Case("text-not-utf8", "--data: a .txt file that is not UTF-8", "finetune", ("--data", "{tmp}/latin1.txt"),
+         "latin1.txt: not UTF-8 text", files={"latin1.txt": b"caf\xe9 au lait\n"}),
+    Case("nvme-path-unwritable", "--nvme-path that cannot be created", "finetune",
+         ("--from-scratch", "llama-tiny", "--data", "{tmp}/small.txt", "--nvme-path", "/proc/memascend-swap"),
+         "cannot create --nvme-path /proc/memascend-swap", files={"small.txt": b"a few words of text\n" * 400}),
+)
+
+
+def argv(case: Case, tmp: Path) -> list[str]:
+    """The full ``memascend`` argument list of a case run in folder ``tmp``."""
+    words = [*([case.command] if case.command else []), *COMMON[case.command], *case.args]
+    return [w.replace("{tmp}", str(tmp)) for w in words]
+
+
+def _md(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _shown(case: Case) -> str:
+    """The command as the README shows it: the case's own arguments (common flags elided)."""
+    args = " ".join(a if len(a) <= 40 else a[:12] + "..." for a in case.args).replace("{tmp}/", "")
+    common = " ..." if COMMON[case.command] else ""
+    return f"`memascend {case.command}{common} {args}`".replace("  ", " ")
+
+
+def exit_code_table() -> str:
+    """Exit codes from :mod:`memascend.errors` (the classes) and the CLI's other codes."""
+    from memascend import errors
+
+    rows = [("0", "-", "success"),
+            ("1", "-", "`memascend regress`: a regression or a failed run; `memascend doctor`: a check the run needs failed")]
+    classes = sorted(
+        (c for c in vars(errors).values()
+         if isinstance(c, type) and issubclass(c, errors.MemascendError) and c is not errors.MemascendError),
+        key=lambda c: c.exit_code,
+    )
+    for cls in classes:
+        doc = " ".join((cls.__doc__ or "").split("\n\n")[0].split())
+        rows.append((str(cls.exit_code), f"`{cls.__name__}`", doc))
+    rows.append(("130", "-", "interrupted (Ctrl-C, SIGTERM); swap files and stores are removed"))
+    lines = ["| exit code | error class | meaning |", "|---|---|---|"]
+    lines += [f"| {code} | {name} | {_md(doc)} |" for code, name, doc in rows]
+    return "\n".join(lines)
+
+
+def bad_input_table() -> str:
+    """The README table: one row per case."""
+    lines = ["| input | command | `memascend: error:` line contains | exit code |", "|---|---|---|---|"]
+    for c in CASES:
+        lines.append(f"| {_md(c.what)} | {_md(_shown(c))} | {_md(c.message)} | {c.exit_code} |")
+    return "\n".join(lines)
+
+
+def readme_section() -> str:
+    """Everything between the README's markers."""
+    return (
+        f"{BEGIN}\n"
+        "<!-- generated by `python3 -m tests.cli.bad_input_cases --write-readme` from tests/cli/bad_input_cases.py "
+        "and memascend/errors.py; do not edit by hand -->\n\n"
+        f"{exit_code_table()}\n\n"
+        "Bad input, each case run by `tests/cli/test_finetune_errors.py` (finetune cases also pass a tiny run's "
+        "flags, shown as `...`; each asserts exactly this one line on stderr, the exit code, no traceback, and "
+        "no file created, changed or deleted):\n\n"
+        f"{bad_input_table()}\n"
+        f"{END}"
+    )
+
+
+def readme_with_section(text: str) -> str:
+    """``text`` (README.md) with its marked section replaced by :func:`readme_section`.
+
+    Raises:
+        ValueError: the markers are missing.
+    """
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        raise ValueError(f"README.md has no {BEGIN} ... {END} section")
+    return text[:start] + readme_section() + text[end + len(END):]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--write-readme", action="store_true", help="rewrite README.md's bad-input section")
+    mode.add_argument("--check", action="store_true", help="exit 1 when README.md's section is out of date")
+    opts = parser.parse_args()
+    text = README.read_text()
+    new = readme_with_section(text)
+    if opts.check:
+        if new != text:
+            print("README.md's bad-input table is out of date: run python3 -m tests.cli.bad_input_cases "
+                  "--write-readme", file=sys.stderr)
+            return 1
+        return 0
+    if new != text:
+        README.write_text(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
