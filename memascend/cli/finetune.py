@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import click
@@ -12,8 +11,8 @@ from memascend.config import DEFAULT_DATA, DEFAULT_MODEL, build_run_config, load
 from memascend.errors import UserError
 
 
-def _launch_ranks(nproc: int) -> None:
-    """Re-run this command under torchrun with ``nproc`` ranks on this host and exit with its code."""
+def _torchrun_cmd(nproc: int) -> list[str]:
+    """This command under torchrun with ``nproc`` ranks on this host."""
     argv = [a for a in sys.argv[1:]]
     # drop --nproc N / --nproc=N so the children run single-rank logic
     cleaned, skip = [], False
@@ -40,7 +39,7 @@ def _launch_ranks(nproc: int) -> None:
         "memascend",
         *cleaned,
     ]
-    sys.exit(subprocess.call(cmd))
+    return cmd
 
 
 @click.command(context_settings={"show_default": True})
@@ -118,8 +117,11 @@ def finetune(**kw) -> None:
     nproc = kw.pop("nproc")
     if nproc is not None and nproc < 1:
         raise UserError(f"--nproc must be at least 1, got {nproc}")
+    from memascend.train.supervisor import is_supervised, supervise
+
     if nproc is not None and nproc > 1 and "RANK" not in os.environ:
-        _launch_ranks(nproc)
+        # the launch runs under a parent that cleans up after ranks killed outright
+        sys.exit(supervise(_torchrun_cmd(nproc)))
     file_values = load_toml(kw.pop("config_file")) if kw.get("config_file") else {}
     kw.pop("config_file", None)
     overrides = {
@@ -154,6 +156,10 @@ def finetune(**kw) -> None:
         "deepspeed_config": kw["deepspeed_config"],
     }
     cfg = build_run_config(file_values, overrides)
+    if "RANK" not in os.environ and not is_supervised():
+        # Checked input, then the job in a child: a SIGKILL/OOM kill/abort of the training process
+        # still gets one line and its swap files removed (memascend.train.supervisor).
+        sys.exit(supervise([sys.executable, "-m", "memascend", *sys.argv[1:]]))
     if cfg.engine == "memascend":
         # Before torch loads (the runner imports it): c10 reads THP_MEM_ALLOC_ENABLE only then.
         from memascend.integrations.deepspeed.settings import DS_CONFIG_SECTION, MemAscendSettings

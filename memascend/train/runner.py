@@ -38,6 +38,7 @@ from memascend.train.store_target import (
     resolve_store_target,
     store_file_bytes,
 )
+from memascend.train.supervisor import record_run_state
 from memascend.train.swapdir import (
     TerminationAsInterrupt,
     estimate_nvme_bytes,
@@ -278,6 +279,8 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
         if is_store_target(cfg.offload.nvme_path):
             raw_store = _open_raw_store(cfg.offload, info, need // info.world_size)
             cleanup.raw_store = raw_store
+            record_run_state(info.rank, key_root=str(raw_store.key_root),
+                             store_file=str(raw_store.target) if raw_store.created_file else None)
             swap_dir = raw_store.key_root
         else:
             check_aio_for_swap_folder()
@@ -286,6 +289,7 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
             # rank's folder name is shared so all ranks of one launch use one run folder.
             swap_dir = prepare_swap_dir(cfg.offload.nvme_path, need // info.world_size, run_id)
             cleanup.swap_dir = swap_dir
+            record_run_state(info.rank, swap_dir=str(swap_dir), nvme_path=str(swap_dir.parent))
     ds_cfg, derived = render_ds_config(cfg, shape, info.world_size, str(swap_dir) if swap_dir else None, user_ds)
     if cfg.engine == "baseline":
         check_stock_param_dram(ds_cfg, shape.param_numels, info.world_size)
@@ -297,6 +301,7 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
             cleanup.created_out_dir = out_dir
         out_dir.mkdir(parents=True, exist_ok=True)
         cleanup.run_log = RunLog(out_dir, sampler, _log_header(cfg, shape, split, info))
+        record_run_state(info.rank, out_dir=str(out_dir.resolve()))
 
     # ---- initialize -----------------------------------------------------------------------------
     sampler.phase("initialize")
