@@ -180,7 +180,10 @@ class _Cleanup:
             self.revert()
 
     def _raw_store(self) -> None:
-        if self.raw_store is not None:
+        # Also when the interrupt came between apply_raw_store's return and self.raw_store being
+        # set: the applied store is known to its module, and its file must not stay behind.
+        store_mod = sys.modules.get("memascend.integrations.deepspeed.raw_store")
+        if self.raw_store is not None or (store_mod is not None and store_mod.active_raw_store() is not None):
             from memascend.integrations.deepspeed.raw_store import revert_raw_store
 
             revert_raw_store(close=True)

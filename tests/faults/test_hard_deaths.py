@@ -169,3 +169,27 @@ def test_disk_full_while_swapping_is_one_line_exit_3_and_no_swap_files(tmp_path)
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
 
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.3, 1.5])
+def test_sigterm_during_start_up_leaves_no_store_file(tmp_path, delay_s):
+    # the store file is preallocated while the run starts; a SIGTERM then (a scheduler's
+    # cancellation) used to leave it behind 2 times in 3
+    store, out = tmp_path / "s.store", tmp_path / "out"
+    run = _start([*TINY, "--steps", "3", "--output", str(out), "--nvme-path", str(store)], tmp_path,
+                 supervised=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not store.exists():
+            assert run.poll() is None and time.monotonic() < deadline, run.stderr.read()[-3000:]
+            time.sleep(0.01)
+        time.sleep(delay_s)
+        run.send_signal(signal.SIGTERM)
+        run.wait(timeout=120)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    assert run.returncode != 0
+    assert not store.exists()
+    assert "Traceback" not in run.stderr.read()

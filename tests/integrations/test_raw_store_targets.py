@@ -153,3 +153,36 @@ def test_target_held_by_another_run_is_refused(tmp_path):
         other.wait()
     handle = _apply(target)  # free again: the lock died with its holder
     assert not handle.created_file  # it existed (empty) before this run
+
+
+@pytest.mark.nvme
+def test_too_small_block_device_refused_before_any_write(tmp_path):
+    from tests.host.loopdev import loop_disk, require_loop_devices
+
+    require_loop_devices()
+    with loop_disk(tmp_path / "disk.img", 8 << 20) as dev:
+        with open(dev, "r+b") as f:
+            f.write(b"\xa5" * 8192)  # no signature: a raw partition with old bytes on it
+        with pytest.raises(UserError, match=r"holds \d+\.\d\d MiB of store space"):
+            rs.apply_raw_store(dev, world_rank=0, min_capacity_bytes=1 << 30)
+        with open(dev, "rb") as f:
+            assert f.read(8192) == b"\xa5" * 8192  # no store header was written
+
+
+@pytest.mark.nvme
+def test_block_device_held_by_another_run_is_refused(tmp_path):
+    from tests.host.loopdev import loop_disk, require_loop_devices
+
+    require_loop_devices()
+    with loop_disk(tmp_path / "disk.img", 64 << 20) as dev:
+        other = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(dev)], stdout=subprocess.PIPE, text=True,
+                                 cwd=Path(__file__).resolve().parents[2])
+        try:
+            assert other.stdout.readline().strip() == "locked"
+            with pytest.raises(TargetBusyError, match=rf"process {other.pid}"):
+                rs.apply_raw_store(dev, world_rank=0)
+        finally:
+            other.kill()
+            other.wait()
+        handle = rs.apply_raw_store(dev, world_rank=0)
+        assert handle.is_block_device and not handle.created_file
