@@ -67,8 +67,8 @@ def _torchrun_cmd(nproc: int) -> list[str]:
     default=None,
     help="Where swapped parameters/optimizer state go. A folder: stock DeepSpeed swap files there. "
     "A block device (/dev/nvme0n1p3) or a file ending in .store: memascend's raw store (no filesystem; "
-    "a file is preallocated to the run's estimated size and deleted at exit; a device keeps only the store "
-    "header). Several ranks on one host: a comma-separated list with one device or file per rank, or one "
+    "a new file is preallocated to the run's estimated size and deleted at exit, an existing file is kept; a "
+    "device keeps only the store header). Several ranks on one host: a comma-separated list with one device or file per rank, or one "
     ".store path that becomes PATH.rank<N> for rank N. "
     "[default: ./memascend-swap or $MEMASCEND_NVME_PATH]",
 )
@@ -76,8 +76,9 @@ def _torchrun_cmd(nproc: int) -> list[str]:
     "--nvme-overwrite",
     is_flag=True,
     default=False,
-    help="Allow the raw store to overwrite a target that carries a filesystem, a partition table or another "
-    "store (refused otherwise; a mounted device is always refused). A store left by an earlier memascend "
+    help="Allow the raw store to overwrite a target that carries a filesystem, a partition table, another "
+    "store, or a non-empty file of any content (refused otherwise; such a file is kept at exit; a mounted "
+    "device or a target another run is using is always refused). A store left by an earlier memascend "
     "run is reused without it",
 )
 @click.option("--no-crc", is_flag=True, default=False,
