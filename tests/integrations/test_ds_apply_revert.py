@@ -46,6 +46,7 @@ def _seam_objects():
         "PartitionedOptimizerSwapper._swap_in_pinned_gradients": (PartitionedOptimizerSwapper,
                                                                   "_swap_in_pinned_gradients"),
         "OptimizerSwapper._writeback_gradients": (optimizer_utils.OptimizerSwapper, "_writeback_gradients"),
+        "engine._load_checkpoint": (DeepSpeedEngine, "_load_checkpoint"),
     }
 
 
@@ -74,7 +75,7 @@ def test_each_flag_patches_only_its_seams():
     ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=True, enable_optimizer_pool=False,
                                         enable_arena_pinning=False, enable_fused_overflow_check=False,
                                         enable_malloc_policy=False, enable_grad_buffer_release=False,
-                                        fix_unaligned_gradient_io=False,
+                                        fix_unaligned_gradient_io=False, fix_exact_resume=False,
                                         enable_host_block_cache=False))
     during = _snapshot()
     changed = {k for k in before if during[k] is not before[k]}
@@ -83,7 +84,7 @@ def test_each_flag_patches_only_its_seams():
     ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=False, enable_optimizer_pool=False,
                                         enable_arena_pinning=False, enable_fused_overflow_check=False,
                                         enable_malloc_policy=False, enable_grad_buffer_release=True,
-                                        fix_unaligned_gradient_io=False,
+                                        fix_unaligned_gradient_io=False, fix_exact_resume=False,
                                         enable_host_block_cache=False))
     during = _snapshot()
     assert {k for k in before if during[k] is not before[k]} == {"stage3.__init__", "stage3._post_step",
@@ -92,7 +93,7 @@ def test_each_flag_patches_only_its_seams():
     ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=False, enable_optimizer_pool=False,
                                         enable_arena_pinning=False, enable_fused_overflow_check=False,
                                         enable_malloc_policy=False, enable_grad_buffer_release=False,
-                                        grad_norm_sub_group_numel=1 << 20, fix_unaligned_gradient_io=False,
+                                        grad_norm_sub_group_numel=1 << 20, fix_unaligned_gradient_io=False, fix_exact_resume=False,
                                         enable_host_block_cache=False))
     during = _snapshot()
     assert {k for k in before if during[k] is not before[k]} == {"stage3._get_norm_groups"}
@@ -100,7 +101,7 @@ def test_each_flag_patches_only_its_seams():
     ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=False, enable_optimizer_pool=False,
                                         enable_arena_pinning=False, enable_fused_overflow_check=False,
                                         enable_malloc_policy=True, enable_grad_buffer_release=False,
-                                        fix_unaligned_gradient_io=False,
+                                        fix_unaligned_gradient_io=False, fix_exact_resume=False,
                                         enable_host_block_cache=False))
     during = _snapshot()
     assert {k for k in before if during[k] is not before[k]} == {"stage3.__init__", "stage3._post_step",
@@ -110,14 +111,15 @@ def test_each_flag_patches_only_its_seams():
     ma_ds.apply(ma_ds.MemAscendSettings.baseline())
     during = _snapshot()
     assert {k for k in before if during[k] is not before[k]} == {
-        "PartitionedOptimizerSwapper._swap_in_pinned_gradients", "OptimizerSwapper._writeback_gradients"}
+        "PartitionedOptimizerSwapper._swap_in_pinned_gradients", "OptimizerSwapper._writeback_gradients",
+        "engine._load_checkpoint"}
     ma_ds.revert()
     assert _snapshot() == before
     ma_ds.revert()
     ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=False, enable_optimizer_pool=False,
                                         enable_arena_pinning=False, enable_fused_overflow_check=False,
                                         enable_malloc_policy=False, enable_grad_buffer_release=False,
-                                        fix_unaligned_gradient_io=False, enable_host_block_cache=True))
+                                        fix_unaligned_gradient_io=False, fix_exact_resume=False, enable_host_block_cache=True))
     during = _snapshot()
     assert {k for k in before if during[k] is not before[k]} == {"engine.forward"}  # installs the cache
     ma_ds.revert()

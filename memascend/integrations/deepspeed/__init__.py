@@ -49,6 +49,9 @@ What each flag patches (DeepSpeed 0.19.8 names):
 * ``fix_unaligned_gradient_io`` (a correctness fix, on for both engines):
   ``PartitionedOptimizerSwapper._swap_in_pinned_gradients`` and
   ``OptimizerSwapper._writeback_gradients`` (:mod:`.aligned_io`).
+* ``fix_exact_resume`` (a correctness fix, on for both engines): ``DeepSpeedEngine._load_checkpoint``
+  followed by restoring the ZeRO-3 optimizer state stock skips with the optimizer on NVMe and
+  replaying ``DeepSpeedCPUAdam``'s C++ step counter (:mod:`.exact_resume`).
 * ``optimizer_sub_group_numel`` / ``param_dram_numel`` live in DeepSpeed's own config:
   :func:`prepare_ds_config` (model-dependent ``"auto"``) or :func:`rewrite_ds_config` write them.
 """
@@ -238,6 +241,13 @@ def _patch_all(settings: MemAscendSettings) -> None:
 
         _registry.patch(PartitionedOptimizerSwapper, "_swap_in_pinned_gradients", make_swap_in_pinned_gradients())
         _registry.patch(OptimizerSwapper, "_writeback_gradients", make_writeback_gradients())
+
+    if settings.fix_exact_resume:
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        from memascend.integrations.deepspeed.exact_resume import make_load_checkpoint
+
+        _registry.patch(DeepSpeedEngine, "_load_checkpoint", make_load_checkpoint(DeepSpeedEngine._load_checkpoint))
 
     if settings.enable_fused_overflow_check:
         from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3

@@ -116,6 +116,13 @@ class MemAscendSettings:
             buffer where the fragment's host address is not O_DIRECT-aligned; stock DeepSpeed
             0.19.8 loses those transfers silently (:mod:`.aligned_io`). Off reproduces stock
             exactly, including its results on two ranks.
+        fix_exact_resume: a correctness fix, on for both engines: ``load_checkpoint`` of a ZeRO-3
+            checkpoint restores the optimizer exactly (:mod:`.exact_resume`): with the optimizer on
+            NVMe stock 0.19.8 never reads the ZeRO optimizer state file (Adam restarts at step 1
+            with zero moments), and ``DeepSpeedCPUAdam``'s C++ ``beta^t`` after a resume is a
+            ``pow`` where the uninterrupted run has a float32 running product. With it, the losses
+            of a saved-and-resumed run equal the uninterrupted run's bit for bit. Off reproduces
+            stock.
     """
 
     enable_param_pool: bool = True
@@ -133,6 +140,7 @@ class MemAscendSettings:
     enable_torch_thp: bool = True
     enable_host_block_cache: bool = True
     fix_unaligned_gradient_io: bool = True
+    fix_exact_resume: bool = True
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
