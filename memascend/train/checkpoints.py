@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from memascend.errors import IntegrityError, UserError
+from memascend.errors import DeviceError, IntegrityError, UserError
 
 #: The completion marker and manifest of a checkpoint tag folder.
 MANIFEST_NAME = "memascend_checkpoint.json"
@@ -544,7 +544,9 @@ def save_checkpoint(
 
     Raises:
         UserError: ``<root>/global_step<N>`` exists and is not a memascend checkpoint.
-        OSError: the filesystem failed (disk full, I/O error): the target is left as it was.
+        DeviceError: writing failed (disk full, I/O error; an ``OSError``, or torch.save's
+            ``RuntimeError`` of a failed write): the staging folder is removed, earlier checkpoints
+            and ``latest`` are left as they were.
     """
     base = Path(root)
     step = int(engine.global_steps)
@@ -574,10 +576,19 @@ def save_checkpoint(
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
             shutil.rmtree(staging, ignore_errors=True)
-    except BaseException:
+    except BaseException as exc:
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
-        raise
+        io_failure = isinstance(exc, OSError) or (isinstance(exc, RuntimeError) and "writ" in str(exc).lower())
+        if not io_failure:
+            raise
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
+        found = complete_checkpoints(base)
+        kept = f"the last complete checkpoint, {found[-1].path}, is intact" if found else "no earlier checkpoint there"
+        raise DeviceError(
+            f"saving checkpoint {final} failed: {reason}; nothing of it was kept ({kept}): free space on "
+            f"{base} or choose another folder"
+        ) from None
     _barrier()
     manifest = read_manifest(final) if rank == 0 else {"step": step}
     return Checkpoint(base, tag, manifest)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from memascend.train import checkpoints as ckpt
 from tests.conftest import run_cli
 
 TINY = ["--from-scratch", "llama-tiny", "--seq-len", "32", "--micro-batch", "2", "--eval-blocks", "2",
@@ -119,6 +120,11 @@ def test_resume_of_checkpoint_without_nvme_optimizer_state_is_refused(runs, tmp_
     ck = tmp_path / "ck"
     shutil.copytree(Path(runs["_tmp"]["path"]) / "ck_folder", ck)
     shutil.rmtree(ck / "global_step2" / "offloaded_tensors")  # as saved with the optimizer in DRAM
+    # ... by a memascend save, whose manifest then lists no such files (deleting files a manifest
+    # lists is a damaged checkpoint: tests/faults/test_checkpoint_faults.py)
+    manifest = ckpt.read_manifest(ck / "global_step2")
+    ckpt.write_manifest(ck / "global_step2", {k: v for k, v in manifest.items()
+                                              if k not in ("files", "format", "complete", "created_unix")})
     proc = run_cli(["finetune", *TINY, "--steps", "4", "--output", str(tmp_path / "o"),
                     "--nvme-path", str(tmp_path / nvme), "--resume", str(ck)], tmp_path, timeout_s=600)
     _refused(proc, "holds no NVMe optimizer state for rank 0")

@@ -61,14 +61,16 @@ def runs(tmp_path_factory) -> dict:
     proc = subprocess.Popen(
         [sys.executable, "-m", "memascend", "finetune", *TINY, "--steps", str(STEPS), "--checkpoint-every", "2",
          "--keep-checkpoints", "2", "--output", str(out), "--nvme-path", str(tmp / "swap")],
-        cwd=tmp, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        cwd=tmp, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     first = ckpt.periodic_root(out) / "global_step2"
     deadline = time.monotonic() + 400
     while not first.is_dir() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert first.is_dir(), (proc.poll(), proc.stderr.read()[-3000:] if proc.poll() is not None else "")
-    proc.send_signal(signal.SIGKILL)  # mid-step 3 (or later): a power cut, an OOM kill
+    # mid-step 3 (or later): a power cut. The whole process group, so the training process dies
+    # too whether or not a supervising parent runs it.
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     proc.stderr.close()
     store = _finetune(tmp, "store2", "--steps", "2", "--save-checkpoint", str(tmp / "ck_store"), nvme="r.store")
@@ -207,7 +209,8 @@ def tmpfs(tmp_path):
     def make(name: str, *opts: str) -> Path:
         mnt = tmp_path / name
         mnt.mkdir()
-        res = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(("size=4m", *opts)), "tmpfs", str(mnt)],
+        opts = opts if any(o.startswith("size=") for o in opts) else ("size=4m", *opts)
+        res = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(opts), "tmpfs", str(mnt)],
                              capture_output=True, text=True)
         if res.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs: {res.stderr.strip()}")
@@ -231,3 +234,38 @@ def test_read_only_or_too_small_checkpoint_folder_refused_before_training(tmp_pa
     assert list(small.iterdir()) == [] and not (tmp_path / "o").exists()
     assert not (tmp_path / "swap").exists() or not any((tmp_path / "swap").glob("memascend-*"))
     assert time.monotonic() - t0 < 120  # refused up front, not after training
+
+
+def test_disk_full_during_periodic_save_keeps_last_checkpoint(tmp_path, tmpfs):
+    """The up-front space check passed, then something else filled the disk: the failing save is
+    one line (exit 3), leaves no staging folder, and the previous checkpoint stays complete and named
+    by ``latest``."""
+    out = tmp_path / "o"
+    out.mkdir()
+    mnt = tmpfs("ckfs", "size=300m")
+    root = ckpt.periodic_root(out)
+    root.mkdir()
+    subprocess.run(["mount", "--bind", str(mnt), str(root)], check=True)
+    try:
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "THP_MEM_ALLOC_ENABLE")}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "memascend", "finetune", *TINY, "--steps", "6", "--checkpoint-every", "2",
+             "--keep-checkpoints", "1", "--output", str(out), "--nvme-path", str(tmp_path / "swap")],
+            cwd=tmp_path, env={**env, "PYTHONWARNINGS": "ignore"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.monotonic() + 400
+        while not (root / "global_step2").is_dir() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert (root / "global_step2").is_dir(), proc.stderr.read()[-3000:] if proc.poll() is not None else ""
+        with open(mnt / "filler", "wb") as f:  # another program takes all but 1 MiB
+            os.posix_fallocate(f.fileno(), 0, shutil.disk_usage(mnt).free - (1 << 20))
+        _, stderr = proc.communicate(timeout=400)
+        _one_line(subprocess.CompletedProcess(proc.args, proc.returncode, "", stderr), 3,
+                  "saving checkpoint", "No space left on device", "global_step2, is intact")
+        assert sorted(p.name for p in root.iterdir()) == ["filler", "global_step2", "latest"]
+        assert (root / "latest").read_text() == "global_step2"
+        ckpt.verify_checkpoint(ckpt.resolve_resume("auto", out))
+    finally:
+        subprocess.run(["umount", str(root)], check=False)

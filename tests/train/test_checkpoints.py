@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from memascend.errors import IntegrityError, TrainingError, UserError
+from memascend.errors import DeviceError, IntegrityError, TrainingError, UserError
 from memascend.train import checkpoints as ckpt
 
 INFO = {"dtype": "bf16", "world_size": 1, "param_shapes": {"emb.weight": [10, 4], "head.weight": [4, 10]}}
@@ -71,9 +71,13 @@ def test_fake_engine_told_save_latest_false(tmp_path):
 
 def test_failed_save_leaves_previous_checkpoint_and_latest(tmp_path):
     root = tmp_path / "ck"
+    with pytest.raises(DeviceError, match=r"global_step1 failed: No space left on device; .*no earlier checkpoint"):
+        _save(root, 1, fail_after=0)
     _save(root, 2)
-    with pytest.raises(OSError):
+    with pytest.raises(DeviceError, match=r"global_step4 failed: No space left on device; nothing of it was kept "
+                       r"\(the last complete checkpoint, .*global_step2, is intact\)") as info:
         _save(root, 4, fail_after=1)
+    assert info.value.exit_code == 3
     assert (root / "latest").read_text() == "global_step2"
     assert sorted(p.name for p in root.iterdir()) == ["global_step2", "latest"]
     assert ckpt.resolve_resume(str(root), tmp_path).step == 2
