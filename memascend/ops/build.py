@@ -95,6 +95,11 @@ def build_env_key(
     return f"py{py}-torch{short_torch}-ds{inputs[4]}-{digest}"
 
 
+@functools.cache
+def _this_env_key() -> str:
+    return build_env_key()
+
+
 def _cache_root() -> Path:
     return Path.home() / ".cache" / "memascend"
 
@@ -103,7 +108,7 @@ def ext_cache_dir(*, create: bool = True) -> Path:
     """Folder holding memascend's JIT-built extensions: ``$MEMASCEND_EXT_DIR`` or
     ``~/.cache/memascend/ext/<build_env_key()>`` (created on demand with ``create``)."""
     env = os.environ.get("MEMASCEND_EXT_DIR")
-    root = Path(env) if env else _cache_root() / "ext" / build_env_key()
+    root = Path(env) if env else _cache_root() / "ext" / _this_env_key()
     if create:
         root.mkdir(parents=True, exist_ok=True)
     return root
@@ -113,7 +118,7 @@ def torch_extensions_dir() -> Path:
     """Where torch's JIT builds (DeepSpeed's ops) go: ``$TORCH_EXTENSIONS_DIR`` when set, else
     ``~/.cache/memascend/torch_extensions/<build_env_key()>`` (what :func:`configure_builds` sets)."""
     env = os.environ.get("TORCH_EXTENSIONS_DIR")
-    return Path(env) if env else _cache_root() / "torch_extensions" / build_env_key()
+    return Path(env) if env else _cache_root() / "torch_extensions" / _this_env_key()
 
 
 def configure_builds() -> Path:
