@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 import click
@@ -51,6 +52,9 @@ class _Group(click.Group):
         except click.exceptions.Abort:
             click.echo("memascend: interrupted", err=True)
             sys.exit(130)
+        except BrokenPipeError:  # output piped into `head` and the like, as click's standalone mode
+            sys.stderr = sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - the interpreter closes it at exit
+            sys.exit(1)
         # Without standalone mode click returns the code of an explicit exit (--help, --version)
         # or the command's return value (None).
         sys.exit(rv if isinstance(rv, int) else 0)
