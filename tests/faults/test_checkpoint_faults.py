@@ -269,3 +269,20 @@ def test_disk_full_during_periodic_save_keeps_last_checkpoint(tmp_path, tmpfs):
         ckpt.verify_checkpoint(ckpt.resolve_resume("auto", out))
     finally:
         subprocess.run(["umount", str(root)], check=False)
+
+
+@pytest.mark.distributed
+def test_two_ranks_periodic_checkpoint_resume_auto(tmp_path):
+    """Two ranks: one checkpoint holds both ranks' files in its manifest; --resume auto continues
+    with both; one rank is refused. (Two-rank loss equality after resume: the exact-resume tests.)"""
+    _finetune(tmp_path, "o", "--steps", "2", "--checkpoint-every", "2", "--nproc", "2")
+    found = ckpt.resolve_resume("auto", tmp_path / "o")
+    assert found.step == 2 and found.manifest["world_size"] == 2
+    files = found.manifest["files"]
+    assert any("rank00" in f for f in files) and any("rank01" in f for f in files)
+    resumed = _finetune(tmp_path, "o", "--steps", "3", "--checkpoint-every", "2", "--resume", "auto", "--nproc", "2")
+    assert resumed["checkpoint"]["start_step"] == 2 and sorted(_losses(resumed)) == [3]
+    assert resumed["checkpoint"]["periodic_saved"] == []  # step 3 is not a multiple of 2
+    proc = run_cli(["finetune", *TINY, "--steps", "3", "--output", str(tmp_path / "o"), "--nvme-path",
+                    str(tmp_path / "swap"), "--resume", "auto"], tmp_path, timeout_s=600)
+    _one_line(proc, 2, "saved by 2 rank(s); this run has 1: resume with --nproc 2")
