@@ -23,6 +23,7 @@ from memascend.errors import UserError
 from memascend.io.runlock import TargetBusyError
 from memascend.telemetry import MemorySampler, read_proc_io
 from memascend.train import checkpoints as ckpt
+from memascend.train import determinism
 from memascend.train import dist as dist_setup
 from memascend.train import report as report_mod
 from memascend.train.ds_config import derived_as_dicts, load_user_ds_config, model_shape, render_ds_config
@@ -350,13 +351,14 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
     else:
         steps = int(cfg.train.steps)
     start_step = 0
+    client_state = None
     if resume_ck is not None:
         sampler.phase("resume")
         if raw_store is None:  # a raw-store checkpoint keeps its optimizer state outside stock's folder
             from memascend.integrations.deepspeed.raw_store import prepare_folder_resume
 
             prepare_folder_resume(engine, resume_ck.load_dir, resume_ck.tag)
-        load_path, _client = engine.load_checkpoint(str(resume_ck.load_dir), tag=resume_ck.tag)
+        load_path, client_state = engine.load_checkpoint(str(resume_ck.load_dir), tag=resume_ck.tag)
         if load_path is None:
             raise UserError(f"--resume {resume_dir}: DeepSpeed found no checkpoint to load")
         start_step = int(engine.global_steps)
@@ -371,9 +373,19 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
         "param_shapes": layout,
     }
 
+    ck_saves: list[dict] = []
+
     def save_ck(root: Path):
         """Atomic checkpoint of this step into ``root`` (every rank calls it)."""
-        return ckpt.save_checkpoint(engine, root, run_id=run_id, info=ck_info, rank=info.rank)
+        t_save = time.monotonic()
+        saved = _save_ck(root)
+        ck_saves.append({"path": str(saved.path), "save_s": time.monotonic() - t_save,
+                         "manifest_s": saved.manifest_s, "bytes": saved.total_bytes})
+        return saved
+
+    def _save_ck(root: Path):
+        return ckpt.save_checkpoint(engine, root, run_id=run_id, info=ck_info, rank=info.rank,
+                                    client_state=determinism.checkpoint_client_state(info.world_size))
 
     periodic = ckpt.PeriodicCheckpointer(
         ckpt.periodic_root(out_dir),
@@ -386,6 +398,9 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
 
     # ---- train ----------------------------------------------------------------------------------
     block_sampler = BlockSampler(len(split.train), micro_batch, info.world_size, info.rank, cfg.train.seed)
+    # Every RNG the steps draw from (dropout): seeded with seed + rank, or a checkpoint's states.
+    seeding = determinism.seed_training(cfg.train.seed, info.rank, info.world_size)
+    seeding["rng_from_checkpoint"] = determinism.restore_from_client_state(client_state, info.rank, info.world_size)
     io0 = read_proc_io()
     store_io0 = raw_store.store.io_counters() if raw_store is not None else None
     per_step = []
@@ -527,6 +542,7 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
     # The user's --deepspeed-config as read (its path may be gone when the report is read again, e.g.
     # by the planner's check against recorded runs).
     rep["user_deepspeed_config"] = user_ds
+    rep["seeding"] = seeding
     rep["nvme"]["backend"] = "raw_store" if raw_store is not None else ("folder" if swap_dir is not None else None)
     if raw_store is not None:
         rep["nvme"]["store"] = raw_store.report()
@@ -534,6 +550,9 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
     rep["checkpoint"] = {
         "resumed_from": str(resume_ck.path) if resume_ck is not None else None,
         "periodic_saved": periodic.saved,
+        # every save of this run: wall seconds (DeepSpeed's save + hashing/fsync + rename), of which
+        # manifest_s hashing and fsyncing the files (rank 0), and the checkpoint's bytes
+        "saves": ck_saves,
         "start_step": start_step,
         "saved_to": save_checkpoint_dir,
         "saved_tag": checkpoint_tag,
