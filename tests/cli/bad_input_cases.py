@@ -198,6 +198,9 @@ def exit_code_table() -> str:
         doc = " ".join((cls.__doc__ or "").split("\n\n")[0].split())
         rows.append((str(cls.exit_code), f"`{cls.__name__}`", doc))
     rows.append(("130", "-", "interrupted (Ctrl-C, SIGTERM); swap files and stores are removed"))
+    rows.append(("128 + N", "-", "the training process was killed by signal N (137: SIGKILL, e.g. the OOM killer; 134: "
+                 "SIGABRT); `memascend finetune` (memascend/train/supervisor.py) removed its swap files and marked "
+                 "report.json `killed`; a full --nvme-path filesystem is exit 3 instead"))
     lines = ["| exit code | error class | meaning |", "|---|---|---|"]
     lines += [f"| {code} | {name} | {_md(doc)} |" for code, name, doc in rows]
     return "\n".join(lines)
