@@ -208,6 +208,13 @@ class Checkpoint:
     load_dir: Path
     tag: str
     manifest: dict = field(repr=False)
+    manifest_s: float = 0.0
+    """Seconds rank 0 spent hashing and fsyncing the files when this run saved it."""
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the files the manifest lists (0 on ranks other than 0 after a save)."""
+        return sum(int(e["bytes"]) for e in self.manifest.get("files", {}).values())
 
     @property
     def path(self) -> Path:
@@ -561,11 +568,14 @@ def save_checkpoint(
         if staging.exists():
             shutil.rmtree(staging)
     _barrier()
+    manifest_s = 0.0
     try:
         engine.save_checkpoint(str(staging), tag=tag, client_state=client_state or {}, save_latest=False)
         _barrier()
         if rank == 0:
+            t_manifest = time.monotonic()
             write_manifest(staging / tag, {**info, "step": step, "tag": tag})
+            manifest_s = time.monotonic() - t_manifest
             old = None
             if final.exists():
                 old = base / f"{PARTIAL_PREFIX}{tag}-old-{run_id}"
@@ -591,7 +601,7 @@ def save_checkpoint(
         ) from None
     _barrier()
     manifest = read_manifest(final) if rank == 0 else {"step": step}
-    return Checkpoint(base, tag, manifest)
+    return Checkpoint(base, tag, manifest, manifest_s)
 
 
 def prune(root: str | os.PathLike, keep: int) -> list[Path]:
