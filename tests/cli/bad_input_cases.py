@@ -163,6 +163,28 @@ CASES: tuple[Case, ...] = (
     Case("nvme-path-unwritable", "--nvme-path that cannot be created", "finetune",
          ("--from-scratch", "llama-tiny", "--data", "{tmp}/small.txt", "--nvme-path", "/proc/memascend-swap"),
          "cannot create --nvme-path /proc/memascend-swap", files={"small.txt": b"a few words of text\n" * 400}),
+    # checkpoints (memascend/train/checkpoints.py; runs in tests/faults/test_checkpoint_faults.py)
+    Case("checkpoint-every-zero", "--checkpoint-every 0", "finetune", ("--checkpoint-every", "0"),
+         "--checkpoint-every must be >= 1 step, got 0"),
+    Case("checkpoint-minutes-nan", "--checkpoint-every-minutes NaN", "finetune", ("--checkpoint-every-minutes", "nan"),
+         "--checkpoint-every-minutes ([train] checkpoint_every_minutes) must be a finite number, got nan"),
+    Case("keep-checkpoints-zero", "--keep-checkpoints 0", "finetune", ("--keep-checkpoints", "0"),
+         "--keep-checkpoints must be >= 1, got 0"),
+    Case("save-checkpoint-unwritable", "--save-checkpoint where nothing can be written", "finetune",
+         ("--from-scratch", "llama-tiny", "--data", "{tmp}/small.txt", "--save-checkpoint", "/proc/memascend-ck"),
+         "--save-checkpoint /proc/memascend-ck is not writable", files={"small.txt": b"a few words of text\n" * 400}),
+    Case("resume-incomplete", "--resume of a checkpoint whose save never finished (no manifest)", "finetune",
+         ("--from-scratch", "llama-tiny", "--data", "{tmp}/small.txt", "--resume", "{tmp}/ck"),
+         "global_step2 is incomplete: no memascend_checkpoint.json",
+         files={"small.txt": b"a few words of text\n" * 400, "ck/latest": b"global_step2",
+                "ck/global_step2/mp_rank_00_model_states.pt": b"half"}),
+    Case("resume-other-model", "--resume of a checkpoint of another model", "finetune",
+         ("--from-scratch", "llama-tiny", "--data", "{tmp}/small.txt", "--resume", "{tmp}/ck"),
+         "was saved for a different model: parameter model.embed_tokens.weight [49152, 64] is not in the checkpoint",
+         files={"small.txt": b"a few words of text\n" * 400, "ck/latest": b"global_step2",
+                "ck/global_step2/memascend_checkpoint.json": json.dumps({
+                    "format": 1, "complete": True, "step": 2, "dtype": "bf16", "world_size": 1,
+                    "param_shapes": {"encoder.weight": [8, 8]}, "files": {}}).encode()}),
 )
 
 
