@@ -5,6 +5,11 @@ from __future__ import annotations
 KIB = 1 << 10
 MIB = 1 << 20
 GIB = 1 << 30
+TIB = 1 << 40
+
+FP32_BYTES = 4
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+"""Bytes per element of each training dtype (``--dtype``)."""
 
 
 def format_bytes(n_bytes: int | float) -> str:

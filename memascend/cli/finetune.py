@@ -58,7 +58,7 @@ def _torchrun_cmd(nproc: int) -> list[str]:
 @click.option("--steps", type=int, default=None, help="Optimizer steps [default: 10]")
 @click.option("--epochs", type=float, default=None, help="Passes over the training data (overrides --steps)")
 @click.option("--lr", type=float, default=None, help="AdamW learning rate [default: 1e-4]")
-@click.option("--seed", type=int, default=None, help="Seed for data split, order and from-scratch init [default: 1234]")
+@click.option("--seed", type=int, default=None, help="Seed for the data split and order, from-scratch init and every RNG the steps draw from (dropout: torch, Python, numpy, seed + rank per rank); checkpoints carry the RNG states [default: 1234]")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None, help="Training precision [default: bf16]")
 @click.option("--offload-param", type=click.Choice(["nvme", "cpu", "none"]), default=None, help="Where parameter partitions live [default: nvme]")
 @click.option("--offload-optimizer", type=click.Choice(["nvme", "cpu", "none"]), default=None, help="Where optimizer state lives [default: nvme]")

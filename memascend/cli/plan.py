@@ -30,9 +30,10 @@ def plan(nproc: int, as_json: bool, cap_gib: float | None, **kw) -> None:
     (the model is laid out on the meta device). Takes the same model/data/offload flags as
     `memascend finetune`. Sizes are GiB; memory is the sum over the host's ranks.
     """
-    from memascend.bench.plan import GIB, largest_preset_under_cap, plan_run
     from memascend.config import build_run_config, load_toml
     from memascend.errors import UserError
+    from memascend.plan import largest_preset_under_cap, plan_run
+    from memascend.units import GIB
 
     if nproc < 1:
         raise UserError(f"--nproc must be at least 1, got {nproc}")

@@ -47,116 +47,48 @@ and step temporaries, memascend's step temporaries) are calibrated on real runs'
 this project's CPU host (``baselines/cpu-2c-24g``), each from the phase it belongs to (between-step
 RSS, step-phase rise), not fitted to the peaks; the activation terms are counted and measured
 (:func:`activation_parts`). The accuracy target is 15 % of the measured peak;
-``python -m memascend.bench.plan`` prints the error on every recorded report.
+``python -m memascend.plan`` prints the error on every recorded report (:mod:`memascend.plan.recorded`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from memascend.config import RunConfig
-from memascend.integrations.deepspeed.plan import (
-    DS_DEFAULT_REDUCE_BUCKET_NUMEL,
-    DS_DEFAULT_SUB_GROUP_NUMEL,
-    MIN_SWAPPABLE_BYTES,
+from memascend.integrations.deepspeed.plan import DS_DEFAULT_REDUCE_BUCKET_NUMEL, DS_DEFAULT_SUB_GROUP_NUMEL
+from memascend.plan.calibration import (
+    AIO_ALIGN_BYTES,
+    CORPUS_BYTES_PER_TOKEN,
+    DS_MAX_LIVE_PARAMETERS,
+    DS_OPTIMIZER_BUFFER_COUNT,
+    FRAMEWORK_RSS_BYTES,
+    GLIBC_MMAP_THRESHOLD_MAX_BYTES,
+    HOST_BLOCK_CACHE_THRESHOLD_BYTES,
+    MEMASCEND_CORPUS_BYTES_PER_TOKEN,
+    MEMASCEND_FRAMEWORK_RSS_BYTES,
+    MEMASCEND_STEP_TEMP_BYTES_PER_SUB_GROUP_NUMEL,
+    MODEL_BUILD_BYTES_PER_PARAM,
+    OPTIMIZER_BUFFERS_IN_USE,
+    STAGING_BUFFERS_IN_USE,
+    STOCK_STEP_TEMP_BYTES_PER_PARAM,
+    TRANSIENT_PHASES,
+)
+from memascend.plan.shapes import (
+    ModelDims,
+    activation_parts,
+    corpus_tokens,
+    live_window_partitions,
+    model_dims,
 )
 from memascend.train.ds_config import (
     DS_DEFAULT_MAX_IN_CPU_NUMEL,
     DS_DEFAULT_PARAM_BUFFER_COUNT,
     DS_DEFAULT_PARAM_BUFFER_SIZE_NUMEL,
 )
-
-GIB = float(1 << 30)
-_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-_FP32 = 4
-AIO_ALIGN_BYTES = 1024
-"""``AIO_ALIGNED_BYTES`` of ``runtime/swap_tensor/utils.py``: swap buffers are whole multiples of it."""
-
-# --- DeepSpeed 0.19.8 defaults (runtime/zero/offload_config.py; the others: memascend.train.ds_config) --
-DS_OPTIMIZER_BUFFER_COUNT = 4
-
-# --- calibrated on this project's CPU host (report.json of real runs; see module docstring) -------
-FRAMEWORK_RSS_BYTES = int(0.42 * GIB)
-"""RSS of a rank that is not any of the components below: interpreter, torch/DeepSpeed/transformers
-code and their allocator caches, loaded ops, tokenizer, gloo, NVMe aio handles (bytes per rank).
-
-Calibrated where nothing else is unknown: memascend's between-step RSS (report.json
-``steps[].rss_bytes``; its malloc policy trims after every step) minus its modelled buffers is
-0.552 GiB (median, 0.549-0.559) in the 10 Shakespeare one- and two-rank reports of SmolLM2 and
-llama-0.1b/0.3b/0.5b in ``baselines/cpu-2c-24g`` and 0.714 GiB in the 3 chitchat ones; that is
-0.42 GiB plus :data:`MEMASCEND_CORPUS_BYTES_PER_TOKEN` x corpus tokens. Stock runs the same code,
-so the constant is shared; what stock leaves in its heap on top is modelled separately."""
-MEMASCEND_FRAMEWORK_RSS_BYTES = FRAMEWORK_RSS_BYTES
-"""The same under memascend's malloc policy: equal to stock's (see :data:`FRAMEWORK_RSS_BYTES`)."""
-CORPUS_BYTES_PER_TOKEN = 130
-"""Per rank, resident bytes per corpus token after reading and tokenizing (documents, Python token
-lists, blocks): measured as the load-phase RSS of chitchat (3.80M tokens) over Shakespeare (1.70M).
-Stock never hands the freed token lists back, so this stays for the whole run."""
-MEMASCEND_CORPUS_BYTES_PER_TOKEN = 82
-"""The same once memascend's malloc policy has trimmed the freed token lists: between-step RSS of
-the chitchat reports over the Shakespeare ones, (0.714 - 0.552) GiB / 2.10M tokens."""
-BUILTIN_CORPUS_TOKENS = {"shakespeare": 1_702_472, "chitchat": 3_802_092}
-"""Tokens of the built-in corpora with the SmolLM2 tokenizer (report.json ``data.tokens``)."""
-MODEL_BUILD_BYTES_PER_PARAM = 4.0
-"""Per rank, building the model (every rank materialises whole fp32 tensors, pretrained weights read
-from the checkpoint or random init, before ``zero.Init`` partitions 16-bit copies) leaves about one
-fp32 copy of the model in stock's glibc heap: 4 bytes per parameter whose fp32 tensor is below
-:data:`GLIBC_MMAP_THRESHOLD_MAX_BYTES` (larger ones are mmapped and unmapped when freed). For the
-models of the calibration (up to llama-0.5b) that is 75-100 % of the parameters; for llama-1b, whose
-MLP weights are 46 MB each in fp32, 21 % (planned 12.7 GiB for stock with ``sub_group_size`` 1e8
-against 11.5 measured, instead of 15.6 when every parameter counted).
-
-Calibrated: stock's between-step RSS (median of ``steps[].rss_bytes``) minus every other resident
-component (incl. the activations it keeps in the heap, :data:`GLIBC_MMAP_THRESHOLD_MAX_BYTES`), per
-parameter, over the 13 stock reports in ``baselines/cpu-2c-24g``: median 4.15 (from -1.4 to 9.7:
-glibc's heap state varies from run to run and is the main uncertainty of stock plans). memascend's
-malloc policy returns all of it: its between-step RSS leaves nothing per parameter (see
-:data:`FRAMEWORK_RSS_BYTES`), so memascend has no such component."""
-GLIBC_MMAP_THRESHOLD_MAX_BYTES = 32 << 20
-"""glibc's ``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit: stock runs with the dynamic mmap threshold, which
-rises with every freed mmapped block up to this size. A tensor below it comes from the heap and its
-pages stay resident after it is freed (stock never trims), so stock's forward/backward tensors under
-it are resident from the first step on; larger ones are mmapped and unmapped on free (transient)."""
-HOST_BLOCK_CACHE_THRESHOLD_BYTES = 1 << 20
-"""Smallest host tensor memascend's host block cache serves (``memascend.memory.host_cache.DEFAULT_THRESHOLD_BYTES``,
-restated so that planning never loads the cache's C++ op; a test keeps the two equal). With the cache
-in force and the malloc policy off, only model-build tensors below it stay in glibc's heap."""
-STOCK_STEP_TEMP_BYTES_PER_PARAM = 4
-"""Stock's overflow check (``_has_inf_or_nan``: ``x.float()`` of the 16-bit gradient partition) in
-bytes per partition element. With the fp32 gradient (4 bytes per sub-group element) it makes the
-measured step-phase rise of stock bf16 runs over their between-step RSS, 7.9-8.5 bytes per
-partition element (llama-0.1b/0.3b/0.5b, SmolLM2 4 x 256; sub-group = partition there)."""
-MEMASCEND_STEP_TEMP_BYTES_PER_SUB_GROUP_NUMEL = 5
-"""memascend's step-phase RSS above its between-step level beyond the four swap buffers and the fp32
-gradient, per element of the (auto-sized) sub-group: calibrated, 5.0-5.25 in the one-rank bf16
-memascend reports (llama-0.1b, SmolLM2, llama-0.3b, llama-0.5b; 7.7-8.2 on two ranks, 4.0 in fp32).
-Unlocked memory the step touches per sub-group that the source does not name one buffer for."""
-OPTIMIZER_BUFFERS_IN_USE = 4
-"""Optimizer swap buffers Adam holds at once under memascend's on-demand manager (param, 2 moments, grad)."""
-STAGING_BUFFERS_IN_USE = 2
-"""Swap buffers memascend's on-demand manager hands out to stream data through outside the step
-(``allocate_all``: at least two): the initial fp32 write-out at construction and the gradient
-swap-out during backward. Measured (``phase_peak_locked_bytes``): VmLck in the backward phase is
-the param pool plus exactly two sub-group buffers in the memascend reports of SmolLM2 and
-llama-0.1b to 1b, in the initialize phase at most that."""
-
-# --- stage 3 defaults that decide how many gathered parameters stay alive ---------------------------
-DS_MAX_LIVE_PARAMETERS = 1_000_000_000
-"""``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` (0.19.8 zero/config.py): once the
-trace is complete, a gathered parameter is released only if it is not used again within this many
-elements, so every parameter gathered in the forward stays gathered until its backward use."""
-
-# --- activation model (HF Llama, SDPA, measured with torch.profiler; see activation_parts) ----------
-LOGITS_FP32_TENSORS = 3
-"""fp32 ``b*s*vocab`` tensors alive at the start of backward: the log-softmax output autograd keeps
-for ``cross_entropy``, the NLL gradient and the log-softmax gradient (HF's loss upcasts the logits
-to fp32). Measured: 12.0 bytes per vocabulary entry per token, bf16 and fp32 alike."""
-
-
-TRANSIENT_PHASES = ("initialize", "backward", "step")
+from memascend.units import DTYPE_BYTES as _DTYPE_BYTES
+from memascend.units import FP32_BYTES as _FP32
 
 
 @dataclass(frozen=True)
@@ -219,180 +151,9 @@ class EnginePlan:
                 "components": [vars(c) for c in self.components]}
 
 
-@dataclass(frozen=True)
-class ModelDims:
-    """What the planner needs to know about the model.
-
-    Attributes:
-        total_numel: parameters (tied weights once).
-        param_numels: every parameter's element count, in registration order.
-        module_param_counts: per module, its direct trainable parameters.
-        hidden_size / num_layers / num_heads / vocab_size: architecture (activation estimate).
-        intermediate_size: MLP width (``None``: ``4 * hidden_size``).
-        kv_size: width of the key (and of the value) projection, ``num_key_value_heads * head_dim``
-            (``None``: ``hidden_size``, no grouped-query attention).
-    """
-
-    total_numel: int
-    param_numels: tuple[int, ...]
-    module_param_counts: tuple[int, ...]
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    vocab_size: int
-    intermediate_size: int | None = None
-    kv_size: int | None = None
-    extra: dict = field(default_factory=dict)
-
-
-def model_dims(cfg: RunConfig) -> ModelDims:
-    """Model layout from a meta-device instance (no weights read, no memory).
-
-    Raises:
-        UserError: the model cannot be resolved (as ``memascend finetune``).
-    """
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from memascend.models.loading import llama_config, resolve_model
-    from memascend.train.ds_config import model_shape
-
-    if cfg.model.from_scratch:
-        hf_cfg = llama_config(cfg.model.from_scratch)
-    else:
-        hf_cfg = AutoConfig.from_pretrained(resolve_model(cfg.model).hf_dir)
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(hf_cfg)
-    shape = model_shape(meta)
-    h, heads = hf_cfg.hidden_size, hf_cfg.num_attention_heads
-    head_dim = getattr(hf_cfg, "head_dim", None) or h // heads
-    kv_heads = getattr(hf_cfg, "num_key_value_heads", None) or heads
-    return ModelDims(shape.total_numel, shape.param_numels, shape.module_param_counts, h,
-                     hf_cfg.num_hidden_layers, heads, hf_cfg.vocab_size,
-                     getattr(hf_cfg, "intermediate_size", None), kv_heads * head_dim)
-
-
-def live_window_partitions(dims: ModelDims, world_size: int, checkpointing: bool, reuse_numel: int,
-                           dram_numel: int, elem_bytes: int) -> list[int]:
-    """Partitions (elements per rank) held in the parameter pool at the turn from forward to backward.
-
-    On the parameters' second use ZeRO-3 releases a gathered parameter only if it is not used again
-    within ``stage3_max_reuse_distance`` elements of the trace (``__params_to_release``). At the
-    turn that keeps the vocabulary projection (used in its forward and its backward) and the last
-    ``k`` layers, where the trace between a layer's forward and its next use holds both uses of the
-    projection plus ``k - 1`` later layers two times (forward, backward) or three (with
-    activation checkpointing's recompute). A partition with a DRAM copy (among the first
-    ``dram_numel`` elements, ``offload_param.max_in_cpu``) or under the swappable size is not in
-    the pool. Measured on llama-1b (max_in_cpu 0, checkpointing, 1 x 256 tokens): the embedding and
-    6 layers, 742 MB (report ``memory_breakdown.locked.param_pool_classes``).
-
-    Returns:
-        The pool-resident partitions' element counts (per rank).
-    """
-    numels = list(dims.param_numels)
-    n_layers = max(1, dims.num_layers)
-    per_layer = (len(numels) - 2) // n_layers  # Llama: embedding, layers, final norm (lm_head tied)
-    if per_layer < 1 or 2 + per_layer * n_layers != len(numels):
-        return []
-    vocab = dims.vocab_size * dims.hidden_size
-    layer_numel = sum(numels[1:1 + per_layer])
-    uses = 3 if checkpointing else 2
-    kept = 0
-    while kept < n_layers and 2 * vocab + uses * kept * layer_numel < reuse_numel:
-        kept += 1
-    parts = [math.ceil(n / world_size) for n in numels]
-    offsets = [0, *itertools.accumulate(parts)]  # where each partition starts in the DRAM-copy order
-    window = [0] + list(range(1 + (n_layers - kept) * per_layer, 1 + n_layers * per_layer))
-    return [parts[i] for i in window if offsets[i] >= dram_numel and parts[i] * elem_bytes >= MIN_SWAPPABLE_BYTES]
-
-
 def _aligned(numel: int, elem_bytes: int) -> int:
     per = max(1, AIO_ALIGN_BYTES // elem_bytes)
     return -(-numel // per) * per
-
-
-@dataclass(frozen=True)
-class Activations:
-    """Forward/backward tensors of one micro-batch, per rank (bytes).
-
-    Attributes:
-        saved: what autograd keeps for backward in the transformer layers and the final norm, all
-            alive at the start of backward.
-        logits: the vocabulary projection's fp32 tensors (:data:`LOGITS_FP32_TENSORS`), alive at
-            the start of backward.
-        recompute: with activation checkpointing, one layer's full set, recomputed during backward
-            after the logits are freed (0 without checkpointing).
-        largest_saved_tensor / largest_logits_tensor: the largest single tensor of the layers and of
-            the logits (whether glibc serves it from the heap or mmap,
-            :data:`GLIBC_MMAP_THRESHOLD_MAX_BYTES`).
-    """
-
-    saved: int
-    logits: int
-    recompute: int
-    largest_saved_tensor: int
-    largest_logits_tensor: int
-
-    @property
-    def total(self) -> int:
-        """The backward peak: saved tensors plus the larger of the logits and a recomputed layer."""
-        return self.saved + max(self.logits, self.recompute)
-
-
-def activation_parts(dims: ModelDims, micro_batch: int, seq_len: int, dtype_bytes: int,
-                     checkpointing: bool) -> Activations:
-    """Activation memory of one micro-batch of a Hugging Face Llama-style model (bytes, per rank).
-
-    Counted per token (``T = micro_batch * seq_len``; ``e`` = ``dtype_bytes``; ``h`` hidden, ``kv``
-    key/value width, ``i`` MLP width, ``a`` heads, ``V`` vocabulary), as kept by autograd with
-    SDPA attention (torch's flash kernel on CPU: no ``s*s`` score matrix, memory linear in ``s``):
-
-    * per layer ``2*(2*e*h + 4*h) + e*(2*h + 2*kv + 4*i) + 4*a``: each of the two RMSNorms keeps
-      its fp32 input (the upcast copy in 16-bit) and its normalised and weighted outputs; q, k, v
-      and the attention output; the SwiGLU MLP's gate, up, ``silu(gate)`` and product; the flash
-      kernel's fp32 log-sum-exp per head;
-    * with activation checkpointing instead ``e*h`` per layer (the layer input), and one layer's
-      full set while it is recomputed during backward (after the logits are freed);
-    * the final norm, ``2*e*h + 4*h``;
-    * the logits: :data:`LOGITS_FP32_TENSORS` fp32 ``T x V`` tensors at the start of backward.
-
-    Measured with ``torch.profiler`` (``profile_memory``, peak of live CPU tensor bytes, weight
-    gradients dropped as stage 3 does) on transformers 5.23 / torch 2.13: the per-layer term to
-    within 8 bytes per token at SmolLM2's shape (h 576, kv 192, i 1536: bf16 24,617 and fp32 44,588
-    bytes measured) and at h 1024, kv 512, i 2816; checkpointed layers exactly ``e*h``; the
-    vocabulary term 12.0 bytes per entry per token in bf16 and fp32, linear in ``s`` from 1024 to
-    4096 tokens.
-    """
-    t, h, a = micro_batch * seq_len, dims.hidden_size, dims.num_heads
-    e = dtype_bytes
-    kv = dims.kv_size or h
-    i = dims.intermediate_size or 4 * h
-    norm = 2 * e * h + 4 * h
-    full_layer = 2 * norm + e * (2 * h + 2 * kv + 4 * i) + 4 * a
-    per_layer = e * h if checkpointing else full_layer
-    saved = t * (dims.num_layers * per_layer + norm)
-    recompute = t * full_layer if checkpointing else 0
-    logits_tensor = t * dims.vocab_size * _FP32
-    return Activations(saved, LOGITS_FP32_TENSORS * logits_tensor, recompute, t * max(e * i, 4 * h),
-                       logits_tensor)
-
-
-def activation_bytes(dims: ModelDims, micro_batch: int, seq_len: int, dtype_bytes: int,
-                     checkpointing: bool) -> int:
-    """Peak activation memory of one micro-batch's forward+backward (bytes, per rank): saved tensors
-    plus the fp32 logits at the start of backward (:func:`activation_parts`)."""
-    return activation_parts(dims, micro_batch, seq_len, dtype_bytes, checkpointing).total
-
-
-def corpus_tokens(source: str) -> int:
-    """Tokens of ``--data``: known for the built-in corpora, else file bytes / 4 (a typical BPE rate)."""
-    if source in BUILTIN_CORPUS_TOKENS:
-        return BUILTIN_CORPUS_TOKENS[source]
-    from pathlib import Path
-
-    path = Path(source)
-    files = [path] if path.is_file() else (list(path.rglob("*")) if path.is_dir() else [])
-    return sum(f.stat().st_size for f in files if f.is_file()) // 4
 
 
 def _sub_group_numel(ds_cfg: dict, partition_numel: int) -> int:
@@ -441,33 +202,8 @@ def _add_forward_backward(add, dims: ModelDims, cfg: RunConfig, e: int, w: int, 
         add("gathered parameters (full, every rank)", transient_params, False, source, "backward")
 
 
-def plan_engine(engine: str, cfg: RunConfig, dims: ModelDims, ds_cfg: dict, world_size: int,
-                settings=None) -> EnginePlan:
-    """Predict one engine's host memory for ``cfg`` (components summed over ``world_size`` ranks).
-
-    Args:
-        engine: ``baseline`` or ``memascend``.
-        ds_cfg: the DeepSpeed config that engine runs with (for memascend: after
-            ``memascend.integrations.deepspeed.prepare_ds_config``).
-        settings: memascend's resolved ``MemAscendSettings`` (``None`` for the baseline).
-    """
-    ma = engine == "memascend" and settings is not None
-    release_grads = ma and settings.enable_grad_buffer_release and cfg.train.dtype != "fp16"
-    e = _DTYPE_BYTES[cfg.train.dtype]
-    w = world_size
-    z = ds_cfg.get("zero_optimization", {})
-    op, oo = z.get("offload_param", {}), z.get("offload_optimizer", {})
-    part = math.ceil(dims.total_numel / w)
-    sub = _sub_group_numel(ds_cfg, part)
-    comps: list[Component] = []
-
-    def add(name: str, per_rank_bytes: float, locked: bool, source: str, phase: str = "resident") -> None:
-        if per_rank_bytes > 0:
-            comps.append(Component(name, int(per_rank_bytes * w), locked, source, phase))
-
-    # memascend's malloc policy (fixed 4 MiB mmap threshold, trims after every step and before each
-    # gradient bucket) hands freed memory back; stock's glibc heap keeps it (GLIBC_MMAP_THRESHOLD_MAX_BYTES).
-    trimmed = ma and settings.enable_malloc_policy
+def _add_host_baseline(add, cfg: RunConfig, dims: ModelDims, ma: bool, settings, trimmed: bool) -> None:
+    """Framework, corpus and (where freed memory stays in the heap) the model build of one rank."""
     add("framework baseline (interpreter, torch, DeepSpeed, ops, tokenizer)",
         MEMASCEND_FRAMEWORK_RSS_BYTES if trimmed else FRAMEWORK_RSS_BYTES, False, "calibrated constant")
     add("corpus and token blocks",
@@ -484,6 +220,12 @@ def plan_engine(engine: str, cfg: RunConfig, dims: ModelDims, ds_cfg: dict, worl
         add("model build (fp32 weights, loaded or initialised) left in the heap",
             heap_numel * MODEL_BUILD_BYTES_PER_PARAM, False,
             "from_pretrained / from_config under zero.Init (calibrated; tensors under the mmap threshold)")
+
+
+def _add_param_offload(add, cfg: RunConfig, dims: ModelDims, z: dict, e: int, w: int, part: int, sub: int,
+                       ma: bool, settings) -> None:
+    """The parameter side of ``offload_param``: swap slab or pool, the DRAM copy, the write-back buffer."""
+    op = z.get("offload_param", {})
     if op.get("device") == "nvme":
         max_in_cpu = int(op.get("max_in_cpu", DS_DEFAULT_MAX_IN_CPU_NUMEL))
         if not (ma and settings.enable_param_pool):
@@ -511,6 +253,11 @@ def plan_engine(engine: str, cfg: RunConfig, dims: ModelDims, ds_cfg: dict, worl
             add("param write-back buffer", _aligned(wb_numel, e) * e, True, "reserve_partitioned_swap_space")
     elif op.get("device") == "cpu":
         add("params in CPU memory", part * e, False, "offload_param device cpu")
+
+
+def _add_gradients(add, cfg: RunConfig, dims: ModelDims, z: dict, e: int, w: int, part: int,
+                   release_grads: bool) -> None:
+    """The reduce bucket and the gradient partition (released page-wise by memascend)."""
     # The reduce (IPG) bucket: allocated at ``reduce_bucket_size`` elements of the gradient dtype on
     # every rank, but gradients are copied into it whole and unpartitioned, so only the first
     # ``min(bucket, total_numel)`` elements' pages are ever written (report.json
@@ -535,6 +282,11 @@ def plan_engine(engine: str, cfg: RunConfig, dims: ModelDims, ds_cfg: dict, worl
             add("grad_partitions_flat_buffer", part * e, False, "stage3 gradient partition (released)", phase)
     else:
         add("grad_partitions_flat_buffer", part * e, False, "DeepSpeedZeroOptimizer_Stage3 gradient partition")
+
+
+def _add_optimizer(add, z: dict, part: int, sub: int, ma: bool, settings) -> None:
+    """The optimizer side of ``offload_optimizer`` and the step's temporaries."""
+    oo = z.get("offload_optimizer", {})
     if oo.get("device") == "nvme":
         count = int(oo.get("buffer_count", DS_OPTIMIZER_BUFFER_COUNT))
         # memascend unlocks and frees its buffers between steps (enable_optimizer_buffer_release):
@@ -563,6 +315,39 @@ def plan_engine(engine: str, cfg: RunConfig, dims: ModelDims, ds_cfg: dict, worl
         # fused check allocates nothing.
         add("overflow-check temporaries", part * STOCK_STEP_TEMP_BYTES_PER_PARAM, False,
             "DeepSpeedZeroOptimizer_Stage3.has_overflow / _has_inf_or_nan", "step")
+
+
+def plan_engine(engine: str, cfg: RunConfig, dims: ModelDims, ds_cfg: dict, world_size: int,
+                settings=None) -> EnginePlan:
+    """Predict one engine's host memory for ``cfg`` (components summed over ``world_size`` ranks).
+
+    Args:
+        engine: ``baseline`` or ``memascend``.
+        ds_cfg: the DeepSpeed config that engine runs with (for memascend: after
+            ``memascend.integrations.deepspeed.prepare_ds_config``).
+        settings: memascend's resolved ``MemAscendSettings`` (``None`` for the baseline).
+    """
+    ma = engine == "memascend" and settings is not None
+    release_grads = ma and settings.enable_grad_buffer_release and cfg.train.dtype != "fp16"
+    e = _DTYPE_BYTES[cfg.train.dtype]
+    w = world_size
+    z = ds_cfg.get("zero_optimization", {})
+    op, oo = z.get("offload_param", {}), z.get("offload_optimizer", {})
+    part = math.ceil(dims.total_numel / w)
+    sub = _sub_group_numel(ds_cfg, part)
+    comps: list[Component] = []
+
+    def add(name: str, per_rank_bytes: float, locked: bool, source: str, phase: str = "resident") -> None:
+        if per_rank_bytes > 0:
+            comps.append(Component(name, int(per_rank_bytes * w), locked, source, phase))
+
+    # memascend's malloc policy (fixed 4 MiB mmap threshold, trims after every step and before each
+    # gradient bucket) hands freed memory back; stock's glibc heap keeps it (GLIBC_MMAP_THRESHOLD_MAX_BYTES).
+    trimmed = ma and settings.enable_malloc_policy
+    _add_host_baseline(add, cfg, dims, ma, settings, trimmed)
+    _add_param_offload(add, cfg, dims, z, e, w, part, sub, ma, settings)
+    _add_gradients(add, cfg, dims, z, e, w, part, release_grads)
+    _add_optimizer(add, z, part, sub, ma, settings)
     _add_forward_backward(add, dims, cfg, e, w, trimmed)
     nvme = 0
     if op.get("device") == "nvme":
@@ -647,60 +432,3 @@ def largest_preset_under_cap(cfg: RunConfig, cap_bytes: int, world_size: int = 1
             if p.peak_rss_bytes <= cap_bytes:
                 best[engine] = (name, p.peak_rss_bytes)
     return best
-
-
-def recorded_errors(paths) -> list[dict]:
-    """Planned vs measured for recorded ``report.json`` files (e.g. ``baselines/**/reports/*.json``).
-
-    Returns:
-        One dict per report: ``name``, and for ``rss``, ``locked`` and ``nvme`` the planned and
-        measured bytes (``memory.sum_rank_peak_rss_bytes``, ``memory.sum_rank_peak_locked_bytes``,
-        ``nvme.swap_folder_bytes``) and the relative error (``None`` where nothing was measured).
-    """
-    import json
-    from pathlib import Path
-
-    rows = []
-    for path in paths:
-        report = json.loads(Path(path).read_text())
-        plan = plan_for_report(report)
-        mem = report["memory"]
-        row = {"name": str(path)}
-        for key, planned, measured in (("rss", plan.peak_rss_bytes, mem["sum_rank_peak_rss_bytes"]),
-                                       ("locked", plan.peak_locked_bytes, mem["sum_rank_peak_locked_bytes"]),
-                                       ("nvme", plan.nvme_bytes, report["nvme"]["swap_folder_bytes"])):
-            row[key] = (planned, measured, (planned - measured) / measured if measured else None)
-        rows.append(row)
-    return rows
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m memascend.bench.plan [REPORT.json ...]``: the planner's error on recorded runs
-    (default: every ``baselines/**/reports/*.json`` of the repository)."""
-    import sys
-    from pathlib import Path
-
-    args = sys.argv[1:] if argv is None else argv
-    paths = [Path(a) for a in args] or sorted(Path(__file__).resolve().parents[2].glob("baselines/**/reports/*.json"))
-    if not paths:
-        print("no recorded reports found (baselines/**/reports/*.json)")
-        return 1
-    rows = recorded_errors(paths)
-    worst = {"rss": 0.0, "locked": 0.0, "nvme": 0.0}
-    print(f"{'report':58} {'RSS GiB plan / meas':>19} {'RSS':>7} {'locked':>7} {'NVMe':>7}")
-    for row in rows:
-        for key in worst:
-            if row[key][2] is not None:
-                worst[key] = max(worst[key], abs(row[key][2]))
-        pct = {k: "-" if row[k][2] is None else f"{row[k][2] * 100:+.1f}%" for k in worst}
-        where = Path(row["name"])
-        name = ("/".join(where.parts[-3:-2] + (where.stem,)))[-58:]
-        print(f"{name:58} {row['rss'][0] / GIB:8.2f} /{row['rss'][1] / GIB:8.2f} {pct['rss']:>7} "
-              f"{pct['locked']:>7} {pct['nvme']:>7}")
-    print(f"worst of {len(rows)} reports: RSS {worst['rss'] * 100:.1f} %, locked {worst['locked'] * 100:.1f} %, "
-          f"NVMe {worst['nvme'] * 100:.1f} %")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from memascend.bench.plan import plan_for_report
 from memascend.cli.main import cli
+from memascend.plan import plan_for_report
 
 REPO = Path(__file__).resolve().parents[2]
 RECORDED = sorted(REPO.glob("baselines/**/reports/*.json"))
@@ -82,8 +82,8 @@ def test_plan_within_15_percent_on_smoke_matrix(tmp_path, request):
 
 
 def test_largest_preset_under_cap():
-    from memascend.bench.plan import largest_preset_under_cap, plan_run
     from memascend.config import build_run_config
+    from memascend.plan import largest_preset_under_cap, plan_run
 
     cfg = build_run_config({}, {"model": {"from_scratch": "llama-tiny"}, "data": {"seq_len": 64},
                                 "train": {"micro_batch": 1}})
@@ -100,8 +100,8 @@ def test_largest_preset_under_cap():
 def test_reduce_bucket_matches_the_recorded_touched_pages_and_is_capped():
     """The reduce bucket is modelled from the config: per rank ``min(reduce_bucket_size, params)``
     elements of the gradient dtype, as measured (``reduce_buckets.resident_at_end_bytes``)."""
-    from memascend.bench.plan import plan_run
     from memascend.config import build_run_config
+    from memascend.plan import plan_run
 
     for path in RECORDED:
         report = json.loads(path.read_text())
@@ -116,7 +116,7 @@ def test_reduce_bucket_matches_the_recorded_touched_pages_and_is_capped():
 
 
 def _smollm2_dims(layers: int = 30, vocab: int = 49152):
-    from memascend.bench.plan import ModelDims
+    from memascend.plan import ModelDims
 
     return ModelDims(0, (), (), hidden_size=576, num_layers=layers, num_heads=9, vocab_size=vocab,
                      intermediate_size=1536, kv_size=192)
@@ -126,7 +126,7 @@ def test_activations_match_the_profiler_measurements():
     """The activation terms against torch.profiler measurements (HF Llama, SDPA, transformers 5.23 /
     torch 2.13 on CPU; peak live tensor bytes): per layer and token 24,617 B in bf16 and 44,588 B in
     fp32 at SmolLM2's shape, e*h with checkpointing, 12 B per vocabulary entry and token."""
-    from memascend.bench.plan import activation_parts
+    from memascend.plan import activation_parts
 
     for e, measured in ((2, 24_617), (4, 44_588)):
         one = activation_parts(_smollm2_dims(layers=1), 1, 1, e, False)
@@ -141,7 +141,7 @@ def test_activations_match_the_profiler_measurements():
 
 def test_activations_grow_with_tokens_not_with_the_square_of_the_sequence():
     """SDPA's flash kernel on CPU keeps no s x s scores: 1 x 4096 tokens cost what 4 x 1024 cost."""
-    from memascend.bench.plan import activation_parts
+    from memascend.plan import activation_parts
 
     for ckpt in (False, True):
         long = activation_parts(_smollm2_dims(), 1, 4096, 2, ckpt)
@@ -151,8 +151,8 @@ def test_activations_grow_with_tokens_not_with_the_square_of_the_sequence():
 
 
 def test_per_rank_costs_are_duplicated_and_gathered_parameters_appear_on_two_ranks():
-    from memascend.bench.plan import plan_run
     from memascend.config import build_run_config
+    from memascend.plan import plan_run
 
     cfg = build_run_config({}, {"model": {"from_scratch": "llama-tiny"}, "data": {"seq_len": 64},
                                 "train": {"micro_batch": 1}})
@@ -169,8 +169,8 @@ def test_per_rank_costs_are_duplicated_and_gathered_parameters_appear_on_two_ran
 
 
 def test_stock_keeps_small_activations_in_the_heap_memascend_does_not():
-    from memascend.bench.plan import plan_run
     from memascend.config import build_run_config
+    from memascend.plan import plan_run
 
     cfg = build_run_config({}, {"model": {"from_scratch": "llama-0.1b"}, "data": {"seq_len": 1024},
                                 "train": {"micro_batch": 1, "activation_checkpointing": True}})
@@ -184,7 +184,7 @@ def test_stock_keeps_small_activations_in_the_heap_memascend_does_not():
 
 
 def test_recorded_errors_command(capsys):
-    from memascend.bench.plan import main
+    from memascend.plan.recorded import main
 
     assert main([str(RECORDED[0])]) == 0
     out = capsys.readouterr().out
@@ -192,8 +192,8 @@ def test_recorded_errors_command(capsys):
 
 
 def test_kept_optimizer_buffers_are_resident_released_ones_exist_in_the_step_only():
-    from memascend.bench.plan import plan_run
     from memascend.config import build_run_config
+    from memascend.plan import plan_run
 
     cfg = build_run_config({}, {"data": {"seq_len": 256}, "train": {"micro_batch": 4}})
     released = plan_run(cfg)["memascend"]
@@ -211,9 +211,10 @@ def test_kept_optimizer_buffers_are_resident_released_ones_exist_in_the_step_onl
 
 
 def test_host_block_cache_keeps_model_build_tensors_out_of_the_heap():
-    from memascend.bench.plan import HOST_BLOCK_CACHE_THRESHOLD_BYTES, plan_run
     from memascend.config import build_run_config
     from memascend.memory.host_cache import DEFAULT_THRESHOLD_BYTES
+    from memascend.plan import plan_run
+    from memascend.plan.calibration import HOST_BLOCK_CACHE_THRESHOLD_BYTES
 
     assert HOST_BLOCK_CACHE_THRESHOLD_BYTES == DEFAULT_THRESHOLD_BYTES
     cfg = build_run_config({}, {"data": {"seq_len": 256}, "train": {"micro_batch": 4}})

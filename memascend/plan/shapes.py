@@ -1,0 +1,177 @@
+"""What the planner knows about the model: its parameter layout (a meta-device instance), the
+partitions the parameter pool keeps live, the activations of one micro-batch and the corpus size."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from memascend.config import RunConfig
+from memascend.integrations.deepspeed.plan import MIN_SWAPPABLE_BYTES
+from memascend.plan.calibration import BUILTIN_CORPUS_TOKENS, LOGITS_FP32_TENSORS
+from memascend.units import FP32_BYTES as _FP32
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """What the planner needs to know about the model.
+
+    Attributes:
+        total_numel: parameters (tied weights once).
+        param_numels: every parameter's element count, in registration order.
+        module_param_counts: per module, its direct trainable parameters.
+        hidden_size / num_layers / num_heads / vocab_size: architecture (activation estimate).
+        intermediate_size: MLP width (``None``: ``4 * hidden_size``).
+        kv_size: width of the key (and of the value) projection, ``num_key_value_heads * head_dim``
+            (``None``: ``hidden_size``, no grouped-query attention).
+    """
+
+    total_numel: int
+    param_numels: tuple[int, ...]
+    module_param_counts: tuple[int, ...]
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    vocab_size: int
+    intermediate_size: int | None = None
+    kv_size: int | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def model_dims(cfg: RunConfig) -> ModelDims:
+    """Model layout from a meta-device instance (no weights read, no memory).
+
+    Raises:
+        UserError: the model cannot be resolved (as ``memascend finetune``).
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memascend.models.loading import llama_config, resolve_model
+    from memascend.train.ds_config import model_shape
+
+    if cfg.model.from_scratch:
+        hf_cfg = llama_config(cfg.model.from_scratch)
+    else:
+        hf_cfg = AutoConfig.from_pretrained(resolve_model(cfg.model).hf_dir)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(hf_cfg)
+    shape = model_shape(meta)
+    h, heads = hf_cfg.hidden_size, hf_cfg.num_attention_heads
+    head_dim = getattr(hf_cfg, "head_dim", None) or h // heads
+    kv_heads = getattr(hf_cfg, "num_key_value_heads", None) or heads
+    return ModelDims(shape.total_numel, shape.param_numels, shape.module_param_counts, h,
+                     hf_cfg.num_hidden_layers, heads, hf_cfg.vocab_size,
+                     getattr(hf_cfg, "intermediate_size", None), kv_heads * head_dim)
+
+
+def live_window_partitions(dims: ModelDims, world_size: int, checkpointing: bool, reuse_numel: int,
+                           dram_numel: int, elem_bytes: int) -> list[int]:
+    """Partitions (elements per rank) held in the parameter pool at the turn from forward to backward.
+
+    On the parameters' second use ZeRO-3 releases a gathered parameter only if it is not used again
+    within ``stage3_max_reuse_distance`` elements of the trace (``__params_to_release``). At the
+    turn that keeps the vocabulary projection (used in its forward and its backward) and the last
+    ``k`` layers, where the trace between a layer's forward and its next use holds both uses of the
+    projection plus ``k - 1`` later layers two times (forward, backward) or three (with
+    activation checkpointing's recompute). A partition with a DRAM copy (among the first
+    ``dram_numel`` elements, ``offload_param.max_in_cpu``) or under the swappable size is not in
+    the pool. Measured on llama-1b (max_in_cpu 0, checkpointing, 1 x 256 tokens): the embedding and
+    6 layers, 742 MB (report ``memory_breakdown.locked.param_pool_classes``).
+
+    Returns:
+        The pool-resident partitions' element counts (per rank).
+    """
+    numels = list(dims.param_numels)
+    n_layers = max(1, dims.num_layers)
+    per_layer = (len(numels) - 2) // n_layers  # Llama: embedding, layers, final norm (lm_head tied)
+    if per_layer < 1 or 2 + per_layer * n_layers != len(numels):
+        return []
+    vocab = dims.vocab_size * dims.hidden_size
+    layer_numel = sum(numels[1:1 + per_layer])
+    uses = 3 if checkpointing else 2
+    kept = 0
+    while kept < n_layers and 2 * vocab + uses * kept * layer_numel < reuse_numel:
+        kept += 1
+    parts = [math.ceil(n / world_size) for n in numels]
+    offsets = [0, *itertools.accumulate(parts)]  # where each partition starts in the DRAM-copy order
+    window = [0] + list(range(1 + (n_layers - kept) * per_layer, 1 + n_layers * per_layer))
+    return [parts[i] for i in window if offsets[i] >= dram_numel and parts[i] * elem_bytes >= MIN_SWAPPABLE_BYTES]
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Forward/backward tensors of one micro-batch, per rank (bytes).
+
+    Attributes:
+        saved: what autograd keeps for backward in the transformer layers and the final norm, all
+            alive at the start of backward.
+        logits: the vocabulary projection's fp32 tensors (:data:`LOGITS_FP32_TENSORS`), alive at
+            the start of backward.
+        recompute: with activation checkpointing, one layer's full set, recomputed during backward
+            after the logits are freed (0 without checkpointing).
+        largest_saved_tensor / largest_logits_tensor: the largest single tensor of the layers and of
+            the logits (whether glibc serves it from the heap or mmap,
+            :data:`GLIBC_MMAP_THRESHOLD_MAX_BYTES`).
+    """
+
+    saved: int
+    logits: int
+    recompute: int
+    largest_saved_tensor: int
+    largest_logits_tensor: int
+
+    @property
+    def total(self) -> int:
+        """The backward peak: saved tensors plus the larger of the logits and a recomputed layer."""
+        return self.saved + max(self.logits, self.recompute)
+
+
+def activation_parts(dims: ModelDims, micro_batch: int, seq_len: int, dtype_bytes: int,
+                     checkpointing: bool) -> Activations:
+    """Activation memory of one micro-batch of a Hugging Face Llama-style model (bytes, per rank).
+
+    Counted per token (``T = micro_batch * seq_len``; ``e`` = ``dtype_bytes``; ``h`` hidden, ``kv``
+    key/value width, ``i`` MLP width, ``a`` heads, ``V`` vocabulary), as kept by autograd with
+    SDPA attention (torch's flash kernel on CPU: no ``s*s`` score matrix, memory linear in ``s``):
+
+    * per layer ``2*(2*e*h + 4*h) + e*(2*h + 2*kv + 4*i) + 4*a``: each of the two RMSNorms keeps
+      its fp32 input (the upcast copy in 16-bit) and its normalised and weighted outputs; q, k, v
+      and the attention output; the SwiGLU MLP's gate, up, ``silu(gate)`` and product; the flash
+      kernel's fp32 log-sum-exp per head;
+    * with activation checkpointing instead ``e*h`` per layer (the layer input), and one layer's
+      full set while it is recomputed during backward (after the logits are freed);
+    * the final norm, ``2*e*h + 4*h``;
+    * the logits: :data:`LOGITS_FP32_TENSORS` fp32 ``T x V`` tensors at the start of backward.
+
+    Measured with ``torch.profiler`` (``profile_memory``, peak of live CPU tensor bytes, weight
+    gradients dropped as stage 3 does) on transformers 5.23 / torch 2.13: the per-layer term to
+    within 8 bytes per token at SmolLM2's shape (h 576, kv 192, i 1536: bf16 24,617 and fp32 44,588
+    bytes measured) and at h 1024, kv 512, i 2816; checkpointed layers exactly ``e*h``; the
+    vocabulary term 12.0 bytes per entry per token in bf16 and fp32, linear in ``s`` from 1024 to
+    4096 tokens.
+    """
+    t, h, a = micro_batch * seq_len, dims.hidden_size, dims.num_heads
+    e = dtype_bytes
+    kv = dims.kv_size or h
+    i = dims.intermediate_size or 4 * h
+    norm = 2 * e * h + 4 * h
+    full_layer = 2 * norm + e * (2 * h + 2 * kv + 4 * i) + 4 * a
+    per_layer = e * h if checkpointing else full_layer
+    saved = t * (dims.num_layers * per_layer + norm)
+    recompute = t * full_layer if checkpointing else 0
+    logits_tensor = t * dims.vocab_size * _FP32
+    return Activations(saved, LOGITS_FP32_TENSORS * logits_tensor, recompute, t * max(e * i, 4 * h),
+                       logits_tensor)
+
+
+def corpus_tokens(source: str) -> int:
+    """Tokens of ``--data``: known for the built-in corpora, else file bytes / 4 (a typical BPE rate)."""
+    if source in BUILTIN_CORPUS_TOKENS:
+        return BUILTIN_CORPUS_TOKENS[source]
+    from pathlib import Path
+
+    path = Path(source)
+    files = [path] if path.is_file() else (list(path.rglob("*")) if path.is_dir() else [])
+    return sum(f.stat().st_size for f in files if f.is_file()) // 4
