@@ -278,3 +278,42 @@ def test_read_only_and_too_small_targets_refused_leaving_nothing(small_tmpfs):
         ckpt.check_checkpoint_target(small / "ck", 1 << 30, "--save-checkpoint")
     ckpt.check_checkpoint_target(small / "ck", 1 << 20, "--save-checkpoint")
     assert list(small.iterdir()) == []  # the writability probe left nothing
+
+
+def test_raw_store_save_names_latest_only_after_the_export(tmp_path):
+    """DeepSpeed 0.19.8's save_checkpoint writes ``latest`` before it returns, i.e. before the raw
+    store's export of the optimizer state ran: a run killed during the export left a ``latest``
+    naming a checkpoint without its optimizer state. The wrapper saves with save_latest=False and
+    writes ``latest`` after the export."""
+    from memascend.integrations.deepspeed import raw_store
+
+    seen = {}
+
+    def stock_save(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
+        seen["save_latest"] = save_latest
+        tag = tag if tag is not None else f"global_step{self.global_steps}"  # as stock resolves it
+        (Path(save_dir) / tag).mkdir(parents=True)
+        if save_latest:
+            (Path(save_dir) / "latest").write_text(tag)
+        return True
+
+    class Handle:
+        def export_checkpoint(self, tag_dir, folder):
+            seen["latest_at_export"] = (Path(tag_dir).parent / "latest").exists()
+
+    class Swapper:
+        swap_folder = str(tmp_path / "keys" / "zero_stage_3" / "optimizer" / "rank0")
+
+    class Engine:
+        global_steps, global_rank = 3, 0
+        optimizer = type("Opt", (), {"optimizer_swapper": Swapper()})()
+
+        def zero_nvme_offload_optimizer(self):
+            return True
+
+    save = raw_store._make_save_checkpoint(stock_save, Handle())
+    assert save(Engine(), str(tmp_path / "ck")) is True
+    assert seen == {"save_latest": False, "latest_at_export": False}
+    assert (tmp_path / "ck" / "latest").read_text() == "global_step3"
+    save(Engine(), str(tmp_path / "ck2"), "tagX", save_latest=False)
+    assert not (tmp_path / "ck2" / "latest").exists()

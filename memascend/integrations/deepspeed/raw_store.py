@@ -590,10 +590,13 @@ def _make_save_checkpoint(original, handle: RawStoreHandle):
         if save_latest:
             from deepspeed import comm as ds_comm
 
-            ds_comm.barrier()
+            several = ds_comm.is_initialized() and ds_comm.get_world_size() > 1
+            if several:
+                ds_comm.barrier()
             if self.global_rank == 0:
                 _write_latest(Path(save_dir), resolved)
-            ds_comm.barrier()
+            if several:
+                ds_comm.barrier()
         return result
 
     return save_checkpoint
