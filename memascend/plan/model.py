@@ -57,7 +57,7 @@ import math
 from dataclasses import dataclass
 
 from memascend.config import RunConfig
-from memascend.integrations.deepspeed.plan import DS_DEFAULT_REDUCE_BUCKET_NUMEL, DS_DEFAULT_SUB_GROUP_NUMEL
+from memascend.integrations.deepspeed.sizing import DS_DEFAULT_REDUCE_BUCKET_NUMEL, DS_DEFAULT_SUB_GROUP_NUMEL
 from memascend.plan.calibration import (
     AIO_ALIGN_BYTES,
     CORPUS_BYTES_PER_TOKEN,

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 
 from memascend.config import RunConfig
-from memascend.integrations.deepspeed.plan import MIN_SWAPPABLE_BYTES
+from memascend.integrations.deepspeed.sizing import MIN_SWAPPABLE_BYTES
 from memascend.plan.calibration import BUILTIN_CORPUS_TOKENS, LOGITS_FP32_TENSORS
 from memascend.units import FP32_BYTES as _FP32
 

@@ -195,7 +195,7 @@ def _derive_stock_max_in_cpu(z: dict, shape: ModelShape, world_size: int) -> lis
     :func:`memascend.train.preflight.check_stock_param_dram`); the default 1e9 is below every model of
     more than 1e9 parameters per rank. memascend's engine is left as is: its pool never runs out,
     and its ``param_dram_numel="auto"`` decides the DRAM copy
-    (:func:`memascend.integrations.deepspeed.plan.auto_param_dram_numel`).
+    (:func:`memascend.integrations.deepspeed.sizing.auto_param_dram_numel`).
     """
     op = z["offload_param"]
     per_rank_numel = per_rank_param_numel(shape.param_numels, world_size)

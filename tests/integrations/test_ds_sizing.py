@@ -6,13 +6,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memascend.integrations.deepspeed.grad_norm import stock_sub_groups
-from memascend.integrations.deepspeed.plan import (
+from memascend.integrations.deepspeed.settings import MemAscendSettings
+from memascend.integrations.deepspeed.sizing import (
     MIN_SWAPPABLE_BYTES,
     auto_param_dram_numel,
     auto_sub_group_numel,
     prepare_ds_config,
 )
-from memascend.integrations.deepspeed.settings import MemAscendSettings
 
 _MIN_NUMEL = MIN_SWAPPABLE_BYTES // 4
 

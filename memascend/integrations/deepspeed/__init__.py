@@ -66,8 +66,8 @@ from typing import Any
 from memascend.errors import UserError
 from memascend.integrations.deepspeed.accounting import swap_buffer_breakdown
 from memascend.integrations.deepspeed.patches import PatchRecord, PatchRegistry
-from memascend.integrations.deepspeed.plan import prepare_ds_config
 from memascend.integrations.deepspeed.settings import DS_CONFIG_SECTION, MemAscendSettings, rewrite_ds_config
+from memascend.integrations.deepspeed.sizing import prepare_ds_config
 
 __all__ = [
     "DS_CONFIG_SECTION",

@@ -47,7 +47,7 @@ class MemAscendSettings:
             config's ``offload_param.buffer_count`` (the stock prefetch schedule).
         optimizer_sub_group_numel: elements per optimizer sub-group written into
             ``zero_optimization.sub_group_size`` (``None``: keep the config's; ``"auto"``: the
-            largest parameter partition, resolved by :func:`memascend.integrations.deepspeed.plan.prepare_ds_config`
+            largest parameter partition, resolved by :func:`memascend.integrations.deepspeed.sizing.prepare_ds_config`
             from the model's shapes and left unresolved by :func:`rewrite_ds_config`). The
             optimizer swapper locks ``states + 1`` fp32 buffers of the largest sub-group, so this
             bounds its locked memory (``optimizer_swapper.plan_sub_group_numel`` picks one from a

@@ -1,4 +1,4 @@
-"""Resolve the memascend settings that depend on the model into a DeepSpeed config.
+"""Size the memascend settings that depend on the model (sub-group size, parameter DRAM copy) into a DeepSpeed config.
 
 :func:`prepare_ds_config` is what ``memascend finetune --engine memascend`` calls before
 :func:`memascend.integrations.deepspeed.apply`; code that drives DeepSpeed itself can call it the
