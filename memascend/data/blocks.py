@@ -132,14 +132,15 @@ def text_pieces(text: str, window_chars: int = TOKENIZE_WINDOW_CHARS) -> Iterato
 
 
 def _encode(tokenizer, text: str, *, offsets: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Token ids (int64 ``[n]``) and, with ``offsets``, character offsets (int64 ``[n, 2]``) of ``text``,
-    tokenized piece by piece (:func:`text_pieces`) into compact tensors."""
+    """Token ids (int32 ``[n]``) and, with ``offsets``, character offsets (int32 ``[n, 2]``) of ``text``,
+    tokenized piece by piece (:func:`text_pieces`) into compact tensors (an id or offset beyond
+    int32 raises instead of wrapping)."""
     ids_parts, off_parts = [], []
     for start, end in text_pieces(text, TOKENIZE_WINDOW_CHARS):
         enc = tokenizer(text[start:end], add_special_tokens=False, return_offsets_mapping=offsets, verbose=False)
-        ids_parts.append(torch.tensor(enc["input_ids"], dtype=torch.long))
+        ids_parts.append(torch.tensor(enc["input_ids"], dtype=torch.int32))
         if offsets:
-            off_parts.append(torch.tensor(enc["offset_mapping"], dtype=torch.long).view(-1, 2) + start)
+            off_parts.append(torch.tensor(enc["offset_mapping"], dtype=torch.int32).view(-1, 2) + start)
         del enc
     ids = torch.cat(ids_parts) if len(ids_parts) != 1 else ids_parts[0]
     if not offsets:
@@ -152,11 +153,11 @@ def tokenize_document(doc: Document, tokenizer) -> tuple[torch.Tensor, torch.Ten
 
     The text is tokenized in pieces of at most :data:`TOKENIZE_WINDOW_CHARS` characters
     (:func:`text_pieces` says when that equals tokenizing it whole: always for documents up to
-    that length), so a huge document needs memory for its ids (9 bytes per token) and one piece's
-    transient encoding only, and a signal is acted on between pieces.
+    that length), so a huge document needs memory for its ids (5 bytes per token with the mask)
+    and one piece's transient encoding only, and a signal is acted on between pieces.
 
     Returns:
-        ``(ids, mask)``: int64 ``[n]`` and bool ``[n]``; a text document ends with EOS (when the
+        ``(ids, mask)``: int32 ``[n]`` and bool ``[n]``; a text document ends with EOS (when the
         tokenizer has one) and every token is learned; a chat document learns only assistant tokens.
 
     Raises:
@@ -165,7 +166,7 @@ def tokenize_document(doc: Document, tokenizer) -> tuple[torch.Tensor, torch.Ten
     if doc.text is not None:
         ids, _ = _encode(tokenizer, doc.text, offsets=False)
         if tokenizer.eos_token_id is not None:
-            ids = torch.cat([ids, torch.tensor([tokenizer.eos_token_id], dtype=torch.long)])
+            ids = torch.cat([ids, torch.tensor([tokenizer.eos_token_id], dtype=torch.int32)])
         return ids, torch.ones(len(ids), dtype=torch.bool)
     if not tokenizer.chat_template:
         raise UserError(f"{doc.origin}: chat data needs a model whose tokenizer has a chat template")
@@ -175,8 +176,8 @@ def tokenize_document(doc: Document, tokenizer) -> tuple[torch.Tensor, torch.Ten
     spans = _assistant_spans(text, doc.messages, tokenizer.eos_token)
     if not spans:
         return ids, torch.zeros(len(ids), dtype=torch.bool)
-    span_start = torch.tensor([s for s, _ in spans], dtype=torch.long)
-    span_end = torch.tensor([e for _, e in spans], dtype=torch.long)
+    span_start = torch.tensor([s for s, _ in spans], dtype=torch.int32)
+    span_end = torch.tensor([e for _, e in spans], dtype=torch.int32)
     tok_start, tok_end = offsets[:, 0].contiguous(), offsets[:, 1].contiguous()
     # The first span ending after the token's start (spans are sorted and disjoint).
     idx = torch.searchsorted(span_end, tok_start, right=True)
