@@ -231,3 +231,27 @@ def test_build_module_loaded_twice_wraps_torch_load_once(monkeypatch):
     second.configure_builds()
     assert cpp_extension.load.memascend_guarded
     assert not getattr(cpp_extension.load.__wrapped__, "memascend_guarded", False)
+
+
+TINY_MODULE_SOURCE = """#include <Python.h>
+static struct PyModuleDef tiny = {PyModuleDef_HEAD_INIT, "memascend_locktest2", nullptr, -1, nullptr};
+PyMODINIT_FUNC PyInit_memascend_locktest2(void) { return PyModule_Create(&tiny); }
+"""
+
+
+def test_memascend_op_load_recovers_from_a_stale_lock(tmp_path):
+    """memascend's own loader (load_op, builds under ext_cache_dir()) goes through the same guard."""
+    src = tmp_path / "tiny_module.cpp"
+    src.write_text(TINY_MODULE_SOURCE)
+    ext = tmp_path / "ext"
+    lock = ext / "memascend_locktest2" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    code = ("import sys; from memascend.ops.build import load_op; "
+            "m = load_op('locktest2', (sys.argv[1],)); print('loaded', m.__name__)")
+    proc = subprocess.run([sys.executable, "-c", code, str(src)], capture_output=True, text=True, timeout=120,
+                          env=_env(MEMASCEND_EXT_DIR=str(ext)), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["loaded", "memascend_locktest2"]
+    assert f"memascend: removed the stale build lock {lock}" in proc.stderr
+    assert not lock.exists()
