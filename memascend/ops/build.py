@@ -26,7 +26,9 @@ process then waits forever without a word. :func:`guarded_build` (wrapped around
 on a ``flock`` of ``<build folder>/memascend-build.pid`` (released by the kernel when its
 holder dies; holds the holder's pid), says once which pid it is waiting for, and removes torch's
 lock when no process holds it open (FileBaton keeps it open for the whole build) and none works
-in the build folder (ninja and the compilers run there), checked twice 0.5 s apart.
+in the build folder (ninja and the compilers run there), checked twice 0.5 s apart. Processes on
+other hosts are not seen: hosts sharing a home folder (NFS) need their own ``TORCH_EXTENSIONS_DIR``
+(builds use ``-march=native`` and are host-specific anyway).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import functools
 import hashlib
 import importlib
 import importlib.metadata
+import inspect
 import os
 import sys
 import time
@@ -141,11 +144,11 @@ def configure_builds() -> Path:
     if not getattr(cpp_extension.load, "memascend_guarded", False):
         original = cpp_extension.load
 
+        signature = inspect.signature(original)
+
         @functools.wraps(original)
         def load(name, sources, *args, **kwargs):
-            build_dir = kwargs.get("build_directory")
-            if build_dir is None and len(args) >= 6:  # positional build_directory (after the 6 flag lists)
-                build_dir = args[5]
+            build_dir = signature.bind(name, sources, *args, **kwargs).arguments.get("build_directory")
             if build_dir is None:
                 build_dir = _default_build_directory(name)
             with guarded_build(name, Path(build_dir)):
