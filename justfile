@@ -53,7 +53,7 @@ regress matrix="smoke" *ARGS:
 
 # Fine-tune under a hard host-memory cap enforced by a cgroup (root), e.g. `just capped 16GiB --engine baseline --from-scratch llama-1b`
 capped cap *ARGS:
-    {{python}} -m memascend.bench.cgroup --cap {{cap}} -- {{python}} -m memascend finetune {{ARGS}}
+    {{python}} -m memascend.host.memcap --cap {{cap}} -- {{python}} -m memascend finetune {{ARGS}}
 
 # Predict peak host RSS, locked memory and NVMe space of a run under both engines, without running it (finetune's model/data/offload flags)
 plan *ARGS:

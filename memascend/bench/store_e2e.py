@@ -101,8 +101,8 @@ def run(output: Path, *, repeats: int, engine: str, timeout_s: float) -> Compari
         UserError: no root or tools for the loop device, a run that failed.
     """
     from memascend.bench import ram_loop
-    from memascend.bench.matrix import get_matrix
-    from memascend.bench.runner import run_one
+    from memascend.regress.matrix import get_matrix
+    from memascend.regress.runner import run_one
 
     cfg = next(c for c in get_matrix("cpu-full").configs if c.name == CONFIG_NAME)
     size_mib = ram_loop.size_mib_needed(RAW_MIB, FS_DATA_MIB)

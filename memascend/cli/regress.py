@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import click
 
-from memascend.bench.matrix import MATRICES
 from memascend.cli.params import POSITIVE_FLOAT
+from memascend.regress.matrix import MATRICES
 
 
 class MemorySize(click.ParamType):
@@ -20,8 +19,8 @@ class MemorySize(click.ParamType):
     def convert(self, value, param, ctx):
         if isinstance(value, int):
             return value
-        from memascend.bench.cgroup import parse_size_bytes
         from memascend.errors import UserError
+        from memascend.host.memcap import parse_size_bytes
 
         try:
             return parse_size_bytes(value)
@@ -33,7 +32,7 @@ class MemorySize(click.ParamType):
 
 @click.command("regress")
 @click.option("--matrix", "matrix_name", type=click.Choice(list(MATRICES)), default="smoke",
-              show_default=True, help="Named matrix of configurations (memascend/bench/matrix.py); `scaling` is the "
+              show_default=True, help="Named matrix of configurations (memascend/regress/matrix.py); `scaling` is the "
               "largest-model search and needs --memory-cap")
 @click.option("--output", "output_dir", default="runs/regress", show_default=True,
               help="Folder for results.json, results.md, PNG plots and each run's output and log")
@@ -85,106 +84,16 @@ def regress(matrix_name, output_dir, only, memory_cap, update_golden, baselines_
     Exit status: 0 no regression (every run completed, or was stopped by the cap as above);
     1 a regression or a failed run; 2 bad input (e.g. --memory-cap lots).
     """
-    import os
+    from memascend.regress.matrix import get_matrix
+    from memascend.regress.session import RegressOptions, run_regress
 
-    from rich.console import Console
-
-    from memascend.bench import cgroup
-    from memascend.bench import golden as gold
-    from memascend.bench.compare import GoldenTolerances, evaluate, golden_entry
-    from memascend.bench.matrix import get_matrix
-    from memascend.bench.output import (
-        CAP_HEADERS,
-        LARGEST_HEADERS,
-        PHASE_HEADERS,
-        cap_enforcement,
-        cap_rows,
-        largest_rows,
-        largest_summary,
-        largest_under_cap,
-        phase_rows,
-        rich_plain_table,
-        rich_table,
-        write_outputs,
-    )
-    from memascend.bench.runner import finetune_command, run_matrix
-
-    # A log (CI, a file) gets the full table instead of one squeezed to 80 columns.
-    console = Console(width=None if sys.stdout.isatty() else 180)
     matrix = get_matrix(matrix_name)
     if matrix.capped_search and memory_cap is None:
         raise click.UsageError(f"--matrix {matrix.name} is a search under a memory cap: give --memory-cap SIZE "
                                "(e.g. 16GiB)")
     if repeats > 1 and memory_cap is not None:
         raise click.UsageError("--repeats measures time and memory without a cap: leave out --memory-cap")
-    configs = matrix.select(only)
-    out_root = Path(output_dir)
-    swap = Path(nvme_path or os.environ.get("MEMASCEND_NVME_PATH") or out_root / "swap")
-    prof = profile or gold.hardware_profile()
-    gpath = gold.golden_path(Path(baselines_dir), prof, matrix.name)
-    golden = gold.load_golden(gpath)
-    tol = GoldenTolerances()
-    console.print(f"memascend regress: matrix [bold]{matrix.name}[/bold] ({len(configs)} configs x 2 engines), "
-                  f"profile {prof}, golden {gpath if golden else 'none'}")
-    cap_meta = None
-    if memory_cap is not None:
-        mechanism = cgroup.probe(memory_cap)
-        cap_meta = {"cap_bytes": memory_cap, "cap": cgroup.format_size(memory_cap), "mechanism": mechanism,
-                    "enforced": mechanism.startswith("cgroup-")}
-        style = "" if cap_meta["enforced"] else "[bold yellow]"
-        console.print(f"{style}memory cap {cap_meta['cap']} per run: {cap_enforcement(cap_meta)}"
-                      + ("[/bold yellow]" if style else ""))
-    t0 = time.monotonic()
-    outcomes = run_matrix(configs, out_root, swap, timeout_s, on_event=lambda s: console.print(f"  {s}"),
-                          resume=resume, memory_cap=memory_cap, search=matrix.capped_search, repeats=repeats)
-
-    results, timelines, commands = [], {}, {}
-    for cfg in configs:
-        pair = outcomes[cfg.name]
-        stopped = {e: (o.status, o.describe()) for e, o in pair.items() if o.status in ("capped", "skipped")}
-        errors = [f"{e}: {o.describe()}: {o.log_tail(3)}" for e, o in pair.items() if o.status == "error"]
-        reports = {e: o.report() for e, o in pair.items()}
-        errors += [f"{e}: per-step losses differ between repeats (same seed and data)" for e, r in reports.items()
-                   if r is not None and not r.get("repeats", {}).get("losses_equal", True)]
-        res = evaluate(cfg, reports["baseline"], reports["memascend"],
-                       None if update_golden else golden.get(cfg.name), tol, errors, stopped)
-        res.commands = {e: " ".join(finetune_command(cfg, e, o.output_dir, swap)) for e, o in pair.items()}
-        res.runs = {e: {"status": o.status, "outcome": o.describe(), "wall_s": o.wall_s,
-                        "cap": o.cap.to_dict() if o.cap else None,
-                        "repeats": (reports[e] or {}).get("repeats")} for e, o in pair.items()}
-        commands[cfg.name] = res.commands
-        results.append(res)
-        timelines[cfg.name] = {e: o.timeline_path for e, o in pair.items() if o.ok and o.timeline_path.is_file()}
-
-    meta = {"matrix": matrix.name, "repeats": repeats, "profile": prof, "golden_path": str(gpath) if golden else None,
-            "golden_tolerances": vars(tol), "wall_s": time.monotonic() - t0, "memory_cap": cap_meta,
-            "capped_search": matrix.capped_search}
-    write_outputs(results, out_root, meta, timelines)
-    console.print(rich_table(results, f"{matrix.name} on {prof}: memascend / baseline, same run"))
-    phases = phase_rows(results)
-    if phases:
-        console.print(rich_plain_table(PHASE_HEADERS, phases, "where the step time goes (median s per step)"))
-    if cap_meta:
-        console.print(rich_plain_table(CAP_HEADERS, cap_rows(results), f"runs under the {cap_meta['cap']} cap"))
-    if cap_meta and matrix.capped_search:
-        largest = largest_under_cap(results)
-        steps = max(c.steps for c in configs)
-        console.print(rich_plain_table([h.format(steps=steps, cap=cap_meta["cap"]) for h in LARGEST_HEADERS],
-                                       largest_rows(largest), "largest model per engine"))
-        console.print(f"[bold]{largest_summary(largest, cap_meta['cap'])}[/bold]"
-                      + ("" if cap_meta["enforced"] else " [yellow](cap NOT enforced: uncapped peaks)[/yellow]"))
-    for r in results:
-        for c in r.checks:
-            if not c.ok:
-                console.print(f"[red]REGRESSION[/red] {r.config.name}: {c.name}: {c.detail}")
-        for e in r.errors:
-            console.print(f"[red]ERROR[/red] {r.config.name}: {e}")
-    if update_golden:
-        entries = {r.config.name: golden_entry(r.baseline, r.memascend) for r in results
-                   if r.baseline and r.memascend}
-        gold.save_golden(gpath, prof, matrix.name, entries, commands)
-        console.print(f"golden results written: {gpath} ({len(entries)} configs)")
-    ok = all(r.ok for r in results)
-    console.print(f"results: {out_root / 'results.json'}, {out_root / 'results.md'}; "
-                  + ("[green]no regression[/green]" if ok else "[bold red]REGRESSION[/bold red]"))
-    sys.exit(0 if ok else 1)
+    opts = RegressOptions(output_dir=Path(output_dir), only=only, memory_cap_bytes=memory_cap,
+                          update_golden=update_golden, baselines_dir=Path(baselines_dir), profile=profile,
+                          nvme_path=nvme_path, resume=resume, repeats=repeats, timeout_s=timeout_s)
+    sys.exit(0 if run_regress(matrix, opts) else 1)

@@ -72,8 +72,8 @@ def test_plan_within_15_percent_on_smoke_matrix(tmp_path, request):
     """The issue's check: plan vs the real smoke-matrix runs (8 SmolLM2 trainings, ~20 min on 2 cores)."""
     if "slow" not in (request.config.getoption("markexpr") or "") and os.environ.get("MEMASCEND_RUN_SLOW") != "1":
         pytest.skip("runs 8 real SmolLM2 trainings (~20 min); select with -m slow or MEMASCEND_RUN_SLOW=1")
-    from memascend.bench.matrix import get_matrix
-    from memascend.bench.runner import run_pair
+    from memascend.regress.matrix import get_matrix
+    from memascend.regress.runner import run_pair
 
     for cfg in get_matrix("smoke").configs:
         for engine, outcome in run_pair(cfg, tmp_path, tmp_path / "swap", 3600).items():

@@ -4,7 +4,7 @@ Two kinds of checks, each a :class:`Check` with the measured value, its limit an
 
 * pair checks (same run): per-step losses equal (bit-for-bit where the thresholds say so), peak
   host RSS, peak locked memory and median step time of memascend over the baseline's, against the
-  :class:`~memascend.bench.matrix.Thresholds` of the configuration;
+  :class:`~memascend.regress.matrix.Thresholds` of the configuration;
 * golden checks: this run's memascend numbers against the golden results recorded for this
   hardware profile (``baselines/<profile>/<matrix>.json``), with :class:`GoldenTolerances`.
 
@@ -17,9 +17,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from memascend.bench.matrix import BenchConfig, Thresholds
-
-GIB = float(1 << 30)
+from memascend.regress.matrix import BenchConfig, Thresholds
+from memascend.units import GIB
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from bench_reports import LOSSES, make_report
 
-from memascend.bench.compare import (
+from memascend.regress.compare import (
     GoldenTolerances,
     RunMetrics,
     check_losses,
@@ -16,7 +16,7 @@ from memascend.bench.compare import (
     fit_line,
     golden_entry,
 )
-from memascend.bench.matrix import MATRICES, BenchConfig, Thresholds
+from memascend.regress.matrix import MATRICES, BenchConfig, Thresholds
 
 CFG = MATRICES["cpu-full"].select("smollm2-shakespeare-bf16-256x4")[0]  # issue 3's thresholds
 TOL = GoldenTolerances()

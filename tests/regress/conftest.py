@@ -1,4 +1,4 @@
-"""Fixtures of the bench tests."""
+"""Fixtures of the regression-suite tests."""
 
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from memascend.bench.matrix import MATRICES, BenchConfig, Matrix, get_matrix
 from memascend.errors import UserError
+from memascend.regress.matrix import MATRICES, BenchConfig, Matrix, get_matrix
 
 
 def test_named_matrices_exist_and_smoke_is_smollm2_one_and_two_ranks():
@@ -85,7 +85,7 @@ def test_scaling_search_is_cpu_fulls_llama_series_in_ascending_size():
 
 
 def test_ablation_passes_settings_to_the_memascend_run_only(tmp_path):
-    from memascend.bench.matrix import get_matrix
+    from memascend.regress.matrix import get_matrix
 
     m = get_matrix("ablation")
     assert m.configs[0].memascend_settings == ()  # the defaults, as cpu-full runs them
@@ -106,7 +106,7 @@ def test_ablation_passes_settings_to_the_memascend_run_only(tmp_path):
 
 
 def test_deepspeed_settings_go_to_both_engines(tmp_path):
-    from memascend.bench.matrix import BenchConfig, get_matrix
+    from memascend.regress.matrix import BenchConfig, get_matrix
 
     cfg = next(c for c in get_matrix("cpu-full").configs if c.name == "llama-1b-bf16-256x1-sub-group-1e8")
     assert dict(cfg.deepspeed_settings)["zero_optimization.sub_group_size"] == 100_000_000
@@ -129,8 +129,8 @@ def test_deepspeed_settings_go_to_both_engines(tmp_path):
 
 
 def test_a_bad_memascend_setting_is_refused_when_the_config_is_made():
-    from memascend.bench.matrix import BenchConfig
     from memascend.errors import UserError
+    from memascend.regress.matrix import BenchConfig
 
     with pytest.raises(UserError, match="no_such"):
         BenchConfig(name="x", memascend_settings=(("no_such", True),))

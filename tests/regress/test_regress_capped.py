@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 from bench_reports import LOSSES, make_report
-from cgroup_support import needs_cgroup
 from click.testing import CliRunner
+from memcap_support import needs_cgroup
 
-from memascend.bench import cgroup as cg
-from memascend.bench import runner as runner_mod
-from memascend.bench.cgroup import CappedResult
-from memascend.bench.matrix import get_matrix
 from memascend.cli.main import cli
+from memascend.host import memcap as cg
+from memascend.host.memcap import CappedResult
+from memascend.regress import runner as runner_mod
+from memascend.regress.matrix import get_matrix
 
 GIB = 1 << 30
 CAP = 16 * GIB

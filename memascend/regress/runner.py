@@ -5,7 +5,7 @@ state, page-locked memory and imported patches cannot leak into the other), with
 data, shapes and offload targets; only ``--engine`` differs. Runs are strictly sequential: never
 two training processes at once (memory peaks would add up and step times would interfere).
 
-With a memory cap every run is started by :func:`memascend.bench.cgroup.run_capped` in a fresh
+With a memory cap every run is started by :func:`memascend.host.memcap.run_capped` in a fresh
 memory cgroup with that hard limit (its outcome, ``<engine>.cap.json`` next to the run's log, says
 whether it fit or was OOM-killed and its cgroup peak). A capped search (:func:`run_matrix` with
 ``search``) runs the configurations in order and stops an engine at its first run that did not
@@ -34,8 +34,8 @@ from pathlib import Path
 
 import psutil
 
-from memascend.bench.cgroup import CappedResult, run_capped
-from memascend.bench.matrix import BenchConfig
+from memascend.host.memcap import CappedResult, run_capped
+from memascend.regress.matrix import BenchConfig
 
 ENGINES = ("baseline", "memascend")
 
@@ -180,7 +180,7 @@ def run_one(cfg: BenchConfig, engine: str, out_root: Path, nvme_path: Path, time
     """Run ``cfg`` with ``engine`` in a subprocess; output under ``out_root/<cfg.name>/<engine><tag>``.
 
     With ``memory_cap`` (bytes) the run is confined to a fresh memory cgroup with that hard limit
-    (see :mod:`memascend.bench.cgroup`); its outcome is written to ``<cfg.name>/<engine>.cap.json``.
+    (see :mod:`memascend.host.memcap`); its outcome is written to ``<cfg.name>/<engine>.cap.json``.
 
     With ``resume``, an earlier run into the same folder is taken instead of running again: its
     ``report.json`` (uncapped), or under a cap the ``.cap.json`` of a run with the same cap that

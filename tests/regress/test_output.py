@@ -7,9 +7,9 @@ import json
 import pytest
 from bench_reports import LOSSES, make_report
 
-from memascend.bench.compare import GoldenTolerances, evaluate
-from memascend.bench.matrix import get_matrix
-from memascend.bench.output import markdown_table, scaling_fit, write_outputs
+from memascend.regress.compare import GoldenTolerances, evaluate
+from memascend.regress.matrix import get_matrix
+from memascend.regress.output import markdown_table, scaling_fit, write_outputs
 
 
 def _series_results():

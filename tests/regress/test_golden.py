@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 
-from memascend.bench import golden as gold
+from memascend.regress import golden as gold
 
 
 def test_profile_env_override_and_default_shape(monkeypatch):

@@ -8,7 +8,7 @@ GIB = 1 << 30
 def make_report(*, rss_gib: float, locked_gib: float, step_s: float, losses: list[float], ranks: int = 1,
                 param_numel: int = 134_515_008, param_dtype: str = "bfloat16",
                 phase_s: dict[str, float] | None = None) -> dict:
-    """A report with the fields :class:`memascend.bench.compare.RunMetrics` reads (as runner.py writes them).
+    """A report with the fields :class:`memascend.regress.compare.RunMetrics` reads (as runner.py writes them).
 
     ``phase_s``: seconds of every steady step in each phase (the first step takes 3x); ``None``: a
     report without phase times (as written before they were timed).

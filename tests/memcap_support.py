@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from memascend.bench.cgroup import CGROUP_ROOT, _Cgroup
+from memascend.host.memcap import CGROUP_ROOT, _Cgroup
 
 
 def _why_not() -> str | None:

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import psutil
 import pytest
-from cgroup_support import needs_cgroup
+from memcap_support import needs_cgroup
 
-from memascend.bench import cgroup as cg
-from memascend.bench.cgroup import (
+from memascend.errors import UserError
+from memascend.host import memcap as cg
+from memascend.host.memcap import (
     CGROUP_ROOT,
     CappedResult,
     _Cgroup,
@@ -24,7 +25,6 @@ from memascend.bench.cgroup import (
     parse_size_bytes,
     run_capped,
 )
-from memascend.errors import UserError
 
 MIB = 1 << 20
 # Touches 300 MiB and holds it a moment (so a sampler sees it too).
@@ -215,7 +215,7 @@ def test_a_cgroup2_root_without_the_memory_controller_is_explained(tmp_path):
 
 
 def test_cli_bad_cap_is_one_line_error():
-    proc = subprocess.run([sys.executable, "-m", "memascend.bench.cgroup", "--cap", "lots", "--", "true"],
+    proc = subprocess.run([sys.executable, "-m", "memascend.host.memcap", "--cap", "lots", "--", "true"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "not a memory size: 'lots'" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -224,7 +224,7 @@ def test_cli_bad_cap_is_one_line_error():
 @needs_cgroup
 def test_cli_reports_oom_and_writes_json(tmp_path):
     out = tmp_path / "cap.json"
-    proc = subprocess.run([sys.executable, "-m", "memascend.bench.cgroup", "--cap", "128MiB", "--json", str(out),
+    proc = subprocess.run([sys.executable, "-m", "memascend.host.memcap", "--cap", "128MiB", "--json", str(out),
                            "--", *_TOUCH], capture_output=True, text=True)
     assert proc.returncode == 137 and "OOM-killed under the 128 MiB cap" in proc.stderr
     doc = json.loads(Path(out).read_text())

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from memascend.bench.compare import GIB, ConfigResult, fit_line
+from memascend.regress.compare import ConfigResult, fit_line
+from memascend.units import GIB
 
 
 def _fmt_ratio(res: ConfigResult, name: str) -> str:

@@ -9,8 +9,8 @@ import pytest
 from bench_reports import LOSSES, make_report
 from click.testing import CliRunner
 
-from memascend.bench import runner as runner_mod
 from memascend.cli.main import cli
+from memascend.regress import runner as runner_mod
 
 ONLY = "smollm2-shakespeare-r1"
 
@@ -82,7 +82,7 @@ def test_unknown_only_pattern_is_a_user_error(tmp_path):
 
 
 def test_resume_reuses_existing_reports(tmp_path, good_pair):
-    from memascend.bench.matrix import get_matrix
+    from memascend.regress.matrix import get_matrix
 
     cfg = get_matrix("smoke").configs[0]
     for engine, rep in zip(("baseline", "memascend"), good_pair, strict=True):

@@ -28,7 +28,7 @@ The cgroup is removed afterwards (leftover tasks killed first), also on errors a
 
 Command line (what ``just capped`` runs)::
 
-    python -m memascend.bench.cgroup --cap 16GiB [--json FILE] [--timeout S] -- python -m memascend finetune ...
+    python -m memascend.host.memcap --cap 16GiB [--json FILE] [--timeout S] -- python -m memascend finetune ...
 
 exits with the child's status, 137 when the cap stopped it (``OOM-killed under the 16 GiB cap``),
 124 when it timed out.
@@ -565,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.exit(124)
         sys.exit(rc if rc >= 0 else 128 - rc)
 
-    return cli.main(args=argv, prog_name="python -m memascend.bench.cgroup")
+    return cli.main(args=argv, prog_name="python -m memascend.host.memcap")
 
 
 if __name__ == "__main__":
