@@ -3,8 +3,8 @@
 Default run: 16 MiB per measurement (a few seconds) with loose floors, because this machine's
 virtual disk and CPUs are shared and a 16 MiB transfer is noise-dominated. ``-m slow`` runs the
 issue's targets (>= 0.95x fio, >= DeepSpeed aio) on 256 MiB transfers at 1 and 16 MiB requests.
-The full table: ``python -m memascend.bench.io_bench --total-mib 256``; without the disk's noise
-(root): ``python -m memascend.bench.io_bench --ram-loop-mib 1200 --total-mib 512 --region-mib 256``.
+The full table: ``python -m benchmarks.io_bench --total-mib 256``; without the disk's noise
+(root): ``python -m benchmarks.io_bench --ram-loop-mib 1200 --total-mib 512 --region-mib 256``.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import shutil
 
 import pytest
 
-from memascend.bench import ram_loop
-from memascend.bench.io_bench import (
+from benchmarks import ram_loop
+from benchmarks.io_bench import (
     Case,
     Row,
     cpu_summary,

@@ -24,15 +24,15 @@ the quartiles of the repeat-by-repeat ratios (the two runs of a pair are seconds
 drift of the load cancels).
 
 ``--ram-loop-mib N`` runs everything on a loop device backed by an N MiB file in a private tmpfs
-(:mod:`memascend.bench.ram_loop`): a raw partition for the engine and fio, ext4 for DeepSpeed,
+(:mod:`benchmarks.ram_loop`): a raw partition for the engine and fio, ext4 for DeepSpeed,
 all removed afterwards. Its service time is a memory copy, so the numbers compare the software
 paths, not NVMe media.
 
 Usage::
 
-    python -m memascend.bench.io_bench --target /var/tmp/bench.bin --total-mib 64 \\
+    python -m benchmarks.io_bench --target /var/tmp/bench.bin --total-mib 64 \\
         --block-kib 1024,16384 --queue-depth 8,32 --deepspeed-folder /var/tmp/ds_swap
-    python -m memascend.bench.io_bench --ram-loop-mib 1200 --total-mib 4096 --region-mib 256 \\
+    python -m benchmarks.io_bench --ram-loop-mib 1200 --total-mib 4096 --region-mib 256 \\
         --repeats 11 --crc both --json io.json        # root
 
 Measure a few GiB per measurement: on a fast device a few hundred MiB take a tenth of a second,
@@ -687,7 +687,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with contextlib.ExitStack() as stack:
             if a.ram_loop_mib is not None:
-                from memascend.bench import ram_loop
+                from benchmarks import ram_loop
 
                 stack.enter_context(ram_loop.terminate_as_exit())
                 raw_mib = span_mib + 1
@@ -735,7 +735,7 @@ def main(argv: list[str] | None = None) -> int:
         "crc": a.crc,
         "backend": a.backend,
         "engine_ring": ring,
-        "command": "python -m memascend.bench.io_bench "
+        "command": "python -m benchmarks.io_bench "
         + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     print(

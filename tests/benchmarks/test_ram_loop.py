@@ -1,4 +1,4 @@
-"""RAM-backed loop device of the I/O benchmark (memascend/bench/ram_loop.py): partitions, ext4,
+"""RAM-backed loop device of the I/O benchmark (benchmarks/ram_loop.py): partitions, ext4,
 and that nothing is left behind (tmpfs, loop device, mount, folders) on success, on an error at
 any step, and on SIGTERM."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from memascend.bench import ram_loop
+from benchmarks import ram_loop
 from memascend.errors import UserError
 
 MiB = 1 << 20
@@ -124,12 +124,13 @@ def test_nothing_left_after_sigterm(tmp_path):
     require_tools()
     script = (
         "import sys, time\n"
-        "from memascend.bench import ram_loop\n"
+        "from benchmarks import ram_loop\n"
         "with ram_loop.terminate_as_exit(), ram_loop.ram_loop_device(160, 40) as d:\n"
         "    print(d.backing_file, d.fs_mount, d.tmpfs_mount, flush=True)\n"
         "    time.sleep(60)\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[2])
     try:
         backing, fs_mount, tmpfs = proc.stdout.readline().split()
         assert backing in loop_backing_files()

@@ -7,11 +7,11 @@ CRC32C, :mod:`memascend.integrations.deepspeed.raw_store`) must take at most the
 same run with ``--nvme-path`` on a folder of a filesystem of the same device (stock
 ZeRO-Infinity's one file per tensor), with identical per-step losses.
 
-Both run on one RAM-backed loop device (:mod:`memascend.bench.ram_loop`: a raw partition and an
+Both run on one RAM-backed loop device (:mod:`benchmarks.ram_loop`: a raw partition and an
 ext4 one), in alternating order (folder first, then store first, ...), and the medians of each
 run's median step time are compared. Needs root, ``losetup``, ``mkfs.ext4`` and ``parted``.
 
-``python3 -m memascend.bench.store_e2e --output DIR [--repeats N] [--engine memascend|baseline]``
+``python3 -m benchmarks.store_e2e --output DIR [--repeats N] [--engine memascend|baseline]``
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def run(output: Path, *, repeats: int, engine: str, timeout_s: float) -> Compari
     Raises:
         UserError: no root or tools for the loop device, a run that failed.
     """
-    from memascend.bench import ram_loop
+    from benchmarks import ram_loop
     from memascend.regress.matrix import get_matrix
     from memascend.regress.runner import run_one
 
@@ -121,7 +121,7 @@ def run(output: Path, *, repeats: int, engine: str, timeout_s: float) -> Compari
 
 def main(argv: list[str] | None = None) -> int:
     """Command line; exit 0 when the target is met, 1 when not, 2 on bad input."""
-    p = argparse.ArgumentParser(prog="python3 -m memascend.bench.store_e2e", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python3 -m benchmarks.store_e2e", description=__doc__.splitlines()[0])
     p.add_argument("--output", required=True, type=Path, help="folder for the runs and results.json")
     p.add_argument("--repeats", type=int, default=2, help="runs of each (alternating order; default 2)")
     p.add_argument("--engine", choices=("memascend", "baseline"), default="memascend")

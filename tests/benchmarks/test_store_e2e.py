@@ -1,4 +1,4 @@
-"""memascend/bench/store_e2e.py: the raw store against the folder of swap files, end to end."""
+"""benchmarks/store_e2e.py: the raw store against the folder of swap files, end to end."""
 
 from __future__ import annotations
 
@@ -6,13 +6,15 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from memascend.bench import store_e2e
+from benchmarks import store_e2e
 from memascend.errors import UserError
+from memascend.units import GIB
 
-GIB = 1 << 30
+REPO = Path(__file__).resolve().parents[2]
 
 
 def report(step_s: float, losses: list[float], rss_gib: float = 2.0) -> dict:
@@ -46,8 +48,8 @@ def test_unpaired_runs_are_refused():
 
 
 def test_bad_repeats_is_one_line_exit_2(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "memascend.bench.store_e2e", "--output", str(tmp_path),
-                           "--repeats", "0"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.store_e2e", "--output", str(tmp_path),
+                           "--repeats", "0"], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "memascend store_e2e: error: --repeats must be at least 1, got 0"
 
@@ -61,8 +63,9 @@ def test_real_smollm2_store_against_folder_on_a_ram_loop(tmp_path, request):
         pytest.skip("slow: two SmolLM2 fine-tunes on a RAM loop device; run with -m slow")
     if os.geteuid() != 0:
         pytest.skip("needs root (mount, losetup)")
-    proc = subprocess.run([sys.executable, "-m", "memascend.bench.store_e2e", "--output", str(tmp_path),
-                           "--repeats", "1"], capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.store_e2e", "--output", str(tmp_path),
+                           "--repeats", "1"], capture_output=True, text=True, timeout=1800,
+                          cwd=REPO)
     assert proc.returncode in (0, 1), proc.stderr[-2000:]
     doc = json.loads((tmp_path / "results.json").read_text())
     assert doc["losses_equal"] is True  # the time target is the benchmark's verdict, not this test's

@@ -1,1 +1,0 @@
-"""Regression benchmarks: matrices, the baseline-vs-memascend runner, comparison, golden files, planner."""
