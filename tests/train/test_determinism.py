@@ -111,3 +111,17 @@ def test_dropout_model_resume_is_exact(dropout_runs):
     print(f"\nresumed {got}")
     assert resumed["checkpoint"]["start_step"] == 2 and resumed["seeding"]["rng_from_checkpoint"] is True
     assert got == _hex_losses(dropout_runs["a"])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_dropout_model_two_ranks_resume_is_exact(tmp_path, dropout_model):
+    """Two ranks draw their own dropout streams (seed + rank); each rank's RNG state comes back."""
+    two = ["--nproc", "2", "--steps"]
+    straight = _finetune(tmp_path, "straight", dropout_model, *two, "4")
+    first = _finetune(tmp_path, "first", dropout_model, *two, "2", "--save-checkpoint", str(tmp_path / "ck"))
+    resumed = _finetune(tmp_path, "resumed", dropout_model, *two, "4", "--resume", str(tmp_path / "ck"))
+    assert straight["seeding"]["rank_seeds"] == [5, 6] and resumed["seeding"]["rng_from_checkpoint"] is True
+    assert {**_hex_losses(first), **_hex_losses(resumed)} == _hex_losses(straight)
+    # rank 0's own micro-batch losses too (the step loss above averages both ranks)
+    assert [s["rank_losses"] for s in resumed["steps"]] == [s["rank_losses"] for s in straight["steps"][2:]]
