@@ -3,52 +3,18 @@
 from __future__ import annotations
 
 import json
-import math
-import re
 import sys
 from pathlib import Path
 
 import click
 
+from memascend.cli.params import SIZE_BYTES
 from memascend.host import DoctorOptions, HostPaths, Status, exit_code, run_checks
 from memascend.host.memlock import estimate_lock_bytes
 from memascend.host.result import format_bytes
 from memascend.host.storage import estimate_nvme_bytes
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-}
 _STYLE = {Status.PASS: "green", Status.WARN: "yellow", Status.FAIL: "bold red", Status.SKIP: "dim"}
-
-
-class SizeBytes(click.ParamType):
-    """A byte count such as ``4GiB``, ``512MiB``, ``2G`` (decimal) or ``1048576``."""
-
-    name = "SIZE"
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, int):
-            return value
-        match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
-        if not match or match.group(2).lower() not in _UNITS:
-            self.fail(f"{value!r} is not a size (examples: 4GiB, 512MiB, 2G, 1048576)", param, ctx)
-        number = float(match.group(1)) * _UNITS[match.group(2).lower()]
-        if not math.isfinite(number):
-            self.fail(f"{value!r} is too large", param, ctx)
-        return int(number)
 
 
 def _print_table(results, console) -> None:
@@ -66,7 +32,7 @@ def _print_table(results, console) -> None:
 @click.command("doctor")
 @click.option(
     "--lock-bytes",
-    type=SizeBytes(),
+    type=SIZE_BYTES,
     default=None,
     help=f"Host memory the run will lock (mlock) [default: estimate for the built-in run, "
     f"{format_bytes(estimate_lock_bytes())}].",
@@ -92,7 +58,7 @@ def _print_table(results, console) -> None:
 )
 @click.option(
     "--nvme-bytes",
-    type=SizeBytes(),
+    type=SIZE_BYTES,
     default=None,
     help=f"Bytes the run writes under --nvme-path [default: estimate for the built-in run, "
     f"{format_bytes(estimate_nvme_bytes())}].",

@@ -23,3 +23,22 @@ class PositiveFloat(click.ParamType):
 
 
 POSITIVE_FLOAT = PositiveFloat()
+
+
+class SizeBytes(click.ParamType):
+    """A byte count: ``16GiB``, ``300MiB``, ``2G`` (binary), ``4GB`` (decimal) or ``1048576``
+    (:func:`memascend.units.parse_size_bytes`); anything else is a one-line usage error."""
+
+    name = "SIZE"
+
+    def convert(self, value, param, ctx):
+        from memascend.errors import UserError
+        from memascend.units import parse_size_bytes
+
+        try:
+            return parse_size_bytes(value)
+        except UserError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+SIZE_BYTES = SizeBytes()

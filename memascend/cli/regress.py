@@ -7,27 +7,8 @@ from pathlib import Path
 
 import click
 
-from memascend.cli.params import POSITIVE_FLOAT
+from memascend.cli.params import POSITIVE_FLOAT, SIZE_BYTES
 from memascend.regress.matrix import MATRICES
-
-
-class MemorySize(click.ParamType):
-    """``16GiB``, ``300MiB``, ``4e9`` -> bytes; anything else is a one-line usage error."""
-
-    name = "SIZE"
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, int):
-            return value
-        from memascend.errors import UserError
-        from memascend.host.memcap import parse_size_bytes
-
-        try:
-            return parse_size_bytes(value)
-        except UserError as exc:
-            self.fail(str(exc), param, ctx)
-        except OverflowError:  # a number past float's range (1e999) reads as inf
-            self.fail(f"not a memory size: {value!r} (e.g. 16GiB, 300MiB)", param, ctx)
 
 
 @click.command("regress")
@@ -37,7 +18,7 @@ class MemorySize(click.ParamType):
 @click.option("--output", "output_dir", default="runs/regress", show_default=True,
               help="Folder for results.json, results.md, PNG plots and each run's output and log")
 @click.option("--only", "only", default=None, help="Run only configs whose name matches this shell pattern (several: comma-separated)")
-@click.option("--memory-cap", "memory_cap", type=MemorySize(), default=None,
+@click.option("--memory-cap", "memory_cap", type=SIZE_BYTES, default=None,
               help="Run every training process under this hard host-memory cap (e.g. 16GiB): a fresh memory cgroup "
               "(v2, else v1; no swap; needs root) per run; a run past it is OOM-killed, recorded as such. Where no "
               "cgroup can be made the cap is not enforced: the runs' uncapped peaks are reported, and a watchdog "

@@ -51,29 +51,13 @@ from pathlib import Path
 import psutil
 
 from memascend.errors import UserError
+from memascend.units import parse_size_bytes
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 """Where cgroup hierarchies are mounted (read at call time: tests point it elsewhere)."""
 
 PREFIX = "memascend-cap-"
 _CAP_SLACK = 8 << 20  # a v1 peak this close to the limit counts as the limit reached
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
-          "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40}
-
-
-def parse_size_bytes(text: str) -> int:
-    """``"16GiB"``, ``"300M"``, ``"4e9"`` -> bytes (binary units for K/M/G/T, decimal for KB/MB/GB/TB).
-
-    Raises:
-        UserError: not a positive size.
-    """
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = m.group(2).lower() if m else None
-    if not m or unit not in _UNITS or float(m.group(1)) <= 0 or int(float(m.group(1)) * _UNITS[unit]) < 1:
-        raise UserError(f"not a memory size: {text!r} (e.g. 16GiB, 300MiB)")
-    return int(float(m.group(1)) * _UNITS[unit])
-
-
 def format_size(n: int | None) -> str:
     """``17179869184`` -> ``"16 GiB"``, ``134217728`` -> ``"128 MiB"``, ``1610612736`` -> ``"1.5 GiB"``."""
     if n is None:
@@ -534,17 +518,8 @@ def run_capped(cmd: list[str], cap_bytes: int, *, root: Path | None = None, time
 def main(argv: list[str] | None = None) -> int:
     import click
 
-    class _Size(click.ParamType):
-        name = "SIZE"
-
-        def convert(self, value, param, ctx):
-            try:
-                return parse_size_bytes(value)
-            except UserError as exc:
-                self.fail(str(exc), param, ctx)
-
     @click.command(context_settings={"ignore_unknown_options": True})
-    @click.option("--cap", "cap_bytes", required=True, type=_Size(), help="Hard memory cap, e.g. 16GiB")
+    @click.option("--cap", "cap_bytes", required=True, help="Hard memory cap, e.g. 16GiB (16G is the same; 16GB is 16e9)")
     @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
                   help="Write the outcome as JSON here")
     @click.option("--timeout", "timeout_s", type=float, default=None, help="Kill the run after this many seconds")
@@ -554,6 +529,10 @@ def main(argv: list[str] | None = None) -> int:
 
         Exit status: CMD's; 137 when the cap stopped it (OOM-killed); 124 when it timed out.
         """
+        try:
+            cap_bytes = parse_size_bytes(cap_bytes)
+        except UserError as exc:
+            raise click.BadParameter(str(exc), param_hint="'--cap'") from None
         res = run_capped(list(cmd), cap_bytes, timeout_s=timeout_s)
         click.echo(f"memascend cap: {res.verdict} ({res.mechanism.split(':')[0]}, {res.wall_s:.0f} s)", err=True)
         if json_path:

@@ -124,7 +124,7 @@ CASES: tuple[Case, ...] = (
     Case("missing-value", "option without its value", "finetune", ("--seq-len",), "Option '--seq-len' requires an argument."),
     Case("unknown-command", "unknown command", "", ("train",), "No such command 'train'."),
     Case("doctor-size", "doctor: a size that is not one", "doctor", ("--lock-bytes", "lots"),
-         "Invalid value for '--lock-bytes': 'lots' is not a size"),
+         "Invalid value for '--lock-bytes': not a memory size: 'lots' (e.g. 16GiB, 300MiB)"),
     Case("doctor-size-overflow", "doctor: a size past float range", "doctor", ("--nvme-bytes", "9" * 400),
          "is too large"),
     Case("plan-cap-nan", "plan: --cap-gib NaN", "plan", ("--cap-gib", "nan"),

@@ -51,7 +51,7 @@ def test_required_hugepages_flag_changes_exit_code(fake_host):
 
 def test_bad_size_is_a_usage_error(fake_host):
     result = CliRunner().invoke(doctor, ["--lock-bytes", "lots"])
-    assert result.exit_code == 2 and "not a size" in result.output
+    assert result.exit_code == 2 and "not a memory size: 'lots'" in result.output
 
 
 def test_sizes_accept_binary_and_decimal_units(fake_host):

@@ -43,7 +43,7 @@ def _my_groups() -> set[Path]:
     return found
 
 
-def test_parse_and_format_size():
+def test_format_size_and_the_reexported_parser():
     assert parse_size_bytes("16GiB") == 16 << 30
     assert parse_size_bytes("300MiB") == 300 << 20
     assert parse_size_bytes("1.5G") == 3 << 29
