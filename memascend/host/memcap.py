@@ -8,6 +8,10 @@ hard limit and no swap, before the child allocates anything (the child writes it
 that is writable (so any limit, accounting or kill of the caller's group still covers the run), else
 at the hierarchy's root:
 
+* where systemd runs the host (PID 1 is systemd, ``systemd-run`` exists, unified cgroup v2 with
+  the memory controller, root): a transient scope, ``systemd-run --scope -p MemoryMax=<cap> -p
+  MemorySwapMax=0 -- CMD`` (:mod:`memascend.host.systemd_scope`), read like a v2 group below; the
+  result's ``launcher`` is ``systemd-run`` (else ``direct``: memcap writes the cgroup files itself);
 * cgroup v2 (``memory.max``, ``memory.swap.max`` = 0, ``memory.oom.group``; peak from
   ``memory.peak``, else sampled ``memory.current``; OOM kills from ``memory.events``) where a v2
   hierarchy with the memory controller enabled for child groups is writable;
@@ -39,6 +43,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,6 +56,7 @@ from pathlib import Path
 import psutil
 
 from memascend.errors import UserError
+from memascend.host import systemd_scope
 from memascend.units import parse_size_bytes
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -101,6 +107,8 @@ class CappedResult:
     timed_out: bool
     watchdog_killed: bool
     wall_s: float
+    launcher: str = "direct"
+    """``systemd-run`` where a systemd scope made the capped cgroup, ``direct`` where memcap wrote it."""
 
     @property
     def enforced(self) -> bool:
@@ -404,8 +412,34 @@ class _Cgroup:
         self.path = None
 
 
+class _ScopeCgroup(_Cgroup):
+    """The cgroup v2 group of a transient systemd scope (``systemd-run --scope``), read like a direct
+    one; systemd creates it with the limit and removes it when its process exits."""
+
+    def __init__(self, cap_bytes: int, unit: str) -> None:
+        self.path, self.version, self.cap_bytes, self.unit = None, 2, cap_bytes, unit
+        self.why = f"cannot enforce: systemd scope {unit}.scope not found"
+
+    def join(self, pid: int) -> None:
+        """Find the scope once ``pid`` (systemd-run) has moved into it; kill the group as one on OOM."""
+        self.path = systemd_scope.scope_cgroup(pid, self.unit, CGROUP_ROOT)
+        if self.path is not None:
+            try:
+                (self.path / "memory.oom.group").write_text("1")
+            except OSError:
+                pass
+
+    def remove(self, timeout_s: float = 15.0) -> None:
+        if self.path is not None:
+            self.kill_all()
+        self.path = None
+
+
 def probe(cap_bytes: int = 1 << 30, root: Path | None = None) -> str:
-    """The mechanism :func:`run_capped` would use now (a cgroup is created and removed at once)."""
+    """The mechanism :func:`run_capped` would use now (a cgroup is created and removed at once;
+    ``cgroup-v2`` where a systemd scope would make it, :func:`launcher`)."""
+    if root is None and systemd_scope.cached_unavailable_reason() is None:
+        return "cgroup-v2"
     group = _Cgroup(Path(root or CGROUP_ROOT), cap_bytes)
     try:
         return group.mechanism
@@ -447,6 +481,13 @@ def _kill(group: _Cgroup, proc: psutil.Process | None) -> None:
         _kill_tree(proc)
 
 
+def launcher(root: Path | None = None) -> str:
+    """How :func:`run_capped` makes the capped cgroup: ``systemd-run`` (a transient scope with
+    ``MemoryMax=``) where systemd runs the host and can (:func:`memascend.host.systemd_scope.unavailable_reason`),
+    else ``direct`` (memcap writes the cgroup v2/v1 files itself). Always ``direct`` when ``root`` is given."""
+    return "systemd-run" if root is None and systemd_scope.cached_unavailable_reason() is None else "direct"
+
+
 def run_capped(cmd: list[str], cap_bytes: int, *, root: Path | None = None, timeout_s: float | None = None,
                watchdog: bool = True, poll_s: float = 0.1, term_grace_s: float = 20.0, **popen_kwargs) -> CappedResult:
     """Run ``cmd`` (and everything it starts) under a hard memory cap; wait for it.
@@ -468,10 +509,16 @@ def run_capped(cmd: list[str], cap_bytes: int, *, root: Path | None = None, time
         The outcome; ``mechanism`` starts with ``none: cannot enforce:`` where no memory cgroup
         could be made (e.g. without root), and the peak is then the uncapped one.
     """
-    group = _Cgroup(Path(root or CGROUP_ROOT), cap_bytes)
+    scoped = launcher(root) == "systemd-run"
+    group = (_ScopeCgroup(cap_bytes, f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}") if scoped
+             else _Cgroup(Path(root or CGROUP_ROOT), cap_bytes))
     try:
         t0 = time.monotonic()
+        if scoped:
+            cmd = systemd_scope.command(cmd, cap_bytes, group.unit, shutil.which("systemd-run") or "systemd-run")
         proc = subprocess.Popen(cmd, preexec_fn=group.enter_fn() if group.path else None, **popen_kwargs)
+        if scoped:
+            group.join(proc.pid)
         try:
             ps: psutil.Process | None = psutil.Process(proc.pid)
         except psutil.Error:
@@ -510,7 +557,7 @@ def run_capped(cmd: list[str], cap_bytes: int, *, root: Path | None = None, time
                                 sampled > cap_bytes, timed_out, watchdog_killed, wall)
         peak, source = group.peak(sampled)
         return CappedResult(None if timed_out else rc, cap_bytes, group.mechanism, peak, source, group.oom_kills(),
-                            group.cap_hit(), timed_out, False, wall)
+                            group.cap_hit(), timed_out, False, wall, "systemd-run" if scoped else "direct")
     finally:
         group.remove()
 
@@ -534,7 +581,8 @@ def main(argv: list[str] | None = None) -> int:
         except UserError as exc:
             raise click.BadParameter(str(exc), param_hint="'--cap'") from None
         res = run_capped(list(cmd), cap_bytes, timeout_s=timeout_s)
-        click.echo(f"memascend cap: {res.verdict} ({res.mechanism.split(':')[0]}, {res.wall_s:.0f} s)", err=True)
+        click.echo(f"memascend cap: {res.verdict} ({res.mechanism.split(':')[0]}, {res.launcher}, {res.wall_s:.0f} s)",
+                   err=True)
         if json_path:
             Path(json_path).write_text(json.dumps({**res.to_dict(), "cmd": list(cmd)}, indent=2) + "\n")
         rc = res.returncode

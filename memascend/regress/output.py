@@ -339,6 +339,7 @@ def write_outputs(results: list[ConfigResult], out_dir: Path, meta: dict, timeli
 def cap_enforcement(cap: dict) -> str:
     """``enforced by cgroup-v1 (hard limit, no swap)`` or ``NOT enforced (cannot enforce: ...)``."""
     if cap.get("enforced"):
-        return f"enforced by {cap['mechanism']} (hard limit, no swap; a run past it is OOM-killed)"
+        via = " in a systemd-run scope" if cap.get("launcher") == "systemd-run" else ""
+        return f"enforced by {cap['mechanism']}{via} (hard limit, no swap; a run past it is OOM-killed)"
     return (f"NOT enforced ({cap['mechanism'].removeprefix('none: ')}); peaks are uncapped, and a run whose "
             "sampled RSS passed the cap was stopped by a watchdog")

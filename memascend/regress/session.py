@@ -47,7 +47,7 @@ def _cap_meta(console, memory_cap_bytes: int | None) -> dict | None:
 
     mechanism = memcap.probe(memory_cap_bytes)
     cap_meta = {"cap_bytes": memory_cap_bytes, "cap": memcap.format_size(memory_cap_bytes), "mechanism": mechanism,
-                "enforced": mechanism.startswith("cgroup-")}
+                "enforced": mechanism.startswith("cgroup-"), "launcher": memcap.launcher()}
     style = "" if cap_meta["enforced"] else "[bold yellow]"
     console.print(f"{style}memory cap {cap_meta['cap']} per run: {cap_enforcement(cap_meta)}"
                   + ("[/bold yellow]" if style else ""))

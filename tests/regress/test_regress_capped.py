@@ -37,6 +37,7 @@ def _cap(outcome: str, peak_gib: float) -> CappedResult:
 def _fake_capped_runs(monkeypatch, plan, calls: list):
     """``plan(cfg, engine) -> (outcome, peak GiB)``: a run that "fit" writes a report of that peak."""
     monkeypatch.setattr(cg, "probe", lambda cap, root=None: "cgroup-v1")
+    monkeypatch.setattr(cg, "launcher", lambda root=None: "direct")
 
     def run_one(cfg, engine, out_root, nvme_path, timeout_s, resume=False, memory_cap=None, tag=""):
         assert memory_cap == CAP
@@ -79,7 +80,7 @@ def test_search_stops_each_engine_at_its_first_oom_and_reports_the_largest_side_
     assert ("largest model trainable under the 16 GiB cap: baseline llama-0.5b (0.45 B params), memascend llama-3b "
             "(2.77 B params) (every model searched fit): memascend trains a 6.1x larger model") in " ".join(res.output.split())
     doc = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert doc["ok"] and doc["memory_cap"] == {"cap_bytes": CAP, "cap": "16 GiB", "mechanism": "cgroup-v1",
+    assert doc["ok"] and doc["memory_cap"] == {"cap_bytes": CAP, "cap": "16 GiB", "mechanism": "cgroup-v1", "launcher": "direct",
                                                "enforced": True}
     largest = doc["largest_under_cap"]
     assert largest["baseline"]["largest"]["config"] == "llama-0.5b-bf16-256x1"
