@@ -131,21 +131,50 @@ def text_pieces(text: str, window_chars: int = TOKENIZE_WINDOW_CHARS) -> Iterato
         yield start, n
 
 
-def _encode(tokenizer, text: str, *, offsets: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Token ids (int32 ``[n]``) and, with ``offsets``, character offsets (int32 ``[n, 2]``) of ``text``,
-    tokenized piece by piece (:func:`text_pieces`) into compact tensors (an id or offset beyond
-    int32 raises instead of wrapping)."""
-    ids_parts, off_parts = [], []
+#: One document's tokens as consecutive pieces: ``(ids, mask)`` with int32 ids ``[k]`` and a bool
+#: mask ``[k]`` of the tokens that carry a loss, or ``None`` when all of them do (plain text).
+Pieces = list[tuple[torch.Tensor, "torch.Tensor | None"]]
+
+
+def _assistant_mask(offsets: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """Bool ``[k]``: tokens (character offsets int32 ``[k, 2]``) that start inside an assistant span
+    and are not empty."""
+    if not spans:
+        return torch.zeros(len(offsets), dtype=torch.bool)
+    span_start = torch.tensor([a for a, _ in spans], dtype=torch.int32)
+    span_end = torch.tensor([b for _, b in spans], dtype=torch.int32)
+    tok_start, tok_end = offsets[:, 0].contiguous(), offsets[:, 1].contiguous()
+    # The first span ending after the token's start (spans are sorted and disjoint).
+    idx = torch.searchsorted(span_end, tok_start, right=True)
+    found = idx < len(spans)
+    idx = idx.clamp(max=len(spans) - 1)
+    return found & (span_start[idx] <= tok_start) & (tok_start < span_end[idx]) & (tok_end > tok_start)
+
+
+def _tokenize_pieces(doc: Document, tokenizer) -> Pieces:
+    """:func:`tokenize_document` as one ``(ids, mask)`` per text piece (:func:`text_pieces`), so no
+    copy of the whole document's ids is ever made (ids beyond int32 raise instead of wrapping)."""
+    if doc.text is not None:
+        text, spans = doc.text, None
+    else:
+        if not tokenizer.chat_template:
+            raise UserError(f"{doc.origin}: chat data needs a model whose tokenizer has a chat template")
+        text = tokenizer.apply_chat_template(list(doc.messages), tokenize=False)
+        spans = _assistant_spans(text, doc.messages, tokenizer.eos_token)
+    pieces: Pieces = []
     for start, end in text_pieces(text, TOKENIZE_WINDOW_CHARS):
-        enc = tokenizer(text[start:end], add_special_tokens=False, return_offsets_mapping=offsets, verbose=False)
-        ids_parts.append(torch.tensor(enc["input_ids"], dtype=torch.int32))
-        if offsets:
-            off_parts.append(torch.tensor(enc["offset_mapping"], dtype=torch.int32).view(-1, 2) + start)
+        enc = tokenizer(text[start:end], add_special_tokens=False, return_offsets_mapping=spans is not None,
+                        verbose=False)
+        ids = torch.tensor(enc["input_ids"], dtype=torch.int32)
+        mask = None
+        if spans is not None:
+            offsets = torch.tensor(enc["offset_mapping"], dtype=torch.int32).view(-1, 2) + start
+            mask = _assistant_mask(offsets, spans)
         del enc
-    ids = torch.cat(ids_parts) if len(ids_parts) != 1 else ids_parts[0]
-    if not offsets:
-        return ids, None
-    return ids, (torch.cat(off_parts) if len(off_parts) != 1 else off_parts[0])
+        pieces.append((ids, mask))
+    if doc.text is not None and tokenizer.eos_token_id is not None:
+        pieces.append((torch.tensor([tokenizer.eos_token_id], dtype=torch.int32), None))
+    return pieces
 
 
 def tokenize_document(doc: Document, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,8 +182,9 @@ def tokenize_document(doc: Document, tokenizer) -> tuple[torch.Tensor, torch.Ten
 
     The text is tokenized in pieces of at most :data:`TOKENIZE_WINDOW_CHARS` characters
     (:func:`text_pieces` says when that equals tokenizing it whole: always for documents up to
-    that length), so a huge document needs memory for its ids (5 bytes per token with the mask)
-    and one piece's transient encoding only, and a signal is acted on between pieces.
+    that length), so a huge document needs memory for its ids (4 bytes per token, plus the mask
+    of a chat document) and one piece's transient encoding only, and a signal is acted on between
+    pieces.
 
     Returns:
         ``(ids, mask)``: int32 ``[n]`` and bool ``[n]``; a text document ends with EOS (when the
@@ -163,48 +193,48 @@ def tokenize_document(doc: Document, tokenizer) -> tuple[torch.Tensor, torch.Ten
     Raises:
         UserError: the tokenizer has no chat template for a chat document.
     """
-    if doc.text is not None:
-        ids, _ = _encode(tokenizer, doc.text, offsets=False)
-        if tokenizer.eos_token_id is not None:
-            ids = torch.cat([ids, torch.tensor([tokenizer.eos_token_id], dtype=torch.int32)])
-        return ids, torch.ones(len(ids), dtype=torch.bool)
-    if not tokenizer.chat_template:
-        raise UserError(f"{doc.origin}: chat data needs a model whose tokenizer has a chat template")
-    text = tokenizer.apply_chat_template(list(doc.messages), tokenize=False)
-    ids, offsets = _encode(tokenizer, text, offsets=True)
-    assert offsets is not None
-    spans = _assistant_spans(text, doc.messages, tokenizer.eos_token)
-    if not spans:
-        return ids, torch.zeros(len(ids), dtype=torch.bool)
-    span_start = torch.tensor([s for s, _ in spans], dtype=torch.int32)
-    span_end = torch.tensor([e for _, e in spans], dtype=torch.int32)
-    tok_start, tok_end = offsets[:, 0].contiguous(), offsets[:, 1].contiguous()
-    # The first span ending after the token's start (spans are sorted and disjoint).
-    idx = torch.searchsorted(span_end, tok_start, right=True)
-    found = idx < len(spans)
-    idx = idx.clamp(max=len(spans) - 1)
-    mask = found & (span_start[idx] <= tok_start) & (tok_start < span_end[idx]) & (tok_end > tok_start)
+    pieces = _tokenize_pieces(doc, tokenizer)
+    ids = torch.cat([t for t, _ in pieces])
+    mask = torch.cat([torch.ones(len(t), dtype=torch.bool) if m is None else m for t, m in pieces])
     return ids, mask
 
 
-def _pack(parts: Sequence[tuple[torch.Tensor, torch.Tensor]], seq_len: int) -> TokenBlocks:
-    """Concatenate documents' ``(ids, mask)`` and cut the stream into whole blocks (the rest is dropped)."""
-    n = sum(len(t) for t, _ in parts) // seq_len
+def _num_tokens(pieces: Pieces) -> int:
+    return sum(len(t) for t, _ in pieces)
+
+
+def _pack(docs: Sequence[Pieces], seq_len: int) -> TokenBlocks:
+    """Concatenate documents' tokens and cut the stream into whole blocks (the rest is dropped).
+
+    Returns:
+        Blocks whose int64 ids are written in place piece by piece; labels are the ids with
+        ``-100`` where the mask is false.
+    """
+    n = sum(_num_tokens(d) for d in docs) // seq_len
     if n == 0:
         return TokenBlocks(torch.empty(0, seq_len, dtype=torch.long), torch.empty(0, seq_len, dtype=torch.long))
     input_ids = torch.empty(n * seq_len, dtype=torch.long)
     keep = torch.empty(n * seq_len, dtype=torch.bool)
     pos = 0
-    for t, m in parts:
-        k = min(len(t), n * seq_len - pos)
-        if k <= 0:
-            break
-        input_ids[pos : pos + k] = t[:k]
-        keep[pos : pos + k] = m[:k]
-        pos += k
+    for pieces in docs:
+        for t, m in pieces:
+            k = min(len(t), n * seq_len - pos)
+            if k <= 0:
+                break
+            input_ids[pos : pos + k] = t[:k]
+            keep[pos : pos + k] = True if m is None else m[:k]
+            pos += k
     input_ids = input_ids.view(n, seq_len)
-    labels = input_ids.masked_fill(~keep.view(n, seq_len), IGNORE_INDEX)
+    labels = input_ids.masked_fill(keep.logical_not_().view(n, seq_len), IGNORE_INDEX)
     return TokenBlocks(input_ids, labels)
+
+
+def _with_trainable_rows(blocks: TokenBlocks) -> TokenBlocks:
+    """The blocks that have at least one token to learn (the same tensors when all have)."""
+    trainable = (blocks.labels != IGNORE_INDEX).any(dim=1)
+    if bool(trainable.all()):
+        return blocks
+    return TokenBlocks(blocks.input_ids[trainable], blocks.labels[trainable])
 
 
 def build_blocks(docs: Sequence[Document], tokenizer, seq_len: int, eval_blocks: int, seed: int) -> DataSplit:
@@ -215,12 +245,12 @@ def build_blocks(docs: Sequence[Document], tokenizer, seq_len: int, eval_blocks:
     """
     order = list(range(len(docs)))
     random.Random(seed).shuffle(order)
-    tokenized = [tokenize_document(docs[i], tokenizer) for i in order]
-    total = sum(len(t) for t, _ in tokenized)
+    tokenized = [_tokenize_pieces(docs[i], tokenizer) for i in order]
+    total = sum(_num_tokens(d) for d in tokenized)
     eval_tokens_needed = eval_blocks * seq_len
     n_eval_docs, acc = 0, 0
     while acc < eval_tokens_needed and n_eval_docs < len(tokenized):
-        acc += len(tokenized[n_eval_docs][0])
+        acc += _num_tokens(tokenized[n_eval_docs])
         n_eval_docs += 1
     if eval_blocks and (n_eval_docs >= len(tokenized) or acc > total // 2):
         # Too few documents to hold out whole ones: hold out the tail of the token stream instead.
@@ -238,14 +268,13 @@ def build_blocks(docs: Sequence[Document], tokenizer, seq_len: int, eval_blocks:
         train = _pack(tokenized[n_eval_docs:], seq_len)
     if len(train) == 0:
         raise UserError(f"corpus too small: {total} tokens give no training block of {seq_len} tokens")
-    trainable = (train.labels != IGNORE_INDEX).any(dim=1)
-    if not bool(trainable.any()):
-        raise UserError("no training block contains a token to learn (no assistant replies?)")
+    del tokenized
     # Blocks without a single assistant token contribute no loss: drop them.
-    train = TokenBlocks(train.input_ids[trainable], train.labels[trainable])
+    train = _with_trainable_rows(train)
+    if len(train) == 0:
+        raise UserError("no training block contains a token to learn (no assistant replies?)")
     if len(held):
-        keep = (held.labels != IGNORE_INDEX).any(dim=1)
-        held = TokenBlocks(held.input_ids[keep], held.labels[keep])
+        held = _with_trainable_rows(held)
     return DataSplit(train=train, eval=held, num_documents=len(docs), num_tokens=total)
 
 
