@@ -105,11 +105,13 @@ def check_extension(name: str, *, cache_dir: Path | None = None) -> CheckResult:
 
 def build_lock_roots() -> list[Path]:
     """Build folders whose lock files :func:`check_build_locks` inspects: this environment's
-    memascend ops and torch extensions folders, and torch's default root (plain DeepSpeed and
-    older memascend versions build there)."""
+    memascend ops and torch extensions folders, memascend's cache roots above them (every
+    environment's folders, and the unkeyed op folders of memascend before 2026-11-25), and torch's
+    default root (plain DeepSpeed and older memascend versions build there)."""
     from memascend.ops.build import ext_cache_dir, torch_extensions_dir
 
-    roots = [ext_cache_dir(create=False), torch_extensions_dir()]
+    cache = Path.home() / ".cache" / "memascend"
+    roots = [ext_cache_dir(create=False), torch_extensions_dir(), cache / "ext", cache / "torch_extensions"]
     try:
         from torch.utils.cpp_extension import get_default_build_root
 

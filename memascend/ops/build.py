@@ -74,9 +74,10 @@ def build_env_key(
 
     Args:
         executable, prefix, python_version, torch_version, deepspeed_version: the inputs
-            (default: this process's ``sys.executable`` (not resolved: a venv's interpreter is a
-            link to the base one), ``sys.prefix``, ``sys.version``, torch's version and CUDA
-            version, DeepSpeed's version or ``none``).
+            (default: this process's ``sys.executable`` with links resolved (``python3`` and
+            ``python3.11`` are one interpreter), ``sys.prefix`` (tells venvs of one interpreter
+            apart), ``sys.version``, torch's version and CUDA version, DeepSpeed's version or
+            ``none``).
 
     Returns:
         A folder name; two environments differing in any input get different names.
@@ -86,7 +87,7 @@ def build_env_key(
 
         torch_version = f"{torch.__version__}+cuda{torch.version.cuda}" if torch.version.cuda else torch.__version__
     inputs = (
-        os.path.abspath(executable if executable is not None else sys.executable),
+        os.path.realpath(executable if executable is not None else sys.executable),
         os.path.abspath(prefix if prefix is not None else sys.prefix),
         python_version if python_version is not None else sys.version,
         torch_version,
