@@ -377,7 +377,8 @@ def verify_files(ck: Checkpoint, *, share: tuple[int, int] = (0, 1)) -> None:
 
 def verify_checkpoint(ck: Checkpoint, *, rank: int = 0, world_size: int = 1) -> None:
     """:func:`verify_files` with the files shared among the ranks (each hashes its share; every
-    rank then raises the first failure any rank found).
+    rank then raises the first failure any rank found, naming the newest older complete checkpoint
+    beside it, if any, as the way out).
 
     Raises:
         IntegrityError: see :func:`verify_files`.
@@ -393,7 +394,9 @@ def verify_checkpoint(ck: Checkpoint, *, rank: int = 0, world_size: int = 1) -> 
         d.all_gather_object(errs, err)
         err = next((e for e in errs if e), None)
     if err:
-        raise IntegrityError(err)
+        older = [c for c in complete_checkpoints(ck.load_dir) if c.step < ck.step]
+        hint = f"; move {ck.path} away to resume {older[-1].path}" if older else ""
+        raise IntegrityError(err + hint)
 
 
 def check_compatible(ck: Checkpoint, *, param_shapes: dict[str, list[int]], dtype: str, world_size: int) -> None:

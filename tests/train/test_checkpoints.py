@@ -144,6 +144,14 @@ def test_flipped_bit_and_truncation_detected_naming_file_and_range(tmp_path):
     ckpt.verify_files(found, share=(0, 2))
 
 
+def test_corrupt_checkpoint_names_the_older_one(tmp_path):
+    _save(tmp_path / "ck", 2)
+    found = _save(tmp_path / "ck", 4)
+    (found.path / "mp_rank_00_model_states.pt").write_bytes(b"x" * 3000)
+    with pytest.raises(IntegrityError, match=r"is corrupt: .*; move .*global_step4 away to resume .*global_step2$"):
+        ckpt.verify_checkpoint(found)
+
+
 def test_damaged_manifest_is_integrity_error(tmp_path):
     found = _save(tmp_path / "ck", 2)
     (found.path / ckpt.MANIFEST_NAME).write_text('{"complete": true, "step": ')
