@@ -51,7 +51,7 @@ lint:
 regress matrix="smoke" *ARGS:
     {{python}} -m memascend regress --matrix {{matrix}} --output runs/regress-{{matrix}} {{ARGS}}
 
-# Fine-tune under a hard host-memory cap enforced by a cgroup (root), e.g. `just capped 16GiB --engine baseline --from-scratch llama-1b`
+# Fine-tune under a hard host-memory cap enforced by a memory cgroup (systemd-run scope, else cgroup v2/v1; root), e.g. `just capped 16GiB --engine baseline --from-scratch llama-1b`
 capped cap *ARGS:
     {{python}} -m memascend.host.memcap --cap {{cap}} -- {{python}} -m memascend finetune {{ARGS}}
 

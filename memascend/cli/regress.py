@@ -19,8 +19,9 @@ from memascend.regress.matrix import MATRICES
               help="Folder for results.json, results.md, PNG plots and each run's output and log")
 @click.option("--only", "only", default=None, help="Run only configs whose name matches this shell pattern (several: comma-separated)")
 @click.option("--memory-cap", "memory_cap", type=SIZE_BYTES, default=None,
-              help="Run every training process under this hard host-memory cap (e.g. 16GiB): a fresh memory cgroup "
-              "(v2, else v1; no swap; needs root) per run; a run past it is OOM-killed, recorded as such. Where no "
+              help="Run every training process under this hard host-memory cap (e.g. 16GiB; 16G is the same): a fresh "
+              "memory cgroup per run (a systemd-run scope where systemd runs the host, else cgroup v2, else v1; no "
+              "swap; needs root); a run past it is OOM-killed, recorded as such. Where no "
               "cgroup can be made the cap is not enforced: the runs' uncapped peaks are reported, and a watchdog "
               "stops a run whose sampled RSS passes the cap")
 @click.option("--update-golden", is_flag=True, help="Record this run as the golden result of this hardware profile "
