@@ -45,6 +45,9 @@ from pathlib import Path
 from typing import Any
 
 from memascend.errors import DeviceError, IntegrityError, UserError
+from memascend.io.durable import fsync_dir, write_text_durable
+from memascend.io.runlock import pid_alive
+from memascend.units import format_bytes
 
 #: The completion marker and manifest of a checkpoint tag folder.
 MANIFEST_NAME = "memascend_checkpoint.json"
@@ -64,13 +67,6 @@ SPACE_FIXED_BYTES = 64 << 20
 
 _TAG_RE = re.compile(r"^global_step(\d+)$")
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-
-
-def _fmt_bytes(n_bytes: float) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n_bytes) >= size:
-            return f"{n_bytes / size:.2f} {unit}"
-    return f"{int(n_bytes)} B"
 
 
 def tag_for_step(step: int) -> str:
@@ -151,8 +147,8 @@ def check_checkpoint_target(path: str | os.PathLike, need_bytes: int, what: str)
     free = shutil.disk_usage(base).free
     if free < need_bytes:
         raise UserError(
-            f"{what} {target} has {_fmt_bytes(free)} free; a checkpoint of this run needs about "
-            f"{_fmt_bytes(need_bytes)}: free space or choose another folder"
+            f"{what} {target} has {format_bytes(free)} free; a checkpoint of this run needs about "
+            f"{format_bytes(need_bytes)}: free space or choose another folder"
         )
 
 
@@ -254,25 +250,6 @@ def _hash_file(path: Path, *, fsync: bool = False) -> tuple[int, list[str]]:
     return size, digests
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_durable(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically: a temporary file beside it, fsync, rename, fsync dir."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 def write_manifest(tag_dir: str | os.PathLike, info: dict) -> Path:
     """Hash and fsync every file under ``tag_dir``, fsync its folders, then write
     :data:`MANIFEST_NAME` (fsynced) with ``info`` and the files' sizes and digests.
@@ -297,7 +274,7 @@ def write_manifest(tag_dir: str | os.PathLike, info: dict) -> Path:
             size, digests = _hash_file(p, fsync=True)
             files[rel] = {"bytes": size, "sha256": digests}
     for d in reversed(dirs):
-        _fsync_dir(d)
+        fsync_dir(d)
     manifest = {
         "format": FORMAT_VERSION,
         "complete": True,
@@ -307,7 +284,7 @@ def write_manifest(tag_dir: str | os.PathLike, info: dict) -> Path:
         "files": dict(sorted(files.items())),
     }
     path = root / MANIFEST_NAME
-    _write_durable(path, json.dumps(manifest, indent=1) + "\n")
+    write_text_durable(path, json.dumps(manifest, indent=1) + "\n")
     return path
 
 
@@ -489,16 +466,6 @@ def resolve_resume(resume: str, output_dir: str | os.PathLike) -> Checkpoint | N
 # ---- saving ------------------------------------------------------------------------------------
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_partials(root: str | os.PathLike) -> list[Path]:
     """Remove staging folders (``.partial-<tag>-<YYYYmmdd-HHMMSS>-<pid>``) under ``root`` whose
     process is gone: what a save killed mid-way left. Returns the folders removed."""
@@ -508,7 +475,7 @@ def remove_stale_partials(root: str | os.PathLike) -> list[Path]:
         return removed
     for child in base.iterdir():
         m = re.match(rf"^{re.escape(PARTIAL_PREFIX)}global_step\d+-(?:old-)?\d{{8}}-\d{{6}}-(\d+)$", child.name)
-        if m and child.is_dir() and not _pid_alive(int(m.group(1))):
+        if m and child.is_dir() and not pid_alive(int(m.group(1))):
             shutil.rmtree(child, ignore_errors=True)
             removed.append(child)
     return removed
@@ -584,8 +551,8 @@ def save_checkpoint(
                 old = base / f"{PARTIAL_PREFIX}{tag}-old-{run_id}"
                 os.replace(final, old)
             os.replace(staging / tag, final)
-            _fsync_dir(base)
-            _write_durable(base / "latest", tag)
+            fsync_dir(base)
+            write_text_durable(base / "latest", tag)
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
             shutil.rmtree(staging, ignore_errors=True)

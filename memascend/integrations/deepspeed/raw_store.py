@@ -82,6 +82,7 @@ from typing import Any
 
 from memascend.errors import UserError
 from memascend.integrations.deepspeed.patches import PatchRecord, PatchRegistry
+from memascend.io.durable import write_text_durable
 from memascend.io.runlock import RunLock, acquire_run_lock, pid_alive
 from memascend.io.store import DEFAULT_QUEUE_DEPTH, DEFAULT_REQUEST_BYTES, TensorStore
 from memascend.io.swap_backend import StoreSwapHandle
@@ -603,18 +604,8 @@ def _make_save_checkpoint(original, handle: RawStoreHandle):
 
 
 def _write_latest(save_dir: Path, tag: str) -> None:
-    """``<save_dir>/latest`` = ``tag``, atomically (temporary file, fsync, rename, fsync folder)."""
-    tmp = save_dir / f".latest.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(tag)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, save_dir / "latest")
-    fd = os.open(save_dir, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """``<save_dir>/latest`` = ``tag``, atomically and durably (:func:`write_text_durable`)."""
+    write_text_durable(save_dir / "latest", tag)
 
 
 def _incomplete_export(tag_dir: Path, world_rank: int) -> UserError:
