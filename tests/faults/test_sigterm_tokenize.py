@@ -2,7 +2,7 @@
 line, and leaves nothing behind.
 
 A fast tokenizer holds the GIL for the whole call, so Python's signal handler runs only when the
-call returns: with this 10 MB document tokenized in one call, SIGTERM sent 0.5 s in took 9.2 s to
+call returns: with this 10 MB document tokenized in one call, SIGTERM sent 0.5 s in took 9-13 s to
 end the run (and a 100 MB document takes over 2 minutes); tokenized in windows of
 :data:`memascend.data.blocks.TOKENIZE_WINDOW_CHARS` characters it takes 0.7-2 s here (2 busy cores).
 """
@@ -30,9 +30,9 @@ def test_sigterm_during_tokenizing_exits_within_seconds(tmp_path):
     data.write_text(json.dumps({"text": text}) + "\n")
     out, swap, marker = tmp_path / "out", tmp_path / "swap", tmp_path / "tokenizing"
     swap.mkdir()
-    # The marker appears when the training process starts tokenizing (instrumentation only).
+    # The marker appears when the training process starts tokenizing (build_blocks; instrumentation only).
     env = {**os.environ, "PYTHONWARNINGS": "ignore",
-           **hook_env(tmp_path, module="memascend.data.blocks", qualname="tokenize_document", marker=marker)}
+           **hook_env(tmp_path, module="memascend.data.blocks", qualname="build_blocks", marker=marker)}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     proc = subprocess.Popen(
