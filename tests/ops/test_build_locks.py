@@ -9,6 +9,7 @@ C++ library (no torch headers: ~3 s) instead of a real op.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -255,3 +256,42 @@ def test_memascend_op_load_recovers_from_a_stale_lock(tmp_path):
     assert proc.stdout.split() == ["loaded", "memascend_locktest2"]
     assert f"memascend: removed the stale build lock {lock}" in proc.stderr
     assert not lock.exists()
+
+
+def test_sigterm_while_waiting_for_a_build_is_honoured(tmp_path):
+    """A run waiting for another process's build stops at once on SIGTERM (the waits sleep in
+    Python, where memascend's handler turns the signal into KeyboardInterrupt)."""
+    build_dir = tmp_path / "op"
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import os, sys, time; os.makedirs(sys.argv[1], exist_ok=True); "
+         "fd = os.open(os.path.join(sys.argv[1], 'lock'), os.O_CREAT | os.O_EXCL); print('held', flush=True); "
+         "time.sleep(600)", str(build_dir)],
+        stdout=subprocess.PIPE, text=True,
+    )
+    code = ("import sys; from pathlib import Path; from memascend.ops.build import guarded_build; "
+            "from memascend.train.swapdir import TerminationAsInterrupt\n"
+            "try:\n"
+            "    with TerminationAsInterrupt(), guarded_build('fake_op', Path(sys.argv[1])):\n"
+            "        print('built')\n"
+            "except KeyboardInterrupt:\n"
+            "    print('interrupted')\n")
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        waiter = subprocess.Popen([sys.executable, "-c", code, str(build_dir)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        try:
+            line = waiter.stderr.readline()  # says whose build it waits for
+            assert line.startswith("memascend: waiting for the build of fake_op by pid"), line
+            sent = time.monotonic()
+            waiter.send_signal(signal.SIGTERM)
+            out, _ = waiter.communicate(timeout=30)
+            assert time.monotonic() - sent < 3
+            assert out.strip() == "interrupted" and waiter.returncode == 0
+        finally:
+            if waiter.poll() is None:
+                waiter.kill()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (build_dir / "lock").exists()  # a live builder's lock is never touched
