@@ -86,6 +86,12 @@ def test_resume_bit_identical_with_sub_groups_kept_in_dram(tmp_path, straight):
     optim = next((tmp_path / "ck" / "global_step2").glob("*optim_states.pt"))
     flat = torch.load(optim, map_location="cpu", weights_only=False)["optimizer_state_dict"]["fp32_flat_groups"]
     assert [t.numel() > 0 for t in flat] == [False, True, True]  # one swapped, two in DRAM
+    # resumed with the default grouping (one sub-group): refused in one line, not mis-loaded
+    proc = run_cli(["finetune", *TINY, "--engine", "baseline", "--output", str(tmp_path / "other"), "--steps", "4",
+                    "--nvme-path", str(tmp_path / "swap2"), "--resume", str(tmp_path / "ck")], tmp_path, timeout_s=600)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("memascend: error:")]
+    assert len(lines) == 1 and "other parameter groups or sub-groups" in lines[0], proc.stderr[-3000:]
 
 
 @pytest.mark.distributed

@@ -37,6 +37,8 @@ import functools
 import os
 from typing import Any
 
+from memascend.errors import UserError
+
 
 def make_load_checkpoint(original):
     """Wrap ``DeepSpeedEngine._load_checkpoint`` (0.19.8) so that ZeRO-3's optimizer state is exact.
@@ -46,9 +48,9 @@ def make_load_checkpoint(original):
 
     Returns:
         The replacement; same signature and return value (``(load_path, client_state)``).
-        It raises what stock raises, and ``deepspeed.runtime.zero.utils.ZeRORuntimeException``
-        when the checkpoint's optimizer state does not fit this optimizer (another data-parallel
-        world size, another number of parameter groups or sub-groups).
+        It raises what stock raises, and :class:`memascend.errors.UserError` when the
+        checkpoint's optimizer state does not fit this optimizer (another data-parallel world
+        size, another number of parameter groups or sub-groups).
     """
 
     @functools.wraps(original)
@@ -90,14 +92,13 @@ def restore_optimizer_state(engine: Any, load_dir: str | os.PathLike, tag: str) 
         The optimizer step the state was saved at (the largest partition ``step``; 0 if none).
 
     Raises:
-        deepspeed.runtime.zero.utils.ZeRORuntimeException: the file's state does not fit this
-            optimizer (data-parallel world size, parameter groups, sub-groups).
+        UserError: the file's state does not fit this optimizer (data-parallel world size,
+            parameter groups, sub-groups).
         FileNotFoundError: this rank's optimizer state file is missing.
     """
     import torch
     from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, LOSS_SCALER, OPTIMIZER_STATE_DICT
     from deepspeed.ops.adam import DeepSpeedCPUAdam
-    from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
     zero_opt = engine.optimizer
     swapped = zero_opt.swap_optimizer  # the NVMe path that stock skips
@@ -105,9 +106,8 @@ def restore_optimizer_state(engine: Any, load_dir: str | os.PathLike, tag: str) 
         return 0
     loaded_dp = getattr(engine, "loaded_checkpoint_dp_world_size", None)
     if loaded_dp is not None and loaded_dp != engine.seq_dp_world_size:
-        raise ZeRORuntimeException(
-            f"The checkpoint being loaded used a DP world size of {loaded_dp} but the current world size "
-            f"is {engine.seq_dp_world_size}")
+        raise UserError(f"checkpoint {load_dir}/{tag} was saved by {loaded_dp} data-parallel ranks, this run has "
+                        f"{engine.seq_dp_world_size}: resume it with the same --nproc")
     path = engine._get_zero_ckpt_name(load_dir, tag)
     sd = torch.load(path, map_location="cpu", weights_only=False, mmap=True)[OPTIMIZER_STATE_DICT]
     saved = sd[OPTIMIZER_STATE_DICT]
@@ -118,8 +118,8 @@ def restore_optimizer_state(engine: Any, load_dir: str | os.PathLike, tag: str) 
         by_group[zero_opt.sub_group_to_group_id[sub_group_id]].append(sub_group_id)
     if len(saved["param_groups"]) != len(base.param_groups) or len(sd[FP32_FLAT_GROUPS]) != n_sub or any(
             len(g["params"]) != len(ids) for g, ids in zip(saved["param_groups"], by_group)):
-        raise ZeRORuntimeException(f"{path}: its optimizer state has other parameter groups or sub-groups than "
-                                   "this model's ZeRO-3 optimizer")
+        raise UserError(f"checkpoint {path}: its optimizer state has other parameter groups or sub-groups than "
+                        "this run's ZeRO-3 optimizer (another model or --deepspeed-config sub_group_size)")
 
     if swapped:
         zero_opt.loss_scaler = sd[LOSS_SCALER]
@@ -147,7 +147,6 @@ def _as_int(value: Any) -> int:
 def _restore_sub_group(zero_opt: Any, sub_group_id: int, saved_state: dict, saved_fp32: Any) -> None:
     import torch
     from deepspeed.runtime.swap_tensor.optimizer_utils import OptimizerSwapper
-    from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
     fp32 = zero_opt.fp32_partitioned_groups_flat[sub_group_id]
     state = zero_opt.optimizer.state[fp32]
@@ -159,7 +158,7 @@ def _restore_sub_group(zero_opt: Any, sub_group_id: int, saved_state: dict, save
         return
     swap_info = zero_opt.optimizer_swapper.swap_params_info.get(OptimizerSwapper.parameter_id(fp32))
     if swap_info is None:
-        raise ZeRORuntimeException(f"optimizer sub-group {sub_group_id} is swappable but has no swap entry")
+        raise RuntimeError(f"optimizer sub-group {sub_group_id} is swappable but has no swap entry")
     placeholders = []
     for key, value in saved_state.items():
         if torch.is_tensor(value) and value.numel() == 0:
