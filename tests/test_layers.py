@@ -166,3 +166,10 @@ def test_imports_reads_lazy_and_relative_imports(tmp_path):
     mod = pkg / "x.py"
     mod.write_text("from . import store\nfrom ..ops import build\n\ndef f():\n    import deepspeed.runtime.zero\n")
     assert imports(mod, tmp_path) == {"memascend.io", "memascend.ops", "deepspeed.runtime.zero"}
+
+
+def test_every_folder_of_the_package_is_a_regular_package():
+    """setuptools' ``packages.find`` ships only folders with an ``__init__.py``: a folder without one
+    imports from a checkout but is missing from an installed wheel."""
+    folders = {p.parent for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts}
+    assert not sorted(str(f.relative_to(REPO)) for f in folders if not (f / "__init__.py").is_file())
