@@ -121,7 +121,7 @@ def test_a_new_cycle_in_the_package_is_found(tmp_path):
     """A lazy import of the CLI from units.py (units -> cli -> ... -> units) in a copy of the package."""
     import shutil
 
-    shutil.copytree(PACKAGE, tmp_path / "memascend", ignore=shutil.ignore_patterns("*.so", "__pycache__", "build*"))
+    shutil.copytree(PACKAGE, tmp_path / "memascend", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
     with open(tmp_path / "memascend" / "units.py", "a") as f:
         f.write("\n\ndef _late():\n    from memascend.cli import main\n")
     new = {c for c in cycles(package_graph(tmp_path / "memascend")) if c not in KNOWN_CYCLES}
