@@ -12,7 +12,9 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-GIB = float(1 << 30)
+from memascend.units import GIB as _GIB
+
+GIB = float(_GIB)
 _PHASE_COLORS = {
     "load": "#dddddd",
     "initialize": "#f6d8ae",

@@ -47,7 +47,7 @@ from typing import Any
 from memascend.errors import DeviceError, IntegrityError, UserError
 from memascend.io.durable import fsync_dir, write_text_durable
 from memascend.io.runlock import pid_alive
-from memascend.units import format_bytes
+from memascend.units import DTYPE_BYTES, format_bytes
 
 #: The completion marker and manifest of a checkpoint tag folder.
 MANIFEST_NAME = "memascend_checkpoint.json"
@@ -66,7 +66,6 @@ SPACE_MARGIN = 1.10
 SPACE_FIXED_BYTES = 64 << 20
 
 _TAG_RE = re.compile(r"^global_step(\d+)$")
-_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 def tag_for_step(step: int) -> str:
@@ -109,9 +108,9 @@ def estimate_checkpoint_bytes(total_numel: int, dtype: str) -> int:
     Raises:
         UserError: unknown dtype.
     """
-    if dtype not in _DTYPE_BYTES:
+    if dtype not in DTYPE_BYTES:
         raise UserError(f"unknown dtype {dtype!r} (bf16, fp16 or fp32)")
-    per = _DTYPE_BYTES[dtype] + OPTIMIZER_BYTES_PER_PARAM
+    per = DTYPE_BYTES[dtype] + OPTIMIZER_BYTES_PER_PARAM
     return int(total_numel * per * SPACE_MARGIN) + SPACE_FIXED_BYTES
 
 

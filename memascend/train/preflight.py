@@ -14,8 +14,7 @@ from memascend.train.ds_config import (
     DS_DEFAULT_PARAM_BUFFER_SIZE_NUMEL,
     per_rank_param_numel,
 )
-
-_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+from memascend.units import DTYPE_BYTES
 
 
 def upfront_locked_bytes(ds_cfg: dict, dtype: str, largest_param_numel: int, world_size: int, engine: str) -> int:
@@ -29,7 +28,7 @@ def upfront_locked_bytes(ds_cfg: dict, dtype: str, largest_param_numel: int, wor
     """
     zero = ds_cfg.get("zero_optimization", {})
     op = zero.get("offload_param", {})
-    elt = _DTYPE_BYTES[dtype]
+    elt = DTYPE_BYTES[dtype]
     partition_numel = math.ceil(largest_param_numel / world_size)
     if engine == "memascend":
         params = partition_numel * elt if op.get("device") == "nvme" else 0

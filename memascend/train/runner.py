@@ -49,9 +49,7 @@ from memascend.train.swapdir import (
     prepare_swap_dir,
     remove_swap_dir,
 )
-from memascend.units import format_bytes
-
-_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+from memascend.units import DTYPE_BYTES, format_bytes
 
 
 def _check_dtype_supported(dtype: str, device_type: str) -> None:
@@ -276,7 +274,7 @@ def _run(cfg: RunConfig, info, sampler: MemorySampler, cleanup: _Cleanup) -> dic
     if cfg.offload.uses_nvme:
         need = estimate_nvme_bytes(
             shape.total_numel,
-            _DTYPE_BYTES[cfg.train.dtype],
+            DTYPE_BYTES[cfg.train.dtype],
             cfg.offload.param == "nvme",
             cfg.offload.optimizer == "nvme",
         )
