@@ -21,12 +21,12 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from memascend.errors import UserError
+from memascend.procfs import pids_with_open
 
 
 class TargetBusyError(UserError):
@@ -55,32 +55,9 @@ class RunLock:
 
 
 def lock_holder_pid(path: str | os.PathLike) -> int | None:
-    """Pid of another process that has ``path`` open (the likely lock holder), or ``None``.
-
-    Scans ``/proc/<pid>/fd`` (what ``fuser`` does); processes of other users may be invisible.
-    """
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    is_dev = stat.S_ISBLK(st.st_mode)
-    me = os.getpid()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == me:
-            continue
-        try:
-            fds = list((proc / "fd").iterdir())
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                fst = os.stat(fd)
-            except OSError:
-                continue
-            same = fst.st_rdev == st.st_rdev if is_dev else (fst.st_dev, fst.st_ino) == (st.st_dev, st.st_ino)
-            if same and (stat.S_ISBLK(fst.st_mode) == is_dev):
-                return int(proc.name)
-    return None
+    """Pid of another process that has ``path`` open (the likely lock holder), or ``None``."""
+    pids = pids_with_open(path)
+    return pids[0] if pids else None
 
 
 def _lock(fd: int, is_dir: bool) -> None:

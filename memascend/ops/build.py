@@ -48,6 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from memascend.procfs import has_open
+
 CSRC_DIR = Path(__file__).resolve().parent.parent.parent / "csrc"
 
 
@@ -220,20 +222,8 @@ def _processes_using(build_dir: Path, lock_stat: os.stat_result | None, proc: Pa
         if cwd == target or cwd.startswith(target + os.sep):
             found.append(int(entry.name))
             continue
-        if lock_stat is None:
-            continue
-        try:
-            fds = list((entry / "fd").iterdir())
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                st = os.stat(fd)
-            except OSError:
-                continue
-            if st.st_ino == lock_stat.st_ino and st.st_dev == lock_stat.st_dev:
-                found.append(int(entry.name))
-                break
+        if lock_stat is not None and has_open(entry, lock_stat):
+            found.append(int(entry.name))
     return found
 
 

@@ -1,0 +1,44 @@
+"""Which processes hold a file open, read from ``/proc/<pid>/fd`` (what ``fuser`` does).
+
+Used to name the process behind a lock: a run lock on a swap target, a build lock of an op.
+Processes of other users may be invisible without privileges.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+
+def same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    """Whether two ``stat`` results are one file: the same device node for block devices (opened
+    through any path), else the same device and inode."""
+    if stat.S_ISBLK(a.st_mode) or stat.S_ISBLK(b.st_mode):
+        return stat.S_ISBLK(a.st_mode) and stat.S_ISBLK(b.st_mode) and a.st_rdev == b.st_rdev
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def has_open(proc_entry: Path, target: os.stat_result) -> bool:
+    """Whether the process of ``/proc/<pid>`` entry ``proc_entry`` has ``target`` open."""
+    try:
+        fds = list((proc_entry / "fd").iterdir())
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if same_file(os.stat(fd), target):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def pids_with_open(path: str | os.PathLike, proc: Path = Path("/proc")) -> list[int]:
+    """Pids other than this one that have ``path`` open (empty when it does not exist)."""
+    try:
+        target = os.stat(path)
+    except OSError:
+        return []
+    me = os.getpid()
+    return [int(e.name) for e in proc.iterdir() if e.name.isdigit() and int(e.name) != me and has_open(e, target)]
