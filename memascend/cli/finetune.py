@@ -31,7 +31,7 @@ def _torchrun_cmd(nproc: int) -> list[str]:
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "memascend.train.launch",  # torch.distributed.run, without its ChildFailedError traceback
         f"--nproc-per-node={nproc}",
         "--master-addr=127.0.0.1",
         f"--master-port={free_port()}",
