@@ -40,12 +40,10 @@ class RunLock:
     Attributes:
         path: the locked target.
         fd: the descriptor holding the lock; closing it releases the lock.
-        created_file: the lock created ``path`` as an empty file (a new store file target).
     """
 
     path: Path
     fd: int
-    created_file: bool = False
 
     def release(self) -> None:
         """Drop the lock (idempotent)."""
@@ -107,7 +105,7 @@ def acquire_run_lock(path: str | os.PathLike, *, create_file: bool = False, what
             f"{what} {p} is in use by another memascend run ({holder}): wait for it to finish or give "
             "this run another path"
         ) from None
-    return RunLock(path=p, fd=fd, created_file=create_file)
+    return RunLock(path=p, fd=fd)
 
 
 def pid_alive(pid: int) -> bool:
