@@ -14,6 +14,7 @@ import pytest
 
 from memascend.errors import DeviceError, IntegrityError, TrainingError, UserError
 from memascend.train import checkpoints as ckpt
+from memascend.train import manifest
 
 INFO = {"dtype": "bf16", "world_size": 1, "param_shapes": {"emb.weight": [10, 4], "head.weight": [4, 10]}}
 
@@ -160,7 +161,7 @@ def test_damaged_manifest_is_integrity_error(tmp_path):
 
 
 def test_chunk_location_of_a_flip_past_the_first_chunk(tmp_path, monkeypatch):
-    monkeypatch.setattr(ckpt, "HASH_CHUNK_BYTES", 1024)
+    monkeypatch.setattr(manifest, "HASH_CHUNK_BYTES", 1024)
     found = _save(tmp_path / "ck", 2)
     swp = found.path / "offloaded_tensors" / "rank00" / "0_exp_avg.tensor.swp"
     data = bytearray(swp.read_bytes())
