@@ -22,7 +22,6 @@ buffers and free them explicitly; temporary pinned tensors may simply be dropped
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from dataclasses import dataclass
 
@@ -314,7 +313,3 @@ def set_default_arena(arena: PinnedArena | None) -> PinnedArena | None:
         previous, _default = _default, arena
         return previous
 
-
-def pinned_stats_fields() -> tuple[str, ...]:
-    """Names of the :class:`ArenaStats` fields, for reports and telemetry columns."""
-    return tuple(f.name for f in dataclasses.fields(ArenaStats))
