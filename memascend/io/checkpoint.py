@@ -13,20 +13,21 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from memascend.errors import IntegrityError, UserError
 from memascend.io.errors import ChecksumError
-from memascend.io.extent import Extent
-from memascend.io.store import EXPORT_CHUNK_BYTES, MANIFEST_NAME, ExtentRecord, _check_job
+from memascend.io.records import ExtentRecord, Reservation
+from memascend.io.store import TensorStore
 from memascend.ops import nvme_io as _op
 
-if TYPE_CHECKING:
-    from memascend.io.store import TensorStore
+EXPORT_CHUNK_BYTES = 64 << 20
+"""Default size of the staging buffer of an export or import (host memory, bytes)."""
+MANIFEST_NAME = "manifest.json"
+"""The export's index of tensors, written last (its completion marker)."""
 
 
 def export_files(
-    self: TensorStore,
+    store: TensorStore,
     folder: str | os.PathLike,
     *,
     chunk_bytes: int = EXPORT_CHUNK_BYTES,
@@ -50,38 +51,13 @@ def export_files(
     """
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
-    self.wait_all()
-    with self._lock:
-        records = sorted(self._records.values(), key=lambda r: r.key)
-    if select is not None:
-        records = [r for r in records if select(r.key)]
-    op = _op.load()
-    chunk = max(self.align_bytes, chunk_bytes // self.align_bytes * self.align_bytes)
-    staging = op.aligned_empty(chunk)
-    view = staging.numpy()
+    store.wait_all()
+    records = [r for r in store.records() if select is None or select(r.key)]
+    staging, chunk = _staging(store, chunk_bytes)
     manifest = []
     for i, rec in enumerate(records):
         name = f"tensor_{i:06d}.bin"
-        crc = 0
-        with open(out / name, "wb") as f:
-            for pos in range(0, rec.nbytes, chunk):
-                n = min(chunk, rec.nbytes - pos)
-                res = self._engine.wait(self._engine.submit_read(staging, rec.offset_bytes + pos, n))
-                self._count("read", n)
-                _check_job(self._engine, res, rec.key, rec.offset_bytes + pos, self.path)
-                crc = op.crc32c(staging, n, crc)
-                f.write(view[:n].data)
-            f.flush()
-            os.fsync(f.fileno())
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        if rec.crc32c is not None and crc != rec.crc32c:
-            raise ChecksumError(
-                f"checksum mismatch exporting tensor '{rec.key}' at device offset {rec.offset_bytes} of {self.path}",
-                key=rec.key,
-                offset_bytes=rec.offset_bytes,
-                expected_crc32c=rec.crc32c,
-                actual_crc32c=crc,
-            )
+        crc = _export_one(store, rec, out / name, staging, chunk)
         manifest.append(
             {
                 "key": rec.key,
@@ -92,8 +68,47 @@ def export_files(
                 "crc32c": crc,
             }
         )
-    # The manifest is the export's completion marker: written last, after every tensor file is
-    # on the device, atomically (a temporary file renamed into place), then the folder fsynced.
+    return _write_manifest(out, manifest)
+
+
+def _staging(store: TensorStore, chunk_bytes: int):
+    """(aligned staging buffer, its bytes): ``chunk_bytes`` rounded down to the store's alignment."""
+    chunk = max(store.align_bytes, chunk_bytes // store.align_bytes * store.align_bytes)
+    return _op.load().aligned_empty(chunk), chunk
+
+
+def _export_one(store: TensorStore, rec: ExtentRecord, path: Path, staging, chunk: int) -> int:
+    """Copy one tensor to ``path`` (fsynced) through ``staging``; return its CRC32C.
+
+    Raises:
+        ChecksumError: the bytes read differ from the record's CRC32C.
+    """
+    op = _op.load()
+    view = staging.numpy()
+    crc = 0
+    with open(path, "wb") as f:
+        for pos in range(0, rec.nbytes, chunk):
+            n = min(chunk, rec.nbytes - pos)
+            store.read_extent(rec, staging, pos, n)
+            crc = op.crc32c(staging, n, crc)
+            f.write(view[:n].data)
+        f.flush()
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    if rec.crc32c is not None and crc != rec.crc32c:
+        raise ChecksumError(
+            f"checksum mismatch exporting tensor '{rec.key}' at device offset {rec.offset_bytes} of {store.path}",
+            key=rec.key,
+            offset_bytes=rec.offset_bytes,
+            expected_crc32c=rec.crc32c,
+            actual_crc32c=crc,
+        )
+    return crc
+
+
+def _write_manifest(out: Path, manifest: list[dict]) -> Path:
+    """Write ``out/manifest.json``: the export's completion marker, written last, after every tensor
+    file is on the device, atomically (a temporary file renamed into place), then the folder fsynced."""
     path = out / MANIFEST_NAME
     tmp = out / f".{MANIFEST_NAME}.tmp"
     with open(tmp, "w") as f:
@@ -110,9 +125,9 @@ def export_files(
 
 
 def import_files(
-    self: TensorStore, folder: str | os.PathLike, *, chunk_bytes: int = EXPORT_CHUNK_BYTES
+    store: TensorStore, folder: str | os.PathLike, *, chunk_bytes: int = EXPORT_CHUNK_BYTES
 ) -> list[str]:
-    """Load tensors exported by :meth:`export_files` (replacing keys that exist).
+    """Load tensors exported by :func:`export_files` (replacing keys that exist).
 
     Returns:
         The keys imported.
@@ -128,11 +143,11 @@ def import_files(
         (e["key"], src / e["file"], int(e["nbytes"]), e["dtype"], tuple(e["shape"]), e.get("crc32c"))
         for e in manifest
     ]
-    return _import_entries(self, entries, chunk_bytes)
+    return _import_entries(store, entries, chunk_bytes)
 
 
 def import_swap_files(
-    self: TensorStore, files: dict[str, str | os.PathLike], *, chunk_bytes: int = EXPORT_CHUNK_BYTES
+    store: TensorStore, files: dict[str, str | os.PathLike], *, chunk_bytes: int = EXPORT_CHUNK_BYTES
 ) -> list[str]:
     """Load plain files (DeepSpeed's ``.swp`` files of a folder-of-files checkpoint,
     ``<tag>/offloaded_tensors/rank<NN>/``) into the store, one key per file, replacing keys that
@@ -156,7 +171,7 @@ def import_swap_files(
             raise UserError(f"checkpoint file {path} of tensor '{key}' is missing")
         n = path.stat().st_size
         entries.append((key, path, n, "torch.uint8", (n,), None))
-    return _import_entries(self, entries, chunk_bytes)
+    return _import_entries(store, entries, chunk_bytes)
 
 
 def read_manifest(folder: str | os.PathLike) -> list[dict]:
@@ -226,58 +241,41 @@ def copy_export_to_folder(
     return written
 
 
-def _import_entries(self: TensorStore, entries: list[tuple], chunk_bytes: int) -> list[str]:
+def _import_entries(store: TensorStore, entries: list[tuple], chunk_bytes: int) -> list[str]:
     """Stream ``(key, file, nbytes, dtype, shape, expected crc32c or None)`` into the store."""
-    op = _op.load()
-    chunk = max(self.align_bytes, chunk_bytes // self.align_bytes * self.align_bytes)
-    staging = op.aligned_empty(chunk)
-    view = staging.numpy()
+    staging, chunk = _staging(store, chunk_bytes)
     keys = []
     for key, file, nbytes, dtype, shape, expected_crc in entries:
         if not file.is_file() or file.stat().st_size != nbytes:
             raise IntegrityError(f"checkpoint file {file} of tensor '{key}' is missing or not {nbytes} bytes")
-        with self._lock:
-            self._check_open()
-            if key in self._writes or self._reads.get(key):
-                raise ValueError(f"tensor '{key}' has a transfer in flight")
-            old = self._records.get(key)
-            offset = self._allocate(key, nbytes, old) if nbytes else 0
-            self._writes.add(key)
-        crc = 0
+        res = store.reserve(key, nbytes)
         try:
-            with open(file, "rb") as f:
-                for pos in range(0, nbytes, chunk):
-                    n = f.readinto(view[: min(chunk, nbytes - pos)].data)
-                    crc = op.crc32c(staging, n, crc)
-                    res = self._engine.wait(self._engine.submit_write(staging, offset + pos, n))
-                    self._count("write", n)
-                    _check_job(self._engine, res, key, offset + pos, self.path, op="write")
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            crc = _import_one(store, res, file, staging, chunk)
             if expected_crc is not None and crc != expected_crc:
                 raise ChecksumError(
                     f"checksum mismatch importing tensor '{key}' from {file}: the checkpoint file is corrupt",
                     key=key,
-                    offset_bytes=offset,
+                    offset_bytes=res.offset_bytes,
                     expected_crc32c=expected_crc,
                     actual_crc32c=crc,
                 )
         except BaseException:
-            with self._lock:
-                self._writes.discard(key)
-                if nbytes:
-                    self._alloc.free(Extent(offset, self._alloc.aligned_size(nbytes)))
+            store.release(res)
             raise
-        rec = ExtentRecord(
-            key=key,
-            offset_bytes=offset,
-            nbytes=nbytes,
-            alloc_bytes=self._alloc.aligned_size(nbytes) if nbytes else 0,
-            crc32c=crc if self.enable_crc or nbytes == 0 else None,
-            dtype=dtype,
-            shape=tuple(shape),
-        )
-        with self._lock:
-            self._writes.discard(key)
-            self._records[key] = rec
+        store.commit(res, crc32c=crc, dtype=dtype, shape=tuple(shape))
         keys.append(key)
     return keys
+
+
+def _import_one(store: TensorStore, res: Reservation, file: Path, staging, chunk: int) -> int:
+    """Write ``file`` into the reserved extent through ``staging``; return the CRC32C of its bytes."""
+    op = _op.load()
+    view = staging.numpy()
+    crc = 0
+    with open(file, "rb") as f:
+        for pos in range(0, res.nbytes, chunk):
+            n = f.readinto(view[: min(chunk, res.nbytes - pos)].data)
+            crc = op.crc32c(staging, n, crc)
+            store.write_extent(res, staging, pos, n)
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    return crc

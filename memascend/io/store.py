@@ -4,8 +4,10 @@ Each key maps to one extent (aligned offset and length) from :class:`~memascend.
 bytes move through the io_uring/O_DIRECT engine (``csrc/nvme_io``), so swapping never grows the
 page cache. A CRC32C of every extent is recorded on write and checked on read (``enable_crc``).
 The extent table lives on the device (:mod:`memascend.io.header`) and is persisted by
-:meth:`TensorStore.flush` / :meth:`TensorStore.close`; checkpoints use :meth:`TensorStore.export_files`
-and :meth:`TensorStore.import_files` (ordinary files), since a raw store has no folder to copy.
+:meth:`TensorStore.flush` / :meth:`TensorStore.close`. Checkpoints (:mod:`memascend.io.checkpoint`:
+ordinary files, since a raw store has no folder to copy) stream tensors through
+:meth:`TensorStore.records`, :meth:`TensorStore.read_extent` and :meth:`TensorStore.reserve` /
+:meth:`TensorStore.write_extent` / :meth:`TensorStore.commit` / :meth:`TensorStore.release`.
 
 Source: MemAscend (arXiv 2505.23254), direct NVMe engine. Replaces the folder of ``.swp`` files
 behind DeepSpeed's ``AsyncPartitionedParameterSwapper`` and ``PartitionedOptimizerSwapper``, and
@@ -25,101 +27,26 @@ import dataclasses
 import os
 import threading
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from memascend.errors import UserError
 from memascend.io import device as _device
-from memascend.io.errors import ChecksumError, DeviceRefusedError, StoreError, StoreFullError, StoreIOError
+from memascend.io.engine import check_job, new_header, read_header, read_table
+from memascend.io.engine import crc_bytes as _crc_bytes
+from memascend.io.engine import open_engine as _open_engine
+from memascend.io.errors import ChecksumError, DeviceRefusedError, StoreError, StoreFullError
 from memascend.io.extent import Extent, ExtentAllocator
-from memascend.io.header import STORE_MAGIC, StoreHeader, decode_table, encode_table
+from memascend.io.header import StoreHeader, encode_table
+from memascend.io.records import ExtentRecord, IOCounters, Reservation, Ticket
+from memascend.io.target import TargetChange
 from memascend.ops import nvme_io as _op
 from memascend.units import format_bytes
 
 DEFAULT_QUEUE_DEPTH = 32
 DEFAULT_REQUEST_BYTES = 8 << 20
 DEFAULT_TABLE_SLOT_BYTES = 2 << 20
-EXPORT_CHUNK_BYTES = 64 << 20
-MANIFEST_NAME = "manifest.json"
-
-
-@dataclass(frozen=True, kw_only=True)
-class ExtentRecord:
-    """Where one tensor lives on the device."""
-
-    key: str
-    offset_bytes: int
-    """Device byte offset of the extent (a multiple of the store's ``align_bytes``)."""
-    nbytes: int
-    """Bytes of the tensor (``numel * element_size``)."""
-    alloc_bytes: int
-    """Bytes of the extent (``nbytes`` rounded up to ``align_bytes``; 0 for an empty tensor)."""
-    crc32c: int | None
-    """CRC32C of the tensor's bytes, or ``None`` when written with checksums off."""
-    dtype: str
-    """``str(tensor.dtype)`` at write time, e.g. ``"torch.float32"``."""
-    shape: tuple[int, ...]
-
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype.removeprefix("torch."))
-
-    def to_json(self) -> dict:
-        return {
-            "o": self.offset_bytes,
-            "n": self.nbytes,
-            "a": self.alloc_bytes,
-            "c": self.crc32c,
-            "d": self.dtype,
-            "s": list(self.shape),
-        }
-
-    @classmethod
-    def from_json(cls, key: str, d: dict) -> ExtentRecord:
-        return cls(
-            key=key,
-            offset_bytes=d["o"],
-            nbytes=d["n"],
-            alloc_bytes=d["a"],
-            crc32c=d["c"],
-            dtype=d["d"],
-            shape=tuple(d["s"]),
-        )
-
-
-@dataclass(frozen=True)
-class IOCounters:
-    """Bytes a store has moved since it was constructed (every transfer submitted: tensors, header,
-    extent table, checkpoint export/import; not the header and table reads inside :meth:`TensorStore.open`).
-    Subtract two snapshots for a window.
-
-    ``read_bytes``/``write_bytes`` are device bytes (each request rounded up to ``align_bytes``
-    under O_DIRECT, as the kernel sees them); ``payload_*`` are the tensor bytes asked for.
-    """
-
-    read_bytes: int = 0
-    write_bytes: int = 0
-    payload_read_bytes: int = 0
-    payload_write_bytes: int = 0
-
-    def __sub__(self, other: IOCounters) -> IOCounters:
-        return IOCounters(*(a - b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
-
-    def as_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
-
-
-@dataclass(eq=False)
-class Ticket:
-    """An in-flight transfer returned by :meth:`TensorStore.submit_write` / ``submit_read``;
-    pass it to :meth:`TensorStore.wait`. Holds a reference to the tensor until then."""
-
-    key: str
-    op: str
-    job_id: int | None
-    record: ExtentRecord
-    tensor: torch.Tensor
 
 
 class TensorStore:
@@ -200,40 +127,14 @@ class TensorStore:
             UserError: the path is unusable (missing, no size given, too small, no O_DIRECT).
         """
         p = Path(path)
-        owner = owner_uuid or uuid.uuid4()
-        created = False
-        original_size_bytes: int | None = None
+        change = TargetChange(p)
         engine = None
         try:
-            if not p.exists():
-                if size_bytes is None:
-                    raise UserError(f"nvme path {p} does not exist: pass a size to create a store file there")
-                created = True  # before preallocating: a failure half-way must remove the file
-                _device.preallocate_file(p, size_bytes)
-            else:
-                own = False
-                head = _device.read_head(p, 4096)
-                if head[:8] == STORE_MAGIC:
-                    try:
-                        own = StoreHeader.unpack(head, _crc_bytes).owner_uuid == owner
-                    except StoreError:
-                        own = False
-                _device.check_target(p, allow_overwrite=allow_overwrite, own_store=own)
-                if size_bytes is not None and not _device.probe_info(p).is_block_device:
-                    original_size_bytes = p.stat().st_size
-                    _device.preallocate_file(p, size_bytes)
+            owner = owner_uuid or uuid.uuid4()
+            change.prepare(size_bytes=size_bytes, owner_uuid=owner, allow_overwrite=allow_overwrite)
             info = _device.probe_info(p)
             engine = _open_engine(p, queue_depth, request_bytes, enable_direct, backend)
-            align = engine.align_bytes
-            slot = -(-table_slot_bytes // align) * align
-            header = StoreHeader(
-                owner_uuid=owner, device_bytes=engine.size_bytes, align_bytes=align, table_slot_bytes=slot
-            )
-            if header.data_offset + align > engine.size_bytes:
-                raise UserError(
-                    f"nvme path {p} holds {format_bytes(engine.size_bytes)}: too small for a store "
-                    f"(needs more than {format_bytes(header.data_offset + align)})"
-                )
+            header = new_header(engine, p, owner_uuid=owner, table_slot_bytes=table_slot_bytes)
             store = cls(engine=engine, info=info, header=header, records={}, enable_crc=enable_crc)
             # Checked before the header is written: a refused target is never modified.
             if min_capacity_bytes is not None and store.capacity_bytes < min_capacity_bytes:
@@ -247,7 +148,7 @@ class TensorStore:
         except BaseException:
             if engine is not None:
                 engine.close()
-            _restore_target(p, created=created, original_size_bytes=original_size_bytes)
+            change.undo()
             raise
 
     @classmethod
@@ -278,28 +179,12 @@ class TensorStore:
             raise DeviceRefusedError(f"nvme path {p} is {reason}")
         engine = _open_engine(p, queue_depth, request_bytes, enable_direct, backend)
         try:
-            block = _op.load().aligned_empty(engine.align_bytes)
-            _check_job(engine, engine.wait(engine.submit_read(block, 0)), "<store header>", 0, p)
-            header = StoreHeader.unpack(block.numpy().tobytes(), _crc_bytes)
+            header = read_header(engine, p)
             if owner_uuid is not None and header.owner_uuid != owner_uuid:
                 raise DeviceRefusedError(
                     f"nvme path {p} holds the store of owner {header.owner_uuid}, not {owner_uuid}: {_device.FIX_OVERWRITE}"
                 )
-            records: dict[str, ExtentRecord] = {}
-            if header.table_length:
-                off = header.slot_offset(header.active_slot)
-                buf = _op.load().aligned_empty(header.table_length)
-                _check_job(engine, engine.wait(engine.submit_read(buf, off)), "<extent table>", off, p)
-                data = buf.numpy().tobytes()
-                if _crc_bytes(data) != header.table_crc32c:
-                    raise ChecksumError(
-                        f"extent table of {p} at offset {off} is damaged (checksum mismatch)",
-                        key="<extent table>",
-                        offset_bytes=off,
-                        expected_crc32c=header.table_crc32c,
-                        actual_crc32c=_crc_bytes(data),
-                    )
-                records = {k: ExtentRecord.from_json(k, v) for k, v in decode_table(data).items()}
+            records = read_table(engine, header, p)
             return cls(engine=engine, info=info, header=header, records=records, enable_crc=enable_crc)
         except BaseException:
             engine.close()
@@ -507,7 +392,7 @@ class TensorStore:
                     rec = dataclasses.replace(ticket.record, crc32c=result.crc32c if result.has_crc else None)
                     self._records[ticket.key] = rec
                     ticket.record = rec
-        _check_job(self._engine, result, ticket.key, ticket.record.offset_bytes, self.path, op=ticket.op)
+        check_job(result, ticket.key, ticket.record.offset_bytes, self.path, op=ticket.op)
         rec = ticket.record
         if ticket.op == "read" and result.has_crc and rec.crc32c is not None and result.crc32c != rec.crc32c:
             raise ChecksumError(
@@ -547,6 +432,71 @@ class TensorStore:
             if key in self._writes or self._reads.get(key):
                 raise ValueError(f"tensor '{key}' has a transfer in flight; wait for it before freeing")
             self._drop_locked(key)
+
+    # ------------------------------------------------------------------ streaming (checkpoints)
+    def records(self) -> list[ExtentRecord]:
+        """A snapshot of every key's record, sorted by key (keys with a write in flight included:
+        call :meth:`wait_all` first for a quiet store)."""
+        with self._lock:
+            return sorted(self._records.values(), key=lambda r: r.key)
+
+    def read_extent(self, rec: ExtentRecord, buf: torch.Tensor, pos_bytes: int, nbytes: int) -> None:
+        """Read bytes ``[pos_bytes, pos_bytes + nbytes)`` of ``rec``'s extent into the start of
+        ``buf`` (4 KiB-aligned ``uint8`` CPU tensor from ``nvme_io.load().aligned_empty``) and wait.
+        ``pos_bytes`` is a multiple of :attr:`align_bytes`; no checksum is checked.
+
+        Raises:
+            StoreIOError: the read failed or was short (names key and device offset).
+        """
+        self._transfer("read", rec.key, buf, rec.offset_bytes + pos_bytes, nbytes)
+
+    def reserve(self, key: str, nbytes: int) -> Reservation:
+        """Reserve a new extent of ``nbytes`` for a streamed write of ``key`` (a checkpoint import):
+        :meth:`write_extent` its pieces, then :meth:`commit`, or :meth:`release` on failure. The
+        key's old extent is given back now; until commit or release the key has a write in flight.
+
+        Raises:
+            StoreFullError: no free extent is large enough.
+            ValueError: the store is closed, or a transfer of ``key`` is in flight.
+        """
+        with self._lock:
+            self._check_open()
+            if key in self._writes or self._reads.get(key):
+                raise ValueError(f"tensor '{key}' has a transfer in flight")
+            offset = self._allocate(key, nbytes, self._records.get(key)) if nbytes else 0
+            self._writes.add(key)
+        return Reservation(key, offset, nbytes)
+
+    def write_extent(self, res: Reservation, buf: torch.Tensor, pos_bytes: int, nbytes: int) -> None:
+        """Write the first ``nbytes`` of ``buf`` (as for :meth:`read_extent`) at byte ``pos_bytes``
+        of a reserved extent and wait. Raises :class:`StoreIOError` as :meth:`read_extent`."""
+        self._transfer("write", res.key, buf, res.offset_bytes + pos_bytes, nbytes)
+
+    def commit(self, res: Reservation, *, crc32c: int, dtype: str, shape: tuple[int, ...]) -> ExtentRecord:
+        """Make a reserved extent, fully written, the key's tensor and return its new record.
+        ``crc32c`` (of the bytes written) is kept when checksums are on or the tensor is empty;
+        ``dtype`` is ``str(torch.dtype)``."""
+        rec = ExtentRecord(
+            key=res.key,
+            offset_bytes=res.offset_bytes,
+            nbytes=res.nbytes,
+            alloc_bytes=self._alloc.aligned_size(res.nbytes) if res.nbytes else 0,
+            crc32c=crc32c if self.enable_crc or res.nbytes == 0 else None,
+            dtype=dtype,
+            shape=tuple(shape),
+        )
+        with self._lock:
+            self._writes.discard(res.key)
+            self._records[res.key] = rec
+        return rec
+
+    def release(self, res: Reservation) -> None:
+        """Give back the extent of a failed streamed write. The key keeps the record it had before
+        :meth:`reserve` (whose extent ``reserve`` already gave back)."""
+        with self._lock:
+            self._writes.discard(res.key)
+            if res.nbytes:
+                self._alloc.free(Extent(res.offset_bytes, self._alloc.aligned_size(res.nbytes)))
 
     # ------------------------------------------------------------------ persistence
     def flush(self) -> None:
@@ -592,29 +542,6 @@ class TensorStore:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def export_files(
-        self, folder: str | os.PathLike, *, chunk_bytes: int = EXPORT_CHUNK_BYTES, select=None
-    ) -> Path:
-        """Copy every tensor (or those whose key ``select`` accepts) to ordinary files in
-        ``folder``; see :func:`memascend.io.checkpoint.export_files`."""
-        from memascend.io.checkpoint import export_files
-
-        return export_files(self, folder, chunk_bytes=chunk_bytes, select=select)
-
-    def import_files(self, folder: str | os.PathLike, *, chunk_bytes: int = EXPORT_CHUNK_BYTES) -> list[str]:
-        """Load tensors exported by :meth:`export_files`; see :func:`memascend.io.checkpoint.import_files`."""
-        from memascend.io.checkpoint import import_files
-
-        return import_files(self, folder, chunk_bytes=chunk_bytes)
-
-    def import_swap_files(
-        self, files: dict[str, str | os.PathLike], *, chunk_bytes: int = EXPORT_CHUNK_BYTES
-    ) -> list[str]:
-        """Load plain files as raw bytes, one key each; see :func:`memascend.io.checkpoint.import_swap_files`."""
-        from memascend.io.checkpoint import import_swap_files
-
-        return import_swap_files(self, files, chunk_bytes=chunk_bytes)
-
     # ------------------------------------------------------------------ internals
     def _allocate(self, key: str, nbytes: int, old: ExtentRecord | None) -> int:
         """Extent offset for ``nbytes`` under ``key`` (lock held); frees ``old`` on success."""
@@ -649,14 +576,14 @@ class TensorStore:
         buf = _op.load().aligned_empty(len(data))
         buf.numpy()[:] = memoryview(data)
         self._count("write", len(data))
-        _check_job(
-            self._engine,
-            self._engine.wait(self._engine.submit_write(buf, offset)),
-            what,
-            offset,
-            self.path,
-            op="write",
-        )
+        check_job(self._engine.wait(self._engine.submit_write(buf, offset)), what, offset, self.path, op="write")
+
+    def _transfer(self, op: str, key: str, buf: torch.Tensor, offset: int, nbytes: int) -> None:
+        """One synchronous raw read or write (``op``) of ``nbytes`` at device ``offset``, counted."""
+        submit = self._engine.submit_read if op == "read" else self._engine.submit_write
+        result = self._engine.wait(submit(buf, offset, nbytes))
+        self._count(op, nbytes)
+        check_job(result, key, offset, self.path, op=op)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -668,58 +595,3 @@ class TensorStore:
             raise ValueError(f"tensor must be on the CPU, got {t.device}")
         if not t.is_contiguous():
             raise ValueError("tensor must be contiguous")
-
-
-def _restore_target(path: Path, *, created: bool, original_size_bytes: int | None) -> None:
-    """Undo what a failed :meth:`TensorStore.create` did to a file target (never raises)."""
-    try:
-        if created:
-            path.unlink(missing_ok=True)
-        elif original_size_bytes is not None and path.is_file() and path.stat().st_size > original_size_bytes:
-            os.truncate(path, original_size_bytes)
-    except OSError:
-        pass
-
-
-def _crc_bytes(data: bytes) -> int:
-    return _op.load().crc32c_bytes(bytes(data))
-
-
-def _open_engine(
-    path: Path, queue_depth: int, request_bytes: int, enable_direct: bool, backend: str = "auto"
-):
-    try:
-        return _op.load().Engine(
-            str(path),
-            queue_depth=queue_depth,
-            request_bytes=request_bytes,
-            enable_direct=enable_direct,
-            backend=backend,
-        )
-    except OSError as exc:
-        if exc.errno == 16:  # EBUSY: mounted/claimed block device (O_EXCL), or a file another store locks
-            raise DeviceRefusedError(
-                f"nvme path {exc.strerror}: one store per device or file (one per rank)"
-            ) from exc
-        raise UserError(f"nvme path {path}: {exc.strerror or exc}") from exc
-
-
-def _check_job(engine, result, key: str, offset_bytes: int, path, *, op: str = "read") -> None:
-    """Raise :class:`StoreIOError` for a failed or short engine job."""
-    if result is None or (result.error == 0 and not result.short_transfer):
-        return
-    where = result.error_offset or offset_bytes
-    if result.short_transfer:
-        raise StoreIOError(
-            f"short {op} of tensor '{key}' at device offset {where} of {path} (extent at {offset_bytes}): end of device reached",
-            key=key,
-            offset_bytes=where,
-            errno=None,
-        )
-    raise StoreIOError(
-        f"{op} of tensor '{key}' failed at device offset {where} of {path} (extent at {offset_bytes}): "
-        f"{os.strerror(result.error)} (errno {result.error})",
-        key=key,
-        offset_bytes=where,
-        errno=result.error,
-    )

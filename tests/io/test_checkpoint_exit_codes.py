@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from memascend.errors import IntegrityError, UserError
-from memascend.io.checkpoint import copy_export_to_folder, import_files, read_manifest
+from memascend.io.checkpoint import copy_export_to_folder, export_files, import_files, read_manifest
 from memascend.io.store import TensorStore
 
 MiB = 1 << 20
@@ -20,7 +20,7 @@ def export(store_path, tmp_path):
     with TensorStore.create(store_path, size_bytes=8 * MiB) as store:
         for k, t in tensors.items():
             store.write(k, t)
-        store.export_files(tmp_path / "ck")
+        export_files(store, tmp_path / "ck")
     key = next(iter(tensors))
     return tmp_path / "ck", key, next(e for e in read_manifest(tmp_path / "ck") if e["key"] == key)
 

@@ -11,8 +11,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from memascend.errors import UserError
 from memascend.io import device
+from memascend.io.checkpoint import export_files
 from memascend.io.errors import ChecksumError, DeviceRefusedError, StoreFullError, StoreIOError
 from memascend.io.store import TensorStore
 from memascend.ops import nvme_io
@@ -251,32 +251,6 @@ def test_one_store_per_file(store_path):
     TensorStore.open(store_path).close()  # released on close
 
 
-def test_export_import_round_trip_and_corrupt_checkpoint(store_path, tmp_path):
-    tensors = {
-        "p.0": torch.randn(123_457),
-        "p.1": torch.arange(10, dtype=torch.int64).view(2, 5),
-        "empty": torch.empty(0, 3),
-    }
-    with TensorStore.create(store_path, size_bytes=8 * MiB) as store:
-        for k, t in tensors.items():
-            store.write(k, t)
-        store.export_files(tmp_path / "ckpt", chunk_bytes=64 << 10)
-    other = tmp_path / "other.bin"
-    with TensorStore.create(other, size_bytes=8 * MiB) as store:
-        assert sorted(store.import_files(tmp_path / "ckpt", chunk_bytes=64 << 10)) == sorted(tensors)
-        for k, t in tensors.items():
-            out = store.read_tensor(k)
-            assert out.shape == t.shape and torch.equal(out, t)
-        bad = tmp_path / "ckpt" / "tensor_000001.bin"  # p.0 (sorted keys: empty, p.0, p.1)
-        data = bytearray(bad.read_bytes())
-        data[77] ^= 0x10
-        bad.write_bytes(bytes(data))
-        used = store.used_bytes
-        with pytest.raises(ChecksumError, match=r"tensor 'p.0' from .*tensor_000001.bin"):
-            store.import_files(tmp_path / "ckpt")
-        assert store.used_bytes <= used
-
-
 def test_swapping_does_not_grow_the_page_cache(store_path):
     with TensorStore.create(store_path, size_bytes=48 * MiB, request_bytes=1 * MiB) as store:
         tensors = [torch.randn(1 << 20) for _ in range(8)]  # 32 MiB
@@ -302,23 +276,43 @@ def test_io_counters_count_device_and_payload_bytes(store_path, tmp_path):
         assert (d.write_bytes, d.payload_write_bytes) == (4096 + 12288, 4000 + 12288)
         assert (d.read_bytes, d.payload_read_bytes) == (4096, 4000)
         before = store.io_counters()
-        store.export_files(tmp_path / "ck", chunk_bytes=4096)
+        export_files(store, tmp_path / "ck", chunk_bytes=4096)
         d = store.io_counters() - before
         assert d.payload_read_bytes == 4000 + 12288 and d.write_bytes == 0
         assert set(d.as_dict()) == {"read_bytes", "write_bytes", "payload_read_bytes", "payload_write_bytes"}
 
 
-def test_import_swap_files_as_raw_bytes(store_path, tmp_path):
-    src = {"opt/rank0/0.tensor.swp": torch.randn(3000), "opt/rank0/1.tensor.swp": torch.arange(7, dtype=torch.int64)}
-    files = {}
-    for i, (k, t) in enumerate(src.items()):
-        files[k] = tmp_path / f"{i}.swp"
-        files[k].write_bytes(t.numpy().tobytes())
+def test_streamed_write_reserve_commit_release(store_path):
+    """The public API checkpoints stream through: records(), read_extent(), reserve() ->
+    write_extent() -> commit() / release()."""
+    src = torch.arange(3000, dtype=torch.int32)  # 12000 bytes: three 4 KiB pieces
+    data = src.numpy().tobytes()
+    buf = nvme_io.load().aligned_empty(4096)
     with TensorStore.create(store_path, size_bytes=8 * MiB) as store:
-        assert sorted(store.import_swap_files(files, chunk_bytes=4096)) == sorted(src)
-        for k, t in src.items():
-            out = torch.empty_like(t)
-            store.read(k, out)  # CRC computed at import is checked here
-            assert torch.equal(out, t) and store.record(k).dtype == "torch.uint8"
-        with pytest.raises(UserError, match="missing"):
-            store.import_swap_files({"x": tmp_path / "nope.swp"})
+        store.write("b", torch.ones(10))
+        res = store.reserve("a", len(data))
+        with pytest.raises(ValueError, match="in flight"):
+            store.reserve("a", 16)
+        assert [r.key for r in store.records()] == ["b"]  # "a" has no record until commit
+        crc = 0
+        for pos in range(0, len(data), 4096):
+            piece = data[pos:pos + 4096]
+            buf.numpy()[: len(piece)] = memoryview(piece)
+            crc = nvme_io.load().crc32c(buf, len(piece), crc)
+            store.write_extent(res, buf, pos, len(piece))
+        rec = store.commit(res, crc32c=crc, dtype="torch.int32", shape=(3000,))
+        assert rec.alloc_bytes == 12288 and rec.crc32c == crc
+        assert [r.key for r in store.records()] == ["a", "b"]
+        assert torch.equal(store.read_tensor("a"), src)  # the CRC32C given at commit is checked here
+        out = bytearray()
+        for pos in range(0, rec.nbytes, 4096):
+            n = min(4096, rec.nbytes - pos)
+            store.read_extent(rec, buf, pos, n)
+            out += buf.numpy()[:n].tobytes()
+        assert bytes(out) == data
+        used = store.used_bytes
+        res = store.reserve("c", 8192)
+        assert store.used_bytes == used + 8192
+        store.release(res)
+        assert store.used_bytes == used and "c" not in store
+        store.write("c", torch.zeros(4))  # no write of "c" in flight any more

@@ -82,6 +82,7 @@ from typing import Any
 
 from memascend.errors import UserError
 from memascend.integrations.deepspeed.patches import PatchRecord, PatchRegistry
+from memascend.io import checkpoint as store_checkpoint
 from memascend.io.durable import write_text_durable
 from memascend.io.runlock import RunLock, acquire_run_lock, pid_alive
 from memascend.io.store import DEFAULT_QUEUE_DEPTH, DEFAULT_REQUEST_BYTES, TensorStore
@@ -275,8 +276,8 @@ class RawStoreHandle:
         if dest.exists():
             shutil.rmtree(dest)
         t0 = time.monotonic()
-        manifest = self.store.export_files(
-            dest, select=lambda k: k.startswith(prefix) and "gradient" not in os.path.basename(k)
+        manifest = store_checkpoint.export_files(
+            self.store, dest, select=lambda k: k.startswith(prefix) and "gradient" not in os.path.basename(k)
         )
         self.export_s += time.monotonic() - t0
         self.exported = [k for k in self.store.keys() if k.startswith(prefix) and "gradient" not in k]
@@ -291,7 +292,7 @@ class RawStoreHandle:
         """
         t0 = time.monotonic()
         try:
-            keys = self.store.import_swap_files(files)
+            keys = store_checkpoint.import_swap_files(self.store, files)
         finally:
             for path in copies:
                 path.unlink(missing_ok=True)
@@ -307,7 +308,7 @@ class RawStoreHandle:
             UserError: no manifest or a damaged file (names the tensor).
         """
         t0 = time.monotonic()
-        keys = self.store.import_files(rank_dir)
+        keys = store_checkpoint.import_files(self.store, rank_dir)
         self.import_s += time.monotonic() - t0
         self.imported = keys
         self.sample_usage()
