@@ -50,6 +50,6 @@ fi
 # ~/.cache/memascend/{ext,torch_extensions}/<python-torch-deepspeed key>, where training runs load
 # them; TORCH_EXTENSIONS_DIR / MEMASCEND_EXT_DIR override). A build killed mid-way leaves torch's
 # build lock behind: memascend removes such a lock itself and 'memascend doctor' lists them.
-"$PY" -m memascend.ops.build \
+"$PY" -m memascend.integrations.deepspeed.ops_build \
   || echo "install.sh: an op failed to build (above); it will be built again on first use." >&2
 echo "install.sh: done" >&2

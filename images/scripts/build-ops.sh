@@ -12,5 +12,5 @@ export PATH=/opt/memascend/venv/bin:$PATH
 # The source tree as of this build (install-python.sh's layer may hold an older one, with its deps).
 /opt/memascend/venv/bin/python -m pip install --no-cache-dir -q --no-deps --force-reinstall "$src"
 cd "$src"
-/opt/memascend/venv/bin/python -m memascend.ops.build --no-deepspeed
+/opt/memascend/venv/bin/python -m memascend.ops.build
 find "$MEMASCEND_EXT_DIR" -name 'memascend_*.so' -exec cp -v {} "$out"/ \;

@@ -13,23 +13,13 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import os
-import pkgutil
 import shutil
 import sys
 from pathlib import Path
 
 from memascend.host.result import CheckResult, Status
-
-_NOT_OPS = {"build"}
-
-
-def op_names(ops_dir: Path | None = None) -> list[str]:
-    """Names of the ops: the loader modules in ``memascend/ops`` (all but ``build``)."""
-    import memascend.ops
-
-    ops_dir = ops_dir or Path(memascend.ops.__file__).parent
-    names = {m.name for m in pkgutil.iter_modules([str(ops_dir)]) if not m.name.startswith("_")} - _NOT_OPS
-    return sorted(names)
+from memascend.ops.build import ext_cache_dir, find_build_locks, torch_extensions_dir
+from memascend.ops.build import op_names as op_names  # the ops the doctor checks (re-exported)
 
 
 def _find_built(mod_name: str, cache_dir: Path) -> tuple[str, str | None]:
@@ -71,8 +61,6 @@ def check_extension(name: str, *, cache_dir: Path | None = None) -> CheckResult:
         the built module does not import.
     """
     mod_name = f"memascend_{name}"
-    from memascend.ops.build import ext_cache_dir
-
     cache = cache_dir or ext_cache_dir(create=False)
     where, so_path = _find_built(mod_name, cache)
     label = f"op {name}"
@@ -108,8 +96,6 @@ def build_lock_roots() -> list[Path]:
     memascend ops and torch extensions folders, memascend's cache roots above them (every
     environment's folders, and the unkeyed op folders of memascend before 2026-11-25), and torch's
     default root (plain DeepSpeed and older memascend versions build there)."""
-    from memascend.ops.build import ext_cache_dir, torch_extensions_dir
-
     cache = Path.home() / ".cache" / "memascend"
     roots = [ext_cache_dir(create=False), torch_extensions_dir(), cache / "ext", cache / "torch_extensions"]
     try:
@@ -133,8 +119,6 @@ def check_build_locks(roots: list[Path] | None = None) -> CheckResult:
         before it builds that op; any other program that loads the op waits on it forever) with
         the ``rm`` that clears them, or naming the pid of a build in progress. Never blocks a run.
     """
-    from memascend.ops.build import find_build_locks
-
     states = find_build_locks(roots if roots is not None else build_lock_roots())
     stale = [s for s in states if s.stale]
     live = [s for s in states if not s.stale]

@@ -1,5 +1,9 @@
 """Build-or-load of the C++/CUDA extensions in ``csrc/``, and safe JIT builds for DeepSpeed's ops.
 
+This module imports nothing of memascend's other layers (``host``, ``io``, ``integrations``):
+building DeepSpeed's own ops (``async_io``, ``cpu_adam``, ...) ahead of use is
+:mod:`memascend.integrations.deepspeed.ops_build`, behind the seam.
+
 An op is looked up in this order:
 1. a prebuilt module ``memascend_<op>`` importable from ``sys.path`` or from
    ``$MEMASCEND_PREBUILT_DIR`` (the container image builds these ahead of time);
@@ -15,7 +19,7 @@ DeepSpeed it was compiled against, and torch's JIT reuses a build folder whateve
 version. :func:`configure_builds` therefore points ``TORCH_EXTENSIONS_DIR`` (DeepSpeed's JIT ops:
 async_io, cpu_adam, shm_comm, ...) at ``~/.cache/memascend/torch_extensions/<environment key>``
 when the user has not set it, as every training rank, ``python3 -m memascend.ops.build``
-(install.sh) and memascend's own ops do; the key (:func:`build_env_key`) hashes the interpreter
+and memascend's own ops do; the key (:func:`build_env_key`) hashes the interpreter
 path, ``sys.prefix`` (a venv), the Python, torch/CUDA and DeepSpeed versions.
 
 Stale build locks: torch's JIT build holds a lock file ``<build folder>/lock``
@@ -41,6 +45,7 @@ import importlib
 import importlib.metadata
 import inspect
 import os
+import pkgutil
 import sys
 import time
 from collections.abc import Iterator
@@ -51,6 +56,7 @@ from types import ModuleType
 from memascend.procfs import has_open
 
 CSRC_DIR = Path(__file__).resolve().parent.parent.parent / "csrc"
+_NOT_OPS = {"build"}
 
 
 class OpBuildError(RuntimeError):
@@ -409,26 +415,27 @@ def load_op(
         raise OpBuildError(f"cannot build op '{name}': {str(exc).strip().splitlines()[-1]}") from exc
 
 
-def build_all(*, deepspeed_ops: bool = True) -> list[tuple[str, bool, str]]:
-    """Build (or find prebuilt) every memascend op and, with ``deepspeed_ops``, DeepSpeed's JIT ops.
+def op_names(ops_dir: Path | None = None) -> list[str]:
+    """Names of the ops: the loader modules in ``memascend/ops`` (``ops_dir``), all but ``build``,
+    sorted. Each loader ``X.py`` has a ``load()`` building or importing ``memascend_X``."""
+    ops_dir = ops_dir or Path(__file__).resolve().parent
+    names = {m.name for m in pkgutil.iter_modules([str(ops_dir)]) if not m.name.startswith("_")} - _NOT_OPS
+    return sorted(names)
 
-    ``install.sh`` runs this so that no training process compiles on first use. A first-use
+
+def build_all() -> list[tuple[str, bool, str]]:
+    """Build (or find prebuilt) every memascend op (:func:`op_names`).
+
+    ``install.sh`` runs this (through :mod:`memascend.integrations.deepspeed.ops_build`, which also
+    builds DeepSpeed's JIT ops) so that no training process compiles on first use. A first-use
     compile holds torch's build lock (``<build dir>/lock``) for a minute or more, and a process
     killed meanwhile (a memory cgroup's OOM kill, a timeout, Ctrl-C) leaves the lock behind:
     every later process that loads the op then waits on it forever.
 
-    Args:
-        deepspeed_ops: also build DeepSpeed's ``async_io`` (and ``pin_memory``, which it loads
-            first; ZeRO-Infinity's NVMe swappers), and the accelerator's ``CPUAdamBuilder`` and
-            ``ShareMemCommBuilder`` ops where it has them; an op DeepSpeed says is not compatible
-            here (``async_io`` without libaio headers) is skipped.
-
     Returns:
-        ``(name, ok, detail)`` per op; ``ok`` is false only for an op that failed to build
-        (``detail`` says why); a DeepSpeed op that cannot apply here is ok with a reason.
+        ``(name, ok, detail)`` per op (``memascend_<op>``); ``ok`` is false for an op that failed
+        to build (``detail`` says why), else ``detail`` is the module's file.
     """
-    from memascend.host.extensions import op_names
-
     configure_builds()
     results: list[tuple[str, bool, str]] = []
     for name in op_names():
@@ -437,43 +444,27 @@ def build_all(*, deepspeed_ops: bool = True) -> list[tuple[str, bool, str]]:
             results.append((f"memascend_{name}", True, str(getattr(module, "__file__", ""))))
         except OpBuildError as exc:
             results.append((f"memascend_{name}", False, str(exc)))
-    if not deepspeed_ops:
-        return results
-    try:
-        from deepspeed.accelerator import get_accelerator
-        from deepspeed.ops.op_builder import AsyncIOBuilder
-    except ImportError as exc:
-        return [*results, ("deepspeed ops", False, f"deepspeed is not importable: {exc}")]
-    # async_io: the NVMe swappers' aio handle; the accelerator's Adam (cpu_adam on the CPU) and,
-    # on the CPU accelerator, its shared-memory collectives: built by the first training otherwise.
-    builders = [("deepspeed async_io", AsyncIOBuilder())]
-    for name, label in (("CPUAdamBuilder", "deepspeed cpu_adam"), ("ShareMemCommBuilder", "deepspeed shm_comm")):
-        builder = get_accelerator().create_op_builder(name)
-        if builder is not None:
-            builders.append((label, builder))
-    for label, builder in builders:
-        if not builder.is_compatible(verbose=False):
-            results.append((label, True, "skipped: not compatible here"))
-            continue
-        try:
-            builder.load(verbose=False)
-            results.append((label, True, "built"))
-        except Exception as exc:  # noqa: BLE001 - reported per op, one line
-            results.append((label, False, (str(exc).strip().splitlines() or [repr(exc)])[-1]))
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python3 -m memascend.ops.build [--no-deepspeed]``: build every op; exit 1 if one failed."""
-    args = sys.argv[1:] if argv is None else argv
-    if any(a != "--no-deepspeed" for a in args):
-        print("usage: python3 -m memascend.ops.build [--no-deepspeed]", file=sys.stderr)
-        return 2
+def report(results: list[tuple[str, bool, str]]) -> int:
+    """Print one line per built op to stderr (``NAME: ok|FAILED DETAIL``); return the exit code
+    (1 when one failed, else 0)."""
     failed = 0
-    for name, ok, detail in build_all(deepspeed_ops="--no-deepspeed" not in args):
+    for name, ok, detail in results:
         print(f"{name}: {'ok' if ok else 'FAILED'} {detail}".rstrip(), file=sys.stderr)
         failed += not ok
     return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python3 -m memascend.ops.build``: build every memascend op; exit 1 if one failed, 2 on a
+    usage error. DeepSpeed's ops too: ``python3 -m memascend.integrations.deepspeed.ops_build``."""
+    args = sys.argv[1:] if argv is None else argv
+    if args:
+        print("usage: python3 -m memascend.ops.build", file=sys.stderr)
+        return 2
+    return report(build_all())
 
 
 if __name__ == "__main__":

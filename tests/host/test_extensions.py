@@ -2,15 +2,11 @@ import importlib.machinery
 
 from memascend.host import Status, extensions
 from memascend.host.extensions import check_extension, op_names
+from memascend.ops import build
 
 
-def test_op_names_are_the_loader_modules(tmp_path):
-    (tmp_path / "build.py").write_text("")
-    (tmp_path / "__init__.py").write_text("")
-    (tmp_path / "pinned_arena.py").write_text("")
-    (tmp_path / "overflow_check.py").write_text("")
-    assert op_names(tmp_path) == ["overflow_check", "pinned_arena"]
-    assert "build" not in op_names()
+def test_the_doctor_checks_the_ops_that_ops_build_lists():
+    assert op_names is build.op_names and "build" not in op_names()
 
 
 def test_not_built_with_compiler_warns(tmp_path, monkeypatch):
