@@ -166,9 +166,11 @@ class GoldenTolerances:
     loss_rel: float = 1e-3
 
 
-def golden_entry(base: RunMetrics, mine: RunMetrics) -> dict:
-    """What is recorded for one configuration in a golden file."""
+def golden_entry(base: RunMetrics, mine: RunMetrics, cpu_isa: str | None = None) -> dict:
+    """What is recorded for one configuration in a golden file; ``cpu_isa``
+    (:func:`memascend.regress.golden.cpu_isa`) is the kernel level the losses were computed with."""
     return {
+        "cpu_isa": cpu_isa,
         "memascend": {"peak_rss_bytes": mine.peak_rss_bytes, "peak_locked_bytes": mine.peak_locked_bytes,
                       "median_step_s": mine.median_step_s, "losses": list(mine.losses)},
         "baseline": {"peak_rss_bytes": base.peak_rss_bytes, "peak_locked_bytes": base.peak_locked_bytes,
@@ -178,8 +180,12 @@ def golden_entry(base: RunMetrics, mine: RunMetrics) -> dict:
     }
 
 
-def compare_golden(entry: dict, base: RunMetrics, mine: RunMetrics, tol: GoldenTolerances) -> list[Check]:
-    """This run against the golden ``entry`` of its configuration (see :func:`golden_entry`)."""
+def compare_golden(entry: dict, base: RunMetrics, mine: RunMetrics, tol: GoldenTolerances,
+                   cpu_isa: str | None = None) -> list[Check]:
+    """This run against the golden ``entry`` of its configuration (see :func:`golden_entry`).
+
+    The losses are compared only where the entry's ``cpu_isa`` is unrecorded or equals ``cpu_isa``
+    (this host's): another CPU kernel level rounds bf16 matmuls differently."""
     g = entry["memascend"]
     out = []
     for key, label in (("peak_rss_bytes", "peak RSS"), ("peak_locked_bytes", "locked")):
@@ -198,7 +204,11 @@ def compare_golden(entry: dict, base: RunMetrics, mine: RunMetrics, tol: GoldenT
                      f"memascend step {mine.median_step_s:.2f} s vs golden {g['median_step_s']:.2f} s "
                      f"(+{tol.step_time_rel:.0%} allowed)"))
     gl = g.get("losses") or []
-    if len(gl) == len(mine.losses):
+    golden_isa = entry.get("cpu_isa")
+    if golden_isa and cpu_isa and golden_isa != cpu_isa:
+        out.append(Check("golden.losses", True, None, None,
+                         f"not compared: golden losses computed with {golden_isa} CPU kernels, this host runs {cpu_isa}"))
+    elif len(gl) == len(mine.losses):
         worst = max((abs(a - b) / max(abs(a), 1e-30) for a, b in zip(gl, mine.losses, strict=True)), default=0.0)
         out.append(Check("golden.losses", worst <= tol.loss_rel, worst, tol.loss_rel,
                          f"largest relative loss difference to golden {worst:.2e} (<= {tol.loss_rel:g})"))
@@ -272,13 +282,14 @@ def check_memory_cap(stopped: dict[str, tuple[str, str]], completed: set[str]) -
 
 def evaluate(cfg: BenchConfig, base_report: dict | None, mine_report: dict | None, golden: dict | None,
              tol: GoldenTolerances, errors: list[str] | None = None,
-             stopped: dict[str, tuple[str, str]] | None = None) -> ConfigResult:
+             stopped: dict[str, tuple[str, str]] | None = None, cpu_isa: str | None = None) -> ConfigResult:
     """Build the :class:`ConfigResult` of one configuration from its two reports.
 
     Args:
         base_report / mine_report: parsed ``report.json`` of each engine, ``None`` if the run failed.
         golden: this configuration's golden entry, or ``None`` (no golden check).
         tol: golden tolerances.
+        cpu_isa: this host's CPU kernel level (:func:`memascend.regress.golden.cpu_isa`).
         errors: run failures already known (they make the result fail).
         stopped: engines the memory cap stopped (see :func:`check_memory_cap`): the pair is not
             compared, and the result is one ``memory_cap`` check.
@@ -296,7 +307,7 @@ def evaluate(cfg: BenchConfig, base_report: dict | None, mine_report: dict | Non
         return res
     res.checks = compare_pair(cfg, res.baseline, res.memascend)
     if golden is not None:
-        res.checks += compare_golden(golden, res.baseline, res.memascend, tol)
+        res.checks += compare_golden(golden, res.baseline, res.memascend, tol, cpu_isa)
     return res
 
 

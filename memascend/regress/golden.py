@@ -3,6 +3,11 @@
 A hardware profile names the kind of machine the numbers were measured on (memory peaks and step
 times are only comparable on the same kind): ``cpu-<cores>c-<GiB>g`` on a CPU-only host,
 ``<gpu name>-x<count>`` where CUDA devices are visible. ``MEMASCEND_HW_PROFILE`` overrides it.
+
+Within one profile the CPU's instruction set still decides the bits of a CPU run's losses: torch's
+bf16 matmuls dispatch to AMX, AVX-512-BF16, AVX-512 or AVX2 kernels, which round differently (the
+same code and seed give a different step-1 loss under each ``ONEDNN_MAX_CPU_ISA``). Every golden
+entry therefore records :func:`cpu_isa`, and its losses are compared only on a host with the same one.
 """
 
 from __future__ import annotations
@@ -28,6 +33,23 @@ def hardware_profile() -> str:
         return gpu
     mem_gib = round(psutil.virtual_memory().total / 2**30)
     return f"cpu-{psutil.cpu_count()}c-{mem_gib}g"
+
+
+def cpu_isa() -> str:
+    """The CPU kernel level torch dispatches to on this host: ``torch.backends.cpu.get_cpu_capability()``
+    lower-cased (``avx512``, ``avx2``, ...), with ``+amx`` where the CPU has AMX-BF16 tiles (oneDNN's
+    bf16 matmuls use them). ``unknown`` when torch cannot say."""
+    try:
+        import torch
+
+        isa = torch.backends.cpu.get_cpu_capability().lower()
+    except Exception:  # noqa: BLE001 - an old torch without the query
+        return "unknown"
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        flags = []
+    return isa + ("+amx" if "amx_bf16" in flags else "")
 
 
 def _gpu_profile() -> str | None:

@@ -68,7 +68,7 @@ def _results(configs: list[BenchConfig], outcomes: dict, golden: dict, tol: Gold
         errors += [f"{e}: per-step losses differ between repeats (same seed and data)" for e, r in reports.items()
                    if r is not None and not r.get("repeats", {}).get("losses_equal", True)]
         res = evaluate(cfg, reports["baseline"], reports["memascend"],
-                       None if update_golden else golden.get(cfg.name), tol, errors, stopped)
+                       None if update_golden else golden.get(cfg.name), tol, errors, stopped, gold.cpu_isa())
         res.commands = {e: " ".join(finetune_command(cfg, e, o.output_dir, swap)) for e, o in pair.items()}
         res.runs = {e: {"status": o.status, "outcome": o.describe(), "wall_s": o.wall_s,
                         "cap": o.cap.to_dict() if o.cap else None,
@@ -153,7 +153,7 @@ def run_regress(matrix: Matrix, opts: RegressOptions) -> bool:
     write_outputs(results, out_root, meta, timelines)
     _print_results(console, results, matrix, configs, prof, cap_meta)
     if opts.update_golden:
-        entries = {r.config.name: golden_entry(r.baseline, r.memascend) for r in results
+        entries = {r.config.name: golden_entry(r.baseline, r.memascend, gold.cpu_isa()) for r in results
                    if r.baseline and r.memascend}
         gold.save_golden(gpath, prof, matrix.name, entries, commands)
         console.print(f"golden results written: {gpath} ({len(entries)} configs)")

@@ -112,6 +112,31 @@ def test_golden_within_tolerance_passes_and_beyond_fails():
     assert _failed(res) == {"golden.losses"}
 
 
+def test_golden_losses_are_compared_only_on_the_same_cpu_kernels():
+    base = make_report(rss_gib=6.4, locked_gib=2.9, step_s=7.0, losses=LOSSES)
+    mine = make_report(rss_gib=2.0, locked_gib=0.6, step_s=7.1, losses=LOSSES)
+    gold = golden_entry(RunMetrics.from_report(base), RunMetrics.from_report(mine), "avx512+amx")
+    assert gold["cpu_isa"] == "avx512+amx"
+    drift = [x * (1 + 1e-2) for x in LOSSES]
+    drifted = (make_report(rss_gib=6.4, locked_gib=2.9, step_s=7.0, losses=drift),
+               make_report(rss_gib=2.0, locked_gib=0.6, step_s=7.1, losses=drift))
+    same = evaluate(CFG, *drifted, golden=gold, tol=TOL, cpu_isa="avx512+amx")
+    assert _failed(same) == {"golden.losses"}
+    other = evaluate(CFG, *drifted, golden=gold, tol=TOL, cpu_isa="avx2")
+    assert other.ok and "not compared" in other.check("golden.losses").detail
+    # memory is still held to the golden result on another CPU
+    fatter = make_report(rss_gib=2.0 * 1.08, locked_gib=0.6, step_s=7.1, losses=drift)
+    assert _failed(evaluate(CFG, drifted[0], fatter, golden=gold, tol=TOL, cpu_isa="avx2")) == {"golden.peak_rss_bytes"}
+
+
+def test_cpu_isa_names_torch_kernel_level():
+    import torch
+
+    from memascend.regress.golden import cpu_isa
+
+    assert cpu_isa().split("+")[0] == torch.backends.cpu.get_cpu_capability().lower()
+
+
 def test_fit_line_recovers_slope_and_intercept():
     rng = np.random.default_rng(0)
     xs = rng.uniform(1e7, 3e9, size=8).tolist()
