@@ -491,10 +491,12 @@ class TensorStore:
         return rec
 
     def release(self, res: Reservation) -> None:
-        """Give back the extent of a failed streamed write. The key keeps the record it had before
-        :meth:`reserve` (whose extent ``reserve`` already gave back)."""
+        """Give back the extent of a failed streamed write. The key's tensor from before
+        :meth:`reserve` is gone too: ``reserve`` gave its extent back, so other writes may hold it now
+        (keeping the record would let a read return their bytes and a free give the extent twice)."""
         with self._lock:
             self._writes.discard(res.key)
+            self._records.pop(res.key, None)
             if res.nbytes:
                 self._alloc.free(Extent(res.offset_bytes, self._alloc.aligned_size(res.nbytes)))
 

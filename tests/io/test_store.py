@@ -282,6 +282,20 @@ def test_io_counters_count_device_and_payload_bytes(store_path, tmp_path):
         assert set(d.as_dict()) == {"read_bytes", "write_bytes", "payload_read_bytes", "payload_write_bytes"}
 
 
+def test_released_reservation_of_an_existing_key_drops_its_old_tensor(store_path):
+    """reserve() gives the key's old extent back; after release() the key must not point at it."""
+    with TensorStore.create(store_path, size_bytes=8 * MiB) as store:
+        store.write("a", torch.ones(2048))
+        used = store.used_bytes
+        res = store.reserve("a", 8192)
+        store.release(res)
+        assert "a" not in store and store.used_bytes == used - 8192
+        store.write("z", torch.full((2048,), 7.0))  # may take the old extent of "a"
+        assert torch.equal(store.read_tensor("z"), torch.full((2048,), 7.0))
+        store.free("z")
+        assert store.used_bytes == 0
+
+
 def test_streamed_write_reserve_commit_release(store_path):
     """The public API checkpoints stream through: records(), read_extent(), reserve() ->
     write_extent() -> commit() / release()."""
