@@ -1,7 +1,10 @@
 """Run configuration: frozen, validated dataclasses loaded once at the edge (CLI/TOML).
 
-The DeepSpeed JSON is rendered from these by :mod:`memascend.train.ds_config`; it is never edited
-by hand in two places. Variants are made with :func:`dataclasses.replace`.
+The DeepSpeed JSON is rendered from these by :func:`memascend.resolve.resolve`; it is never edited
+by hand in two places. Variants are made with :func:`dataclasses.replace`. The user's
+``--deepspeed-config`` is read, and its ``"memascend"`` section parsed into
+:class:`~memascend.settings.MemAscendSettings`, once, when the :class:`RunConfig` is built; the swap
+target (``--nvme-path``) is classified once, when the :class:`OffloadConfig` is built.
 
 TOML layout (``--config FILE``): sections ``[model]``, ``[data]``, ``[train]``, ``[offload]`` and
 top-level ``output_dir``, ``engine``, ``deepspeed_config`` whose keys are the field names below.
@@ -11,10 +14,13 @@ CLI flags override the file.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
+import stat
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -22,6 +28,7 @@ from typing import Any, Literal
 import tomllib
 
 from memascend.errors import UserError
+from memascend.settings import DS_CONFIG_SECTION, MemAscendSettings
 
 Dtype = Literal["bf16", "fp16", "fp32"]
 OffloadTarget = Literal["nvme", "cpu", "none"]
@@ -339,6 +346,57 @@ class TrainConfig:
             raise UserError(f"--keep-checkpoints must be >= 1, got {self.keep_checkpoints}")
 
 
+STORE_FILE_SUFFIX = ".store"
+"""``--nvme-path`` files with this suffix are raw stores (:mod:`memascend.train.store_target`)."""
+
+SwapKind = Literal["folder", "device", "store_file", "store_list"]
+
+
+def is_block_device(path: str) -> bool:
+    """Whether ``path`` is a block device (``False`` when it cannot be stat'ed)."""
+    try:
+        return stat.S_ISBLK(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+@dataclass(frozen=True)
+class SwapTarget:
+    """Where a run swaps parameters and optimizer state: ``--nvme-path`` classified.
+
+    Attributes:
+        path: ``--nvme-path`` as given.
+        kind: ``folder``: stock DeepSpeed's swap files in a per-run subfolder
+            (:mod:`memascend.train.swapdir`); the others are memascend's raw store
+            (:mod:`memascend.integrations.deepspeed.raw_store`): ``device``, one block device;
+            ``store_file``, a file ending in ``.store`` (``PATH.rank<N>`` per rank on several
+            ranks); ``store_list``, a comma-separated list with one device or ``.store`` file per
+            rank.
+    """
+
+    path: str
+    kind: SwapKind
+
+    @classmethod
+    def of(cls, nvme_path: str) -> SwapTarget:
+        """Classify ``nvme_path`` (a list, a block device, a ``.store`` file name, else a folder)."""
+        parts = [p.strip() for p in nvme_path.split(",")]
+        if len(parts) > 1:
+            kind: SwapKind = "store_list"
+        elif is_block_device(parts[0]):
+            kind = "device"
+        elif parts[0].endswith(STORE_FILE_SUFFIX):
+            kind = "store_file"
+        else:
+            kind = "folder"
+        return cls(nvme_path, kind)
+
+    @property
+    def is_raw_store(self) -> bool:
+        """Whether the run swaps to raw stores rather than to swap files in a folder."""
+        return self.kind != "folder"
+
+
 @dataclass(frozen=True, kw_only=True)
 class OffloadConfig:
     """Where ZeRO-3 keeps parameters and optimizer state."""
@@ -355,11 +413,16 @@ class OffloadConfig:
     store (a mounted or held device is always refused)."""
     enable_crc: bool = True
     """CRC32C of every raw-store extent, checked on read (off only for speed runs)."""
+    swap_target: SwapTarget = field(init=False, repr=False, compare=False)
+    """``nvme_path`` classified once, when the config is built (not in :meth:`RunConfig.to_dict`)."""
 
     def __post_init__(self) -> None:
         for name in ("param", "optimizer"):
             if getattr(self, name) not in ("nvme", "cpu", "none"):
                 raise UserError(f"--offload-{name} must be nvme, cpu or none, got {getattr(self, name)}")
+        # A bad nvme_path is named by _check_types (it comes before swap_target).
+        target = SwapTarget.of(self.nvme_path) if isinstance(self.nvme_path, str) else None
+        object.__setattr__(self, "swap_target", target)
         _check_types(self, "offload")
 
     @property
@@ -381,14 +444,62 @@ class RunConfig:
     """``baseline``: stock DeepSpeed ZeRO-Infinity; ``memascend``: with the memory optimisations applied."""
     deepspeed_config: str | None = None
     """A user's DeepSpeed JSON to start from; memascend fills in only what the run needs."""
+    user_ds_config: dict | None = field(default=None, hash=False)
+    """``deepspeed_config``'s content (:func:`load_user_ds_config`), read when the config is built
+    (``None`` without one). Variants with another file set both ``deepspeed_config`` and this
+    (``None``: read the file again)."""
+    memascend: MemAscendSettings = field(default_factory=MemAscendSettings)
+    """The requested memascend settings: the ``"memascend"`` section of ``deepspeed_config``, parsed
+    when the file is read (the defaults without one). :func:`memascend.resolve.resolve` turns them
+    into the settings the engine applies."""
 
     def __post_init__(self) -> None:
         if self.engine not in ("baseline", "memascend"):
             raise UserError(f"--engine must be baseline or memascend, got {self.engine}")
+        if self.deepspeed_config is not None and self.user_ds_config is None and isinstance(self.deepspeed_config, str):
+            doc = load_user_ds_config(self.deepspeed_config)
+            object.__setattr__(self, "user_ds_config", doc)
+            object.__setattr__(self, "memascend", MemAscendSettings.from_mapping(doc.get(DS_CONFIG_SECTION, {})))
         _check_types(self, "")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The configuration as ``report.json`` records it (``"config"``): every field but the
+        derived ones (the swap target's kind, the user's JSON and its settings, which the report
+        records on their own)."""
+        out = dataclasses.asdict(self)
+        out.pop("user_ds_config")
+        out.pop("memascend")
+        out["offload"].pop("swap_target")
+        return out
+
+
+def load_user_ds_config(path: str) -> dict:
+    """Read ``--deepspeed-config``: a JSON object (DeepSpeed's config dict).
+
+    Raises:
+        UserError: missing/unreadable file, invalid JSON or UTF-8, ``NaN``/``Infinity`` anywhere in
+            it, or a document that is not an object (``[1, 2, 3]``), or a ``"memascend"`` section
+            that is not an object.
+    """
+
+    def refuse_constant(name: str):
+        raise UserError(f"DeepSpeed config {path} holds {name}: every number must be finite")
+
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"), parse_constant=refuse_constant)
+    except FileNotFoundError:
+        raise UserError(f"DeepSpeed config not found: {path}") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"DeepSpeed config {path} is not valid JSON: line {exc.lineno}: {exc.msg}") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"DeepSpeed config {path} is not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise UserError(f"cannot read DeepSpeed config {path}: {exc.strerror}") from None
+    if not isinstance(doc, dict):
+        raise UserError(f"DeepSpeed config {path} must be a JSON object ({{...}}), got a {type(doc).__name__}")
+    if not isinstance(doc.get(DS_CONFIG_SECTION, {}), Mapping):
+        raise UserError(f"DeepSpeed config {path}: its \"memascend\" section must be a JSON object")
+    return doc
 
 
 _SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "offload": OffloadConfig}

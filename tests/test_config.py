@@ -85,3 +85,51 @@ def test_param_numel_matches_transformers(name):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(llama_config(fs))
     assert sum(p.numel() for p in model.parameters()) == fs.param_numel
+
+
+def test_to_dict_keeps_the_report_keys_and_round_trips(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"memascend": {"enable_param_pool": false}}')
+    cfg = build_run_config({}, {"deepspeed_config": str(ds), "offload": {"nvme_path": str(tmp_path / "a.store")}})
+    d = cfg.to_dict()
+    assert set(d) == {"model", "data", "train", "offload", "output_dir", "engine", "deepspeed_config"}
+    assert set(d["offload"]) == {"param", "optimizer", "nvme_path", "nvme_overwrite", "enable_crc"}
+    assert d["offload"]["nvme_path"] == str(tmp_path / "a.store")
+    assert build_run_config(d, {}) == cfg
+
+
+def test_the_swap_target_is_classified_when_the_config_is_built(tmp_path):
+    from pathlib import Path
+
+    from memascend.config import SwapTarget
+    from memascend.train.store_target import is_store_target
+
+    def kind(path: str) -> str:
+        return build_run_config({}, {"offload": {"nvme_path": path}}).offload.swap_target.kind
+
+    assert kind(str(tmp_path)) == "folder" and kind(str(tmp_path / "s.store")) == "store_file"
+    assert kind(f"{tmp_path}/a.store,{tmp_path}/b.store") == "store_list"
+    block = next((str(p) for p in sorted(Path("/dev").glob("loop[0-9]*")) if p.is_block_device()), None)
+    if block:
+        assert kind(block) == "device"
+    for path in (str(tmp_path), str(tmp_path / "s.store"), *([block] if block else [])):
+        assert SwapTarget.of(path).is_raw_store == is_store_target(path)
+
+
+def test_the_memascend_section_is_parsed_when_the_config_is_built(tmp_path):
+    from memascend.settings import MemAscendSettings
+
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"memascend": {"param_prefetch_slots": 8}, "gradient_clipping": 0.5}')
+    cfg = build_run_config({}, {"deepspeed_config": str(ds)})
+    assert cfg.memascend == MemAscendSettings(param_prefetch_slots=8)
+    assert cfg.user_ds_config["gradient_clipping"] == 0.5
+    assert build_run_config({}, {}).memascend == MemAscendSettings() and build_run_config({}, {}).user_ds_config is None
+    ds.write_text('{"memascend": {"enable_everything": true}}')
+    with pytest.raises(UserError, match="unknown key.*enable_everything"):
+        build_run_config({}, {"deepspeed_config": str(ds)})
+    ds.write_text('{"memascend": [1]}')
+    with pytest.raises(UserError, match='"memascend" section must be a JSON object'):
+        build_run_config({}, {"deepspeed_config": str(ds)})
+    with pytest.raises(UserError, match="DeepSpeed config not found"):
+        build_run_config({}, {"deepspeed_config": str(tmp_path / "missing.json")})

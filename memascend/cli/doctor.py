@@ -10,9 +10,8 @@ import click
 
 from memascend.cli.params import SIZE_BYTES
 from memascend.host import DoctorOptions, HostPaths, Status, exit_code, run_checks
-from memascend.host.memlock import estimate_lock_bytes
+from memascend.host.doctor import builtin_run
 from memascend.host.result import format_bytes
-from memascend.host.storage import estimate_nvme_bytes
 
 _STYLE = {Status.PASS: "green", Status.WARN: "yellow", Status.FAIL: "bold red", Status.SKIP: "dim"}
 
@@ -34,8 +33,8 @@ def _print_table(results, console) -> None:
     "--lock-bytes",
     type=SIZE_BYTES,
     default=None,
-    help=f"Host memory the run will lock (mlock) [default: estimate for the built-in run, "
-    f"{format_bytes(estimate_lock_bytes())}].",
+    help=f"Host memory the run will lock (mlock) [default: what memascend finetune checks for the built-in "
+    f"run, {format_bytes(builtin_run().upfront_locked_bytes)}].",
 )
 @click.option(
     "--device",
@@ -60,8 +59,8 @@ def _print_table(results, console) -> None:
     "--nvme-bytes",
     type=SIZE_BYTES,
     default=None,
-    help=f"Bytes the run writes under --nvme-path [default: estimate for the built-in run, "
-    f"{format_bytes(estimate_nvme_bytes())}].",
+    help=f"NVMe space the run needs under --nvme-path, or split over the --device partitions [default: "
+    f"what memascend finetune checks for the built-in run, {format_bytes(builtin_run().nvme_bytes_per_rank)}].",
 )
 @click.option(
     "--require-hugepages", is_flag=True, help="Fail (not warn) when no huge pages are reserved and mounted."
@@ -113,12 +112,13 @@ def doctor(
     the compiled ops, CUDA and the NVIDIA driver, GPUDirect Storage, and the NVMe folder.
     Exit code 1 when a check the run needs fails, 0 otherwise (warnings do not fail).
     """
+    builtin = builtin_run()
     options = DoctorOptions(
-        lock_bytes=estimate_lock_bytes() if lock_bytes is None else lock_bytes,
+        lock_bytes=builtin.upfront_locked_bytes if lock_bytes is None else lock_bytes,
         devices=tuple(devices),
         device_user=device_user,
         nvme_path=nvme_path,
-        nvme_bytes=estimate_nvme_bytes() if nvme_bytes is None else nvme_bytes,
+        nvme_bytes=builtin.nvme_bytes_per_rank if nvme_bytes is None else nvme_bytes,
         require_hugepages=require_hugepages,
         require_gpu=require_gpu,
         paths=HostPaths(proc=proc_root, sys=sys_root, etc=etc_root),

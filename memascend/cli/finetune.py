@@ -163,13 +163,9 @@ def finetune(**kw) -> None:
         sys.exit(supervise([sys.executable, "-m", "memascend", *sys.argv[1:]]))
     if cfg.engine == "memascend":
         # Before torch loads (the runner imports it): c10 reads THP_MEM_ALLOC_ENABLE only then.
-        from memascend.integrations.deepspeed.settings import DS_CONFIG_SECTION, MemAscendSettings
         from memascend.memory import torch_thp
-        from memascend.train.ds_config import load_user_ds_config
 
-        user_ds = load_user_ds_config(cfg.deepspeed_config) if cfg.deepspeed_config else {}
-        section = user_ds.get(DS_CONFIG_SECTION, {}) if isinstance(user_ds, dict) else {}
-        torch_thp.enable_before_torch(MemAscendSettings.from_mapping(section if isinstance(section, dict) else {}))
+        torch_thp.enable_before_torch(cfg.memascend)
     from memascend.train.runner import run_finetune
 
     report = run_finetune(cfg)

@@ -10,15 +10,42 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from memascend.config import RunConfig
 from memascend.host.aio_syscalls import check_aio_syscalls
 from memascend.host.devices import check_device
 from memascend.host.extensions import check_build_locks, check_extension, op_names
 from memascend.host.gpu import check_cuda, check_gds
 from memascend.host.hugepages import check_hugepages
 from memascend.host.libraries import check_library
-from memascend.host.memlock import check_memlock, estimate_lock_bytes
+from memascend.host.memlock import check_memlock
 from memascend.host.result import CheckResult, HostPaths
-from memascend.host.storage import check_nvme_path, estimate_nvme_bytes
+from memascend.host.storage import check_nvme_path
+from memascend.resolve import ModelShape, ResolvedRun, resolve
+
+BUILTIN_MODEL_NUMEL = 134_515_008
+"""Parameters of SmolLM2-135M, the built-in run's model (tied embedding once)."""
+BUILTIN_LARGEST_PARAM_NUMEL = 49_152 * 576
+"""Elements of its largest parameter, the embedding."""
+
+
+def builtin_run() -> ResolvedRun:
+    """The resolver's view of the built-in run (``memascend finetune`` with every default, one rank),
+    without building its model: its NVMe and up-front locked estimates depend only on the parameter
+    count and the largest parameter, so a summary shape of the two gives the same numbers as the
+    model's own layout."""
+    shape = ModelShape(BUILTIN_MODEL_NUMEL, (BUILTIN_LARGEST_PARAM_NUMEL,), (1,))
+    return resolve(RunConfig(), shape, world_size=1)
+
+
+def builtin_lock_bytes() -> int:
+    """Bytes the built-in run locks up front: what ``memascend finetune``'s preflight checks
+    (``ResolvedRun.upfront_locked_bytes``)."""
+    return builtin_run().upfront_locked_bytes
+
+
+def builtin_nvme_bytes() -> int:
+    """NVMe space the built-in run requires (``ResolvedRun.nvme_bytes_per_rank`` of its one rank)."""
+    return builtin_run().nvme_bytes_per_rank
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,22 +53,22 @@ class DoctorOptions:
     """What the configured run needs from the host.
 
     Attributes:
-        lock_bytes: bytes the run will mlock (default: :func:`estimate_lock_bytes` of the built-in run).
+        lock_bytes: bytes the run will mlock (default: :func:`builtin_lock_bytes`).
         devices: raw partitions the run will use as its device store.
         device_user: check device access as this user (``None``: the current process).
         nvme_path: offload folder to check (``None``: skip the folder check).
-        nvme_bytes: bytes the run writes under ``nvme_path``, or split over ``devices`` (one partition
-            per rank; default: :func:`estimate_nvme_bytes`).
+        nvme_bytes: NVMe space the run requires under ``nvme_path``, or split over ``devices`` (one
+            partition per rank; default: :func:`builtin_nvme_bytes`).
         require_hugepages: whether missing huge pages fail the run instead of warning.
         require_gpu: whether a CUDA device is required; ``None`` = when torch is a CUDA build.
         paths: procfs/sysfs/etc roots (tests point them at fakes).
     """
 
-    lock_bytes: int = field(default_factory=estimate_lock_bytes)
+    lock_bytes: int = field(default_factory=builtin_lock_bytes)
     devices: tuple[Path, ...] = ()
     device_user: str | None = None
     nvme_path: Path | None = None
-    nvme_bytes: int = field(default_factory=estimate_nvme_bytes)
+    nvme_bytes: int = field(default_factory=builtin_nvme_bytes)
     require_hugepages: bool = False
     require_gpu: bool | None = None
     paths: HostPaths = field(default_factory=HostPaths)

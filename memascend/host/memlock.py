@@ -13,38 +13,10 @@ from memascend.host.result import CheckResult, HostPaths, Status, format_bytes, 
 CAP_IPC_LOCK_BIT = 14  # linux/capability.h
 UNLIMITED = -1
 
-# The built-in default run: SmolLM2-135M (largest tensor: the 49,152 x 576 embedding).
-DEFAULT_LARGEST_PARAM_NUMEL = 49_152 * 576
 FIX = (
     "raise the limit: run `just provision HOST` (role memlock: limits.d, systemd DefaultLimitMEMLOCK, "
     "docker default-ulimits), or start the container with `--ulimit memlock=-1`, or `ulimit -l unlimited` as root"
 )
-
-
-def estimate_lock_bytes(
-    *,
-    largest_param_numel: int = DEFAULT_LARGEST_PARAM_NUMEL,
-    param_dtype_bytes: int = 2,
-    param_buffer_count: int = 5,
-    optimizer_buffer_count: int = 4,
-) -> int:
-    """Rough upper bound of the host memory a ZeRO-Infinity run pins.
-
-    Each parameter swap slot must hold the largest partition (DeepSpeed #3506), and each optimizer
-    swap buffer holds the fp32 master copy plus Adam's two moments of the largest sub-group.
-
-    Args:
-        largest_param_numel: elements of the largest parameter (default: the SmolLM2-135M embedding).
-        param_dtype_bytes: bytes per parameter element in the swap slots (2 for bf16).
-        param_buffer_count: number of parameter swap slots.
-        optimizer_buffer_count: number of optimizer swap buffers.
-
-    Returns:
-        Bytes expected to be locked.
-    """
-    param_bytes = param_buffer_count * largest_param_numel * param_dtype_bytes
-    optimizer_bytes = optimizer_buffer_count * largest_param_numel * 4 * 3
-    return param_bytes + optimizer_bytes
 
 
 def read_memlock_limit_bytes(paths: HostPaths) -> tuple[int, int] | None:
@@ -74,7 +46,8 @@ def check_memlock(paths: HostPaths, *, lock_bytes: int) -> CheckResult:
 
     Args:
         paths: procfs root to read.
-        lock_bytes: bytes the configured run will lock.
+        lock_bytes: bytes the configured run will lock (``ResolvedRun.upfront_locked_bytes``;
+            :func:`memascend.host.doctor.builtin_lock_bytes` for the built-in run).
 
     Returns:
         PASS when the soft limit is unlimited or >= ``lock_bytes``, or when CAP_IPC_LOCK lifts the

@@ -14,21 +14,7 @@ from pathlib import Path
 
 from memascend.host.result import CheckResult, Status, format_bytes
 
-DEFAULT_PARAM_NUMEL = 134_515_008  # SmolLM2-135M, the built-in default model
 PROBE_BYTES = 4096
-
-
-def estimate_nvme_bytes(*, param_numel: int = DEFAULT_PARAM_NUMEL, param_dtype_bytes: int = 2) -> int:
-    """Bytes a run keeps on NVMe: the parameters plus fp32 master weights, Adam's two moments and gradients.
-
-    Args:
-        param_numel: number of model parameters (default: SmolLM2-135M).
-        param_dtype_bytes: bytes per parameter element (2 for bf16).
-
-    Returns:
-        Bytes of swap files the run writes.
-    """
-    return param_numel * (param_dtype_bytes + 4 * 4)
 
 
 def o_direct_works(folder: Path) -> str | None:
@@ -62,7 +48,8 @@ def check_nvme_path(folder: Path, *, need_bytes: int) -> CheckResult:
 
     Args:
         folder: the ``nvme_path`` the run will swap into.
-        need_bytes: bytes the run will write there.
+        need_bytes: NVMe space the run requires there (``ResolvedRun.nvme_bytes_per_rank`` times the
+            ranks; :func:`memascend.host.doctor.builtin_nvme_bytes` for the built-in run).
 
     Returns:
         PASS when the folder exists, is writable, supports O_DIRECT and has ``need_bytes`` free;

@@ -1,8 +1,8 @@
 """Memory planner: predict peak host RSS, locked memory and NVMe space of a run, without running it.
 
 The model adds up what DeepSpeed 0.19.8 (ZeRO-3, ``offload_param``/``offload_optimizer``) allocates
-on the host, per rank, from the run's rendered DeepSpeed config (the same
-:func:`memascend.train.ds_config.render_ds_config` that ``memascend finetune`` uses) and the
+on the host, per rank, from the run's resolved DeepSpeed config (the same
+:func:`memascend.resolve.resolve` that ``memascend finetune`` uses) and the
 model's parameter layout (a meta-device instance: no weights read):
 
 Locked (VmLck; aio ``new_cpu_locked_tensor``, exact size):
@@ -82,11 +82,16 @@ from memascend.plan.shapes import (
     live_window_partitions,
     model_dims,
 )
-from memascend.train.ds_config import (
+from memascend.resolve import (
     DS_DEFAULT_MAX_IN_CPU_NUMEL,
     DS_DEFAULT_PARAM_BUFFER_COUNT,
     DS_DEFAULT_PARAM_BUFFER_SIZE_NUMEL,
+    ModelShape,
+    ResolvedRun,
+    nvme_swap_bytes,
+    resolve,
 )
+from memascend.settings import MemAscendSettings
 from memascend.units import DTYPE_BYTES as _DTYPE_BYTES
 from memascend.units import FP32_BYTES as _FP32
 
@@ -119,12 +124,19 @@ class EnginePlan:
     Attributes:
         engine: ``baseline`` or ``memascend``.
         components: every consumer, largest first.
-        nvme_bytes: bytes written to the swap folder (params + optimizer state).
+        nvme_bytes: bytes written to the swap target, all ranks (params + optimizer state;
+            :func:`memascend.resolve.nvme_swap_bytes`).
+        preflight_nvme_bytes_per_rank: NVMe space ``memascend finetune`` requires of each rank's
+            swap target before it starts (``ResolvedRun.nvme_bytes_per_rank``, with a margin).
+        preflight_locked_bytes_per_rank: locked memory ``memascend finetune`` requires of each rank
+            before DeepSpeed starts (``ResolvedRun.upfront_locked_bytes``, a lower bound).
     """
 
     engine: str
     components: tuple[Component, ...]
     nvme_bytes: int
+    preflight_nvme_bytes_per_rank: int = 0
+    preflight_locked_bytes_per_rank: int = 0
 
     def phase_bytes(self, phase: str) -> int:
         return sum(c.bytes for c in self.components if c.phase == phase)
@@ -148,6 +160,8 @@ class EnginePlan:
     def to_dict(self) -> dict:
         return {"engine": self.engine, "peak_rss_bytes": self.peak_rss_bytes,
                 "peak_locked_bytes": self.peak_locked_bytes, "nvme_bytes": self.nvme_bytes,
+                "preflight_nvme_bytes_per_rank": self.preflight_nvme_bytes_per_rank,
+                "preflight_locked_bytes_per_rank": self.preflight_locked_bytes_per_rank,
                 "components": [vars(c) for c in self.components]}
 
 
@@ -317,24 +331,24 @@ def _add_optimizer(add, z: dict, part: int, sub: int, ma: bool, settings) -> Non
             "DeepSpeedZeroOptimizer_Stage3.has_overflow / _has_inf_or_nan", "step")
 
 
-def plan_engine(engine: str, cfg: RunConfig, dims: ModelDims, ds_cfg: dict, world_size: int,
-                settings=None) -> EnginePlan:
-    """Predict one engine's host memory for ``cfg`` (components summed over ``world_size`` ranks).
+def plan_engine(cfg: RunConfig, dims: ModelDims, run: ResolvedRun, world_size: int) -> EnginePlan:
+    """Predict the host memory of ``cfg``'s engine (components summed over ``world_size`` ranks).
 
     Args:
-        engine: ``baseline`` or ``memascend``.
-        ds_cfg: the DeepSpeed config that engine runs with (for memascend: after
-            ``memascend.integrations.deepspeed.prepare_ds_config``).
-        settings: memascend's resolved ``MemAscendSettings`` (``None`` for the baseline).
+        cfg: the run (``cfg.engine``: ``baseline`` or ``memascend``).
+        dims: the model's layout.
+        run: ``resolve(cfg, shape, world_size)``: the DeepSpeed config and settings the engine runs with.
+        world_size: ranks on this host.
     """
-    ma = engine == "memascend" and settings is not None
+    settings = run.settings
+    ma = cfg.engine == "memascend"
     release_grads = ma and settings.enable_grad_buffer_release and cfg.train.dtype != "fp16"
     e = _DTYPE_BYTES[cfg.train.dtype]
     w = world_size
-    z = ds_cfg.get("zero_optimization", {})
+    z = run.ds_config.get("zero_optimization", {})
     op, oo = z.get("offload_param", {}), z.get("offload_optimizer", {})
     part = math.ceil(dims.total_numel / w)
-    sub = _sub_group_numel(ds_cfg, part)
+    sub = _sub_group_numel(run.ds_config, part)
     comps: list[Component] = []
 
     def add(name: str, per_rank_bytes: float, locked: bool, source: str, phase: str = "resident") -> None:
@@ -349,52 +363,42 @@ def plan_engine(engine: str, cfg: RunConfig, dims: ModelDims, ds_cfg: dict, worl
     _add_gradients(add, cfg, dims, z, e, w, part, release_grads)
     _add_optimizer(add, z, part, sub, ma, settings)
     _add_forward_backward(add, dims, cfg, e, w, trimmed)
-    nvme = 0
-    if op.get("device") == "nvme":
-        nvme += dims.total_numel * e
-    if oo.get("device") == "nvme":
-        nvme += dims.total_numel * 4 * _FP32  # fp32 master, 2 Adam moments, fp32 gradient
-    return EnginePlan(engine, tuple(sorted(comps, key=lambda c: -c.bytes)), nvme)
+    nvme = nvme_swap_bytes(dims.total_numel, e, op.get("device") == "nvme", oo.get("device") == "nvme")
+    return EnginePlan(cfg.engine, tuple(sorted(comps, key=lambda c: -c.bytes)), nvme,
+                      run.nvme_bytes_per_rank, run.upfront_locked_bytes)
 
 
 def plan_run(cfg: RunConfig, world_size: int = 1, dims: ModelDims | None = None,
              memascend_settings: dict | None = None, user_ds_config: dict | None = None) -> dict[str, EnginePlan]:
     """Predict both engines for ``cfg`` on ``world_size`` ranks of one host.
 
+    Each engine is planned from its own :func:`memascend.resolve.resolve` (the baseline's config
+    carries stock-only crash fixes, e.g. ``max_in_cpu``).
+
     Args:
-        memascend_settings: the ``"memascend"`` section to plan memascend with (default: the one of
-            the user's DeepSpeed JSON, else the defaults).
-        user_ds_config: the user's DeepSpeed JSON itself (default: read from ``cfg.deepspeed_config``
-            when that is set).
+        memascend_settings: the ``"memascend"`` section to plan memascend with (default:
+            ``cfg.memascend``, the section of the user's DeepSpeed JSON).
+        user_ds_config: the user's DeepSpeed JSON itself, in place of ``cfg``'s (its section
+            becomes the settings unless ``memascend_settings`` is given).
 
     Raises:
-        UserError: ``cfg.deepspeed_config`` is missing or not JSON (only read without ``user_ds_config``).
+        UserError: a bad ``"memascend"`` section or contradicting settings.
 
     Returns:
         ``{"baseline": EnginePlan, "memascend": EnginePlan}``.
     """
-    from memascend.train.ds_config import ModelShape, render_ds_config
-
+    if user_ds_config is not None:
+        section = user_ds_config.get("memascend", {})
+        cfg = dataclasses.replace(cfg, user_ds_config=user_ds_config, memascend=MemAscendSettings.from_mapping(section))
+    if memascend_settings is not None:
+        cfg = dataclasses.replace(cfg, memascend=MemAscendSettings.from_mapping(memascend_settings))
     dims = dims or model_dims(cfg)
     shape = ModelShape(dims.total_numel, dims.param_numels, dims.module_param_counts)
-    user = user_ds_config
-    if user is None and cfg.deepspeed_config:
-        from memascend.train.ds_config import load_user_ds_config
-
-        user = load_user_ds_config(cfg.deepspeed_config)
-    # Each engine's own rendering (the baseline's carries stock-only crash fixes, e.g. max_in_cpu).
-    ds_cfg, _ = render_ds_config(dataclasses.replace(cfg, engine="baseline"), shape, world_size,
-                                 "/nonexistent-plan-only", user)
-    ma_base_cfg, _ = render_ds_config(dataclasses.replace(cfg, engine="memascend"), shape, world_size,
-                                      "/nonexistent-plan-only", user)
-    from memascend.integrations import deepspeed as seam
-
-    section = memascend_settings if memascend_settings is not None else (user or {}).get("memascend", {})
-    settings = seam.MemAscendSettings.from_mapping(section)
-    ma_cfg, settings = seam.prepare_ds_config(ma_base_cfg, settings, param_numels=dims.param_numels,
-                                              world_size=world_size)
-    return {"baseline": plan_engine("baseline", cfg, dims, ds_cfg, world_size),
-            "memascend": plan_engine("memascend", cfg, dims, ma_cfg, world_size, settings)}
+    plans = {}
+    for engine in ("baseline", "memascend"):
+        engine_cfg = dataclasses.replace(cfg, engine=engine)
+        plans[engine] = plan_engine(engine_cfg, dims, resolve(engine_cfg, shape, world_size), world_size)
+    return plans
 
 
 def plan_for_report(report: dict) -> EnginePlan:
@@ -406,7 +410,7 @@ def plan_for_report(report: dict) -> EnginePlan:
 
     # The --deepspeed-config path of the run is not read again (it may be gone): reports record its
     # content ("user_deepspeed_config"); older ones only the "memascend" section, as memascend_settings.
-    cfg = dataclasses.replace(build_run_config(report["config"], {}), deepspeed_config=None)
+    cfg = build_run_config({**report["config"], "deepspeed_config": None}, {})
     # Baseline reports record the baseline's settings (every optimization off): plan memascend
     # with them only for memascend's own reports.
     settings = report.get("memascend_settings") if report["engine"] == "memascend" else None

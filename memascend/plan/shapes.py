@@ -49,7 +49,7 @@ def model_dims(cfg: RunConfig) -> ModelDims:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from memascend.models.loading import llama_config, resolve_model
-    from memascend.train.ds_config import model_shape
+    from memascend.resolve import model_shape
 
     if cfg.model.from_scratch:
         hf_cfg = llama_config(cfg.model.from_scratch)

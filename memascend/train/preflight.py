@@ -1,44 +1,18 @@
 """Checks made before DeepSpeed allocates anything, so a host that cannot run the job gets one clear
-line instead of a crash deep inside an op (DeepSpeed's aio op segfaults when ``mlock`` fails)."""
+line instead of a crash deep inside an op (DeepSpeed's aio op segfaults when ``mlock`` fails).
+
+What they check comes from the resolver (:func:`memascend.resolve.resolve`): the rendered DeepSpeed
+config and ``ResolvedRun.upfront_locked_bytes`` (:func:`~memascend.resolve.upfront_locked_bytes`,
+re-exported here)."""
 
 from __future__ import annotations
-
-import math
 
 from memascend.errors import UserError
 from memascend.host.memlock import check_memlock
 from memascend.host.result import HostPaths, Status
-from memascend.train.ds_config import (
-    DS_DEFAULT_MAX_IN_CPU_NUMEL,
-    DS_DEFAULT_PARAM_BUFFER_COUNT,
-    DS_DEFAULT_PARAM_BUFFER_SIZE_NUMEL,
-    per_rank_param_numel,
-)
-from memascend.units import DTYPE_BYTES
+from memascend.resolve import DS_DEFAULT_MAX_IN_CPU_NUMEL, per_rank_param_numel, upfront_locked_bytes
 
-
-def upfront_locked_bytes(ds_cfg: dict, dtype: str, largest_param_numel: int, world_size: int, engine: str) -> int:
-    """Bytes the swappers lock before the first step completes (a lower bound of the run's locking).
-
-    Stock ``AsyncPartitionedParameterSwapper`` pins ``buffer_count x buffer_size`` elements at
-    construction (zero when parameters are not offloaded to NVMe). memascend's pool holds at least
-    one slot of the largest partition, and with the optimizer state on NVMe its on-demand manager
-    locks Adam's ``states + 1`` = 4 fp32 buffers of the largest partition in the first step (the
-    ``"auto"`` sub-group size).
-    """
-    zero = ds_cfg.get("zero_optimization", {})
-    op = zero.get("offload_param", {})
-    elt = DTYPE_BYTES[dtype]
-    partition_numel = math.ceil(largest_param_numel / world_size)
-    if engine == "memascend":
-        params = partition_numel * elt if op.get("device") == "nvme" else 0
-        optimizer = 4 * partition_numel * 4 if zero.get("offload_optimizer", {}).get("device") == "nvme" else 0
-        return params + optimizer
-    if op.get("device") != "nvme":
-        return 0
-    count = int(op.get("buffer_count", DS_DEFAULT_PARAM_BUFFER_COUNT))
-    size = int(op.get("buffer_size", DS_DEFAULT_PARAM_BUFFER_SIZE_NUMEL))
-    return count * size * elt
+__all__ = ["check_aio_for_swap_folder", "check_memlock_for_run", "check_stock_param_dram", "upfront_locked_bytes"]
 
 
 def check_memlock_for_run(lock_bytes: int, paths: HostPaths | None = None) -> None:
@@ -79,7 +53,7 @@ def check_stock_param_dram(ds_cfg: dict, param_numels: list[int], world_size: in
     tests/integrations/test_nvme_only_sub_group.py). memascend's pool does not.
 
     ``memascend finetune --engine baseline`` raises ``max_in_cpu`` itself when the config leaves it
-    out (``ds_config._derive_stock_max_in_cpu``), so this refuses an explicit value that is too small.
+    out (``memascend.resolve._derive_stock_max_in_cpu``), so this refuses an explicit value that is too small.
 
     Args:
         ds_cfg: the rendered DeepSpeed config.

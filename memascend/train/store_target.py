@@ -13,31 +13,21 @@
 
 from __future__ import annotations
 
-import os
-import stat
 from pathlib import Path
 
+from memascend.config import STORE_FILE_SUFFIX, SwapTarget, is_block_device
 from memascend.errors import UserError
 
-#: File targets get this suffix.
-STORE_FILE_SUFFIX = ".store"
 #: Room a store file gets beyond the estimated tensor bytes: header, two extent-table slots,
 #: 4 KiB rounding of every extent and the staging of DeepSpeed's padded swap buffers.
 STORE_FILE_OVERHEAD_BYTES = 64 << 20
 
 
-def _is_block_device(path: str) -> bool:
-    try:
-        return stat.S_ISBLK(os.stat(path).st_mode)
-    except OSError:
-        return False
-
-
 def is_store_target(nvme_path: str) -> bool:
     """Whether ``--nvme-path`` names raw stores (block devices or ``*.store`` files, possibly a
-    comma-separated list) rather than a folder for swap files."""
-    parts = [p.strip() for p in nvme_path.split(",")]
-    return len(parts) > 1 or _is_block_device(parts[0]) or parts[0].endswith(STORE_FILE_SUFFIX)
+    comma-separated list) rather than a folder for swap files: ``SwapTarget.is_raw_store``
+    (a run's config has it as ``cfg.offload.swap_target``)."""
+    return SwapTarget.of(nvme_path).is_raw_store
 
 
 def resolve_store_target(nvme_path: str, rank: int, world_size: int) -> Path:
@@ -60,14 +50,14 @@ def resolve_store_target(nvme_path: str, rank: int, world_size: int) -> Path:
     else:
         chosen = parts[0]
         if world_size > 1:
-            if _is_block_device(chosen):
+            if is_block_device(chosen):
                 raise UserError(
                     f"--nvme-path {chosen} is one block device for {world_size} ranks: give one device "
                     "per rank as a comma-separated list"
                 )
             chosen = f"{chosen}.rank{rank}"
     path = Path(chosen).expanduser()
-    if _is_block_device(str(path)):
+    if is_block_device(str(path)):
         return path
     if not str(parts[rank if len(parts) > 1 else 0]).endswith(STORE_FILE_SUFFIX):
         raise UserError(

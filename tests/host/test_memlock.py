@@ -2,7 +2,6 @@ from memascend.host import Status
 from memascend.host.memlock import (
     CAP_IPC_LOCK_BIT,
     check_memlock,
-    estimate_lock_bytes,
     read_memlock_limit_bytes,
 )
 
@@ -40,9 +39,3 @@ def test_unlimited_and_large_enough_limits_pass(fake_host):
 def test_missing_limits_file_fails(fake_host):
     (fake_host.paths.proc / "self" / "limits").unlink()
     assert check_memlock(fake_host.paths, lock_bytes=1).status is Status.FAIL
-
-
-def test_estimate_scales_with_largest_param():
-    small = estimate_lock_bytes(largest_param_numel=1000)
-    assert small == 5 * 1000 * 2 + 4 * 1000 * 12
-    assert estimate_lock_bytes(largest_param_numel=2000) == 2 * small

@@ -1,5 +1,5 @@
 from memascend.host import Status
-from memascend.host.storage import check_nvme_path, estimate_nvme_bytes, o_direct_works
+from memascend.host.storage import check_nvme_path, o_direct_works
 
 
 def test_folder_with_room_passes(tmp_path):
@@ -17,7 +17,3 @@ def test_not_enough_space_fails(tmp_path):
 def test_missing_folder_fails(tmp_path):
     result = check_nvme_path(tmp_path / "nope", need_bytes=1)
     assert result.status is Status.FAIL and "mkdir -p" in result.fix
-
-
-def test_estimate():
-    assert estimate_nvme_bytes(param_numel=10, param_dtype_bytes=2) == 10 * 18

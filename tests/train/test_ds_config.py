@@ -2,7 +2,7 @@ import pytest
 
 from memascend.config import build_run_config
 from memascend.errors import UserError
-from memascend.train.ds_config import (
+from memascend.resolve import (
     DS_DEFAULT_PARAM_BUFFER_SIZE_NUMEL,
     ModelShape,
     load_user_ds_config,

@@ -1,8 +1,10 @@
-"""Size the memascend settings that depend on the model (sub-group size, parameter DRAM copy) into a DeepSpeed config.
+"""The memascend settings that live in DeepSpeed's own config: sized from the model and written into it.
 
-:func:`prepare_ds_config` is what ``memascend finetune --engine memascend`` calls before
-:func:`memascend.integrations.deepspeed.apply`; code that drives DeepSpeed itself can call it the
-same way with its model's parameter sizes::
+:func:`prepare_ds_config` resolves the model-dependent ``"auto"`` sizes (sub-group size, reduce
+bucket, parameter DRAM copy) and writes them with :func:`rewrite_ds_config`. It is the one
+implementation: :func:`memascend.resolve.resolve` calls it for ``memascend finetune --engine
+memascend`` (and ``memascend plan``) before :func:`memascend.integrations.deepspeed.apply`; code
+that drives DeepSpeed itself can call it the same way with its model's parameter sizes::
 
     cfg, settings = prepare_ds_config(cfg, MemAscendSettings.from_ds_config(cfg),
                                       param_numels=[p.numel() for p in meta_model.parameters()])
@@ -17,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from memascend.integrations.deepspeed.grad_norm import stock_sub_groups
-from memascend.integrations.deepspeed.settings import MemAscendSettings, rewrite_ds_config
+from memascend.settings import MemAscendSettings
 
 _FP32_BYTES = 4
 
@@ -50,9 +52,7 @@ def auto_sub_group_numel(param_numels: Iterable[int], world_size: int = 1,
     ``min_swappable_bytes`` of fp32 is kept in DRAM by the stock swapper, and DeepSpeed 0.19.8's
     ``load_checkpoint`` with the optimizer on NVMe restores only the swapped sub-groups (it copies
     the swap folder back and skips ``_load_zero_checkpoint``): a resumed run would silently start
-    that sub-group from the freshly initialised model (measured: llama-tiny, stock DeepSpeed with
-    ``sub_group_size`` 3145728, resumed step-3 loss 10.7784 instead of 10.7684). The size is
-    therefore grown by the small remainder until every sub-group is swappable (at worst one
+    that sub-group from the freshly initialised model. The size is therefore grown by the small remainder until every sub-group is swappable (at worst one
     sub-group, the stock layout).
 
     Args:
@@ -83,9 +83,9 @@ def auto_param_dram_numel(ds_config: Mapping[str, Any], param_numels: Iterable[i
 
     Stock ZeRO-3 with parameters on NVMe keeps a DRAM copy of the first ``max_in_cpu`` (1e9)
     partition elements (``_create_param_groups_fp16_flat_cpu_memory``), 2 bytes per parameter in
-    bf16/fp16 (4 in fp32): the largest host consumer of a 1 B model. Without it the adaptive pool reads the partitions from
-    NVMe when used, which costs pool slots and read time that only pay off for a large model
-    (measurements in :class:`~memascend.integrations.deepspeed.settings.MemAscendSettings`).
+    bf16/fp16 (4 in fp32): the largest host consumer of a large model. Without it the adaptive pool
+    reads the partitions from NVMe when used, which costs pool slots and read time that only pay
+    off for a large model (:attr:`memascend.settings.MemAscendSettings.param_dram_numel`).
 
     Args:
         ds_config: the DeepSpeed config (``bf16``/``fp16`` sections give the parameter dtype).
@@ -150,3 +150,34 @@ def prepare_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings,
                                    grad_norm_sub_group_numel=norm_sub_group, reduce_bucket_numel=bucket,
                                    param_dram_numel=dram)
     return rewrite_ds_config(ds_config, resolved), resolved
+
+
+def rewrite_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings) -> dict[str, Any]:
+    """Return a copy of ``ds_config`` with the settings that live in DeepSpeed's own config applied.
+
+    ``optimizer_sub_group_numel`` (an integer; ``"auto"`` needs the model's shapes and is resolved
+    by :func:`prepare_ds_config`) -> ``zero_optimization.sub_group_size``; ``param_dram_numel``
+    (an integer) -> ``zero_optimization.offload_param.max_in_cpu`` where parameters are offloaded to NVMe;
+    ``reduce_bucket_numel`` (an integer) -> ``zero_optimization.reduce_bucket_size``. The
+    ``"memascend"`` section itself is kept (DeepSpeed ignores it).
+
+    Args:
+        ds_config: the DeepSpeed config dict (not modified).
+        settings: the memascend settings.
+
+    Returns:
+        A new dict (nested ``zero_optimization`` copied, other values shared).
+    """
+    out = dict(ds_config)
+    zero = dict(out.get("zero_optimization", {}))
+    if isinstance(settings.optimizer_sub_group_numel, int):
+        zero["sub_group_size"] = settings.optimizer_sub_group_numel
+    if isinstance(settings.reduce_bucket_numel, int):
+        zero["reduce_bucket_size"] = settings.reduce_bucket_numel
+    offload_param = zero.get("offload_param")
+    if isinstance(settings.param_dram_numel, int) and isinstance(offload_param, Mapping) \
+            and offload_param.get("device") == "nvme":
+        zero["offload_param"] = {**offload_param, "max_in_cpu": settings.param_dram_numel}
+    if zero or "zero_optimization" in out:
+        out["zero_optimization"] = zero
+    return out

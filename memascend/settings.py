@@ -1,0 +1,231 @@
+"""Settings of the DeepSpeed seam: one ``enable_*`` flag per MemAscend optimization.
+
+The settings can come from code (``MemAscendSettings(...)``) or from a ``"memascend": {...}``
+section of a DeepSpeed JSON config (DeepSpeed 0.19.8 accepts unknown top-level keys), read by
+:meth:`MemAscendSettings.from_ds_config`. A run's :class:`memascend.config.RunConfig` carries them
+(``RunConfig.memascend``, parsed once when the config is built); :func:`memascend.resolve.resolve`
+turns them into what :func:`memascend.integrations.deepspeed.apply` gets.
+
+This module is a low layer (it imports only :mod:`memascend.errors`) so that the run config can hold
+the settings; :mod:`memascend.integrations.deepspeed.settings` re-exports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from memascend.errors import UserError
+
+DS_CONFIG_SECTION = "memascend"
+"""Name of the top-level key of a DeepSpeed config that holds these settings."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemAscendSettings:
+    """What :func:`memascend.integrations.deepspeed.apply` patches into DeepSpeed 0.19.8.
+
+    Every optimization keeps the numbers the model computes bit-identical to stock DeepSpeed;
+    they change only how host memory is laid out.
+
+    Attributes:
+        enable_param_pool: replace ``AsyncPartitionedParameterSwapper``'s
+            ``buffer_count`` x ``buffer_size`` locked slab with the adaptive size-classed pool
+            (:mod:`memascend.memory.pool`), and size ``reserve_partitioned_swap_space`` from
+            partition sizes instead of full ``ds_numel``.
+        enable_optimizer_pool: replace the optimizer swappers' ``SwapBufferManager`` (``buffer_count``
+            locked buffers of the largest sub-group, all allocated up front) with one that
+            allocates largest-sub-group buffers only as they are first needed, so it holds
+            exactly as many as the optimizer uses at once and never runs out.
+        enable_arena_pinning: allocate the swappers' locked buffers and the accelerator's
+            ``pin_memory`` results on the offload path from the exact-size pinned arena
+            (``memascend.memory.arena``) where the aio engine treats arena memory as pinned;
+            elsewhere the aio handle's own exact-size locked allocator is kept (see
+            :mod:`memascend.integrations.deepspeed.pinning`).
+        enable_fused_overflow_check: replace stage 3's ``has_overflow`` full-buffer
+            ``isinf``/``isnan`` masks and ``_has_inf_or_nan`` with the fused, allocation-free check
+            (``memascend.ops.overflow_check``).
+        param_prefetch_slots: slot budget the parameter prefetcher may use; ``None`` means the
+            config's ``offload_param.buffer_count`` (the stock prefetch schedule).
+        optimizer_sub_group_numel: elements per optimizer sub-group written into
+            ``zero_optimization.sub_group_size`` (``None``: keep the config's; ``"auto"``: the
+            largest parameter partition, resolved by
+            :func:`memascend.integrations.deepspeed.sizing.prepare_ds_config` from the model's
+            shapes and left unresolved by
+            :func:`~memascend.integrations.deepspeed.sizing.rewrite_ds_config`). The optimizer
+            swapper locks ``states + 1`` fp32 buffers of the largest sub-group, so this
+            bounds its locked memory (``optimizer_swapper.plan_sub_group_numel`` picks one from a
+            budget). Adam's update is elementwise, so the step does not depend on the grouping;
+            the clipping norm does, which ``grad_norm_sub_group_numel`` takes care of.
+        grad_norm_sub_group_numel: the ``sub_group_size`` whose grouping the global gradient norm
+            reproduces (the stock config's), so that ``gradient_clipping`` is bit-identical to
+            stock whatever ``optimizer_sub_group_numel`` is
+            (:mod:`memascend.integrations.deepspeed.grad_norm`); ``None``: the optimizer's own
+            sub-groups, as stock. Set by ``prepare_ds_config``.
+        param_dram_numel: ``offload_param.max_in_cpu`` (elements of the 16-bit parameter
+            partitions stock ZeRO-3 keeps in a DRAM copy while "offloading" them to NVMe;
+            stock default 1e9, i.e. the whole model); ``None`` keeps the config's. With 0 every
+            partition lives on NVMe only and is read into the adaptive pool when used, which costs
+            pool slots and read time in exchange for the copy's DRAM.
+            ``"auto"`` (resolved by :func:`memascend.integrations.deepspeed.sizing.prepare_ds_config`
+            from the model's shapes; only where parameters go to NVMe and the config sets no
+            ``max_in_cpu``): 0 when a rank's parameter partitions exceed
+            :data:`memascend.integrations.deepspeed.sizing.PARAM_DRAM_AUTO_MAX_BYTES` (bytes; 2 per
+            element in bf16/fp16, 4 in fp32), else the config's: the copy is the largest host
+            consumer of a large model, while on a small one the pool slots replacing it cost about
+            as much as the copy. The measured trade-off is in the README ("The ~1B Llama").
+        enable_malloc_policy: fixed glibc mmap/trim thresholds, two arenas and ``malloc_trim``
+            after each optimizer step (:mod:`memascend.memory.host_allocator`): freed host memory
+            goes back to the OS instead of staying resident.
+        enable_grad_buffer_release: return the pages of stage 3's whole-model 16-bit gradient
+            buffer to the OS after construction and after each step (its contents are dead
+            there with the optimizer offloaded; :mod:`memascend.integrations.deepspeed.step_memory`),
+            so it is resident only while backward fills it.
+        enable_optimizer_buffer_release: with ``enable_optimizer_pool``, unlock the optimizer's
+            swap buffers after every step (and after construction) and hand their pages back, so
+            the forward and backward run without them; the next step locks them again. The aio
+            handle's buffers are parked (mapping kept, so no new allocation; with
+            ``enable_torch_thp`` marked ``MADV_HUGEPAGE``, so locking them again faults 2 MiB
+            pages); arena buffers are freed. Same peak locked memory; lower RSS outside the step,
+            paid for with page faults when they are locked again.
+        reduce_bucket_numel: ``zero_optimization.reduce_bucket_size`` (elements; stock 5e8, a
+            buffer of that many gradient elements of which the whole model's gradients become
+            resident). ``"auto"``: the largest parameter, resolved by ``prepare_ds_config`` (the
+            bucket must hold one whole gradient). Stage 3 then reduces and partitions the
+            gradients in several buckets during backward; with the malloc policy each bucket
+            first hands freed activation memory back
+            (:mod:`memascend.integrations.deepspeed.step_memory`). Gradient values do not depend
+            on the bucketing (each parameter is reduced on its own with
+            ``reduce_scatter``, the default). ``None``: keep the config's.
+        enable_torch_thp: torch's CPU allocator (c10 ``alloc_cpu``) advises ``MADV_HUGEPAGE`` on
+            every host tensor of 2 MiB or more (``THP_MEM_ALLOC_ENABLE=1``),
+            so memory handed back between phases is faulted in again one 2 MiB page at a time
+            instead of 512 4 KiB ones. c10 reads the variable once, when torch loads: ``memascend
+            finetune`` sets it before importing torch; a program driving DeepSpeed itself sets it
+            in its launcher's environment, and :func:`memascend.integrations.deepspeed.apply` warns
+            when it is missing. It also decides ``MADV_HUGEPAGE`` on the host block cache's regions
+            (``enable_host_block_cache``), which serve those tensors from the first forward, and
+            on the parked optimizer swap buffers (``enable_optimizer_buffer_release``). A no-op where
+            ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``never``.
+        enable_host_block_cache: put the host block cache (:mod:`memascend.memory.host_cache`) in
+            front of torch's CPU allocator from the engine's first forward (model and engine
+            construction allocate each tensor once and stay on torch's allocator) until
+            :func:`memascend.integrations.deepspeed.revert`: host tensors of 1 MiB or more take
+            best-fit blocks of a cache that keeps their pages, so each step's activations and
+            gradient temporaries reuse resident memory instead of being unmapped by glibc and
+            faulted in (and zeroed) again the next step. Transparent hugepages on the cache's
+            regions follow ``enable_torch_thp``. ``revert()`` puts torch's allocator back.
+        fix_unaligned_gradient_io: a correctness fix, not an optimization, on for both engines:
+            read and write the optimizer's swapped gradient fragments through an aligned bounce
+            buffer where the fragment's host address is not O_DIRECT-aligned; stock DeepSpeed
+            0.19.8 loses those transfers silently (:mod:`memascend.integrations.deepspeed.aligned_io`).
+            Off reproduces stock exactly, including its results on two ranks.
+        fix_exact_resume: a correctness fix, on for both engines: ``load_checkpoint`` of a ZeRO-3
+            checkpoint restores the optimizer exactly
+            (:mod:`memascend.integrations.deepspeed.exact_resume`): with the optimizer on NVMe
+            stock 0.19.8 never reads the ZeRO optimizer state file (Adam restarts at step 1
+            with zero moments), and ``DeepSpeedCPUAdam``'s C++ ``beta^t`` after a resume is a
+            ``pow`` where the uninterrupted run has a float32 running product. With it, the losses
+            of a saved-and-resumed run equal the uninterrupted run's bit for bit. Off reproduces
+            stock.
+    """
+
+    enable_param_pool: bool = True
+    enable_optimizer_pool: bool = True
+    enable_arena_pinning: bool = True
+    enable_fused_overflow_check: bool = True
+    param_prefetch_slots: int | None = None
+    optimizer_sub_group_numel: int | Literal["auto"] | None = "auto"
+    grad_norm_sub_group_numel: int | None = None
+    param_dram_numel: int | Literal["auto"] | None = "auto"
+    enable_malloc_policy: bool = True
+    enable_grad_buffer_release: bool = True
+    enable_optimizer_buffer_release: bool = True
+    reduce_bucket_numel: int | Literal["auto"] | None = "auto"
+    enable_torch_thp: bool = True
+    enable_host_block_cache: bool = True
+    fix_unaligned_gradient_io: bool = True
+    fix_exact_resume: bool = True
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name.startswith(("enable_", "fix_")) and not isinstance(value, bool):
+                raise UserError(f"memascend setting {field.name} must be true or false, got {value!r}")
+        slots = self.param_prefetch_slots
+        if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
+            raise UserError(f"memascend setting param_prefetch_slots must be an integer >= 1, got {slots!r}")
+        sub = self.optimizer_sub_group_numel
+        if sub is not None and sub != "auto" and (isinstance(sub, bool) or not isinstance(sub, int) or sub < 1):
+            raise UserError(f'memascend setting optimizer_sub_group_numel must be an integer >= 1 or "auto", got {sub!r}')
+        norm_sub = self.grad_norm_sub_group_numel
+        if norm_sub is not None and (isinstance(norm_sub, bool) or not isinstance(norm_sub, int) or norm_sub < 0):
+            raise UserError(f"memascend setting grad_norm_sub_group_numel must be an integer >= 0, got {norm_sub!r}")
+        bucket = self.reduce_bucket_numel
+        if bucket is not None and bucket != "auto" and (isinstance(bucket, bool) or not isinstance(bucket, int)
+                                                        or bucket < 1):
+            raise UserError(f'memascend setting reduce_bucket_numel must be an integer >= 1 or "auto", got {bucket!r}')
+        dram = self.param_dram_numel
+        if dram is not None and dram != "auto" and (isinstance(dram, bool) or not isinstance(dram, int) or dram < 0):
+            raise UserError(f'memascend setting param_dram_numel must be an integer >= 0 or "auto", got {dram!r}')
+
+    @classmethod
+    def baseline(cls) -> MemAscendSettings:
+        """What ``--engine baseline`` applies: every optimization off, DeepSpeed's config left as
+        given, the correctness fixes (``fix_*``) on."""
+        off = {f.name: False for f in dataclasses.fields(cls) if f.name.startswith("enable_")}
+        return cls(**off, optimizer_sub_group_numel=None, reduce_bucket_numel=None, param_dram_numel=None)
+
+    @classmethod
+    def from_mapping(cls, section: Mapping[str, Any]) -> MemAscendSettings:
+        """Build settings from a mapping of field names to values.
+
+        Raises:
+            UserError: an unknown key or a bad value.
+        """
+        if not isinstance(section, Mapping):
+            raise UserError(f'the "{DS_CONFIG_SECTION}" section must be an object, got {type(section).__name__}')
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(section) - known)
+        if unknown:
+            raise UserError(
+                f'unknown key(s) {", ".join(unknown)} in "{DS_CONFIG_SECTION}"; known: {", ".join(sorted(known))}')
+        return cls(**dict(section))
+
+    @classmethod
+    def from_ds_config(cls, ds_config: Mapping[str, Any] | str | Path) -> MemAscendSettings:
+        """Read the ``"memascend"`` section of a DeepSpeed config (dict or JSON file path).
+
+        A config without the section gives the defaults (every optimization on).
+
+        Args:
+            ds_config: the DeepSpeed config as a dict, or the path of its JSON file.
+
+        Raises:
+            UserError: unreadable file, invalid JSON, unknown key or bad value in the section.
+        """
+        config = load_ds_config(ds_config)
+        return cls.from_mapping(config.get(DS_CONFIG_SECTION, {}))
+
+
+def load_ds_config(ds_config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
+    """Return a DeepSpeed config as a dict, reading it from JSON when given a path.
+
+    Raises:
+        UserError: the file cannot be read or is not a JSON object.
+    """
+    if isinstance(ds_config, Mapping):
+        return dict(ds_config)
+    path = Path(ds_config)
+    try:
+        loaded = json.loads(path.read_text())
+    except OSError as exc:
+        raise UserError(f"cannot read DeepSpeed config {path}: {exc.strerror}") from exc
+    except json.JSONDecodeError as exc:
+        raise UserError(f"DeepSpeed config {path} is not valid JSON: {exc.msg} at line {exc.lineno}") from exc
+    if not isinstance(loaded, dict):
+        raise UserError(f"DeepSpeed config {path} must hold a JSON object")
+    return loaded
