@@ -28,7 +28,9 @@ def plan(nproc: int, as_json: bool, cap_gib: float | None, **kw) -> None:
     """Predict peak host RSS, locked memory (VmLck) and NVMe space of a fine-tuning run under stock
     DeepSpeed (baseline) and under memascend, and name the biggest consumers. Nothing is run or loaded
     (the model is laid out on the meta device). Takes the same model/data/offload flags as
-    `memascend finetune`. Sizes are GiB; memory is the sum over the host's ranks.
+    `memascend finetune`. Sizes are GiB; memory is the sum over the host's ranks, except the two
+    "needed / rank" rows: the NVMe space and lockable memory finetune requires of each rank before
+    it starts.
     """
     from memascend.config import build_run_config, load_toml
     from memascend.errors import UserError
@@ -69,7 +71,11 @@ def plan(nproc: int, as_json: bool, cap_gib: float | None, **kw) -> None:
         t.add_column(h, justify="left" if not h else "right")
     for label, b, m in (("peak host RSS", base.peak_rss_bytes, mine.peak_rss_bytes),
                         ("peak locked (VmLck)", base.peak_locked_bytes, mine.peak_locked_bytes),
-                        ("NVMe space", base.nvme_bytes, mine.nvme_bytes)):
+                        ("NVMe space", base.nvme_bytes, mine.nvme_bytes),
+                        ("NVMe needed / rank", base.preflight_nvme_bytes_per_rank,
+                         mine.preflight_nvme_bytes_per_rank),
+                        ("lock needed / rank", base.preflight_locked_bytes_per_rank,
+                         mine.preflight_locked_bytes_per_rank)):
         t.add_row(label, f"{b / GIB:.2f}", f"{m / GIB:.2f}", f"{m / b:.2f}" if b else "-")
     console.print(t)
     for p in (base, mine):
