@@ -6,7 +6,7 @@ default CPU allocator (c10 ``DefaultCPUAllocator``) takes every host tensor from
 so every training step faults the same activation and gradient memory in again, page by page,
 and zeroes it (on a virtual machine with free page reporting, the host backs each page again too);
 a block under the threshold stays in glibc's arenas, which return memory only from the heap's top
-and fragment. Handing the memory back between phases (:mod:`memascend.integrations.deepspeed.host_allocator`)
+and fragment. Handing the memory back between phases (:mod:`memascend.memory.host_allocator`)
 bounds RSS but pays those faults every step.
 
 :func:`install` puts a cache in front of torch's CPU allocator (``c10::SetCPUAllocator``): a

@@ -7,7 +7,7 @@ and calls ``madvise(MADV_HUGEPAGE)`` on it, so the kernel backs its 2 MiB-aligne
 before ``import torch``.
 
 Why memascend wants it: the memory core hands freed host memory back to the OS between phases
-(:mod:`memascend.integrations.deepspeed.host_allocator`), and the next phase faults it in again.
+(:mod:`memascend.memory.host_allocator`), and the next phase faults it in again.
 With 4 KiB pages that is 262,144 faults per GiB; with 2 MiB pages, 512. None of it changes a
 computed value. Nothing here imports torch.
 """

@@ -1,7 +1,7 @@
 """Loader of the direct I/O engine op (``csrc/nvme_io``): io_uring + O_DIRECT, CRC32C.
 
 The store on top of it is :mod:`memascend.io.store`; call that (or
-:mod:`memascend.io.swap_backend`), not this module.
+:mod:`memascend.integrations.deepspeed.swap_backend`), not this module.
 """
 
 from __future__ import annotations

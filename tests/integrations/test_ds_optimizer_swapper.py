@@ -122,7 +122,7 @@ def _vmlck_bytes() -> int:
 
 @pytest.mark.parametrize("huge_pages", [True, False])
 def test_idle_buffers_are_parked_then_locked_again_at_the_same_address(handle, huge_pages):
-    from memascend.integrations.deepspeed import host_allocator
+    from memascend.memory import host_allocator
 
     if not host_allocator.can_park():
         pytest.skip("needs glibc mlock/madvise")
@@ -158,7 +158,7 @@ def test_idle_buffers_are_parked_then_locked_again_at_the_same_address(handle, h
 def test_streaming_after_a_park_locks_only_two_buffers(handle):
     # The gradient swap-out in backward (allocate_all) must not lock all four parked buffers: the
     # forward/backward peak would carry the optimizer step's buffers.
-    from memascend.integrations.deepspeed import host_allocator
+    from memascend.memory import host_allocator
 
     if not host_allocator.can_park():
         pytest.skip("needs glibc mlock/madvise")

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from memascend.integrations.deepspeed import raw_store
+from memascend.integrations.deepspeed.swap_backend import StoreSwapHandle
 from memascend.io.errors import DeviceRefusedError
-from memascend.io.swap_backend import StoreSwapHandle
 
 MiB = 1 << 20
 

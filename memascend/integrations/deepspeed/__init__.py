@@ -205,7 +205,7 @@ def _patch_all(settings: MemAscendSettings) -> None:
                         make_get_norm_groups(stage3._get_norm_groups, settings.grad_norm_sub_group_numel))
 
     if settings.enable_malloc_policy:
-        from memascend.integrations.deepspeed import host_allocator
+        from memascend.memory import host_allocator
 
         host_allocator.set_malloc_policy()
 

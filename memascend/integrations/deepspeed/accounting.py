@@ -67,10 +67,6 @@ def param_pool_classes(engine: Any) -> list[dict[str, int]]:
             for c in sorted(stats.classes.values(), key=lambda c: -c.slot_numel)]
 
 
-def _tensor_list_bytes(tensors: Any) -> int:
-    return sum(_nbytes(t) for t in tensors or () if t is not None and t.numel() > 1)
-
-
 def _locked_bytes(sample: Any) -> int:
     return int(getattr(sample, "locked_bytes", 0) or 0)
 
@@ -116,7 +112,7 @@ def peak_sample(samples: Sequence[Any]) -> dict[str, Any] | None:
 
 
 def _buffer_bytes(tensors: Any) -> dict[str, int]:
-    from memascend.integrations.deepspeed.host_allocator import resident_bytes
+    from memascend.memory.host_allocator import resident_bytes
 
     live = [t for t in tensors if t is not None and t.numel() > 1]
     resident = [resident_bytes(t) for t in live]
@@ -153,7 +149,7 @@ def memory_breakdown(engine: Any, summary: Mapping[str, Any], samples: Sequence[
         so that rest is an estimate (a buffer released at the end and refaulted by the step is
         in the transient instead).
     """
-    from memascend.integrations.deepspeed.host_allocator import malloc_stats
+    from memascend.memory.host_allocator import malloc_stats
 
     optimizer = getattr(engine, "optimizer", None)
     swap = swap_buffer_breakdown(engine)

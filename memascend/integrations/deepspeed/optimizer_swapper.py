@@ -32,9 +32,9 @@ import torch
 from deepspeed.runtime.swap_tensor.utils import SwapBufferManager
 
 from memascend.errors import UserError
-from memascend.integrations.deepspeed import host_allocator
 from memascend.integrations.deepspeed.pinning import LockedAllocator
 from memascend.integrations.deepspeed.settings import MemAscendSettings
+from memascend.memory import host_allocator
 
 _FP32_BYTES = 4
 
@@ -173,7 +173,7 @@ class OnDemandSwapBufferManager(SwapBufferManager):
 
         The forward and backward then run without the buffers' memory, and the peak stays
         ``states + 1`` buffers. Buffers of the aio handle are parked
-        (:func:`~memascend.integrations.deepspeed.host_allocator.park_locked_pages`: same
+        (:func:`~memascend.memory.host_allocator.park_locked_pages`: same
         address, pages released, marked for huge pages with ``enable_torch_thp``) and locked
         again by the :meth:`allocate` that hands them out; other buffers are freed and
         allocated anew. Returns the bytes released (0 while any buffer is in use).

@@ -7,7 +7,7 @@ with the aio handle the swappers build from the module-level ``AsyncIOBuilder`` 
 :mod:`~memascend.integrations.deepspeed.param_swapper`). :func:`apply_raw_store` creates a
 :class:`~memascend.io.store.TensorStore` on a raw block device (or one preallocated file) for this
 rank and replaces those ``AsyncIOBuilder`` names with a builder whose handles are
-:class:`~memascend.io.swap_backend.StoreSwapHandle` over that store: every swap path becomes a store
+:class:`~memascend.integrations.deepspeed.swap_backend.StoreSwapHandle` over that store: every swap path becomes a store
 key (relative to the run's key folder), no ``.swp`` file is created. Everything else in DeepSpeed
 (which tensors are swapped, buffers, prefetching) is unchanged, so it works with stock DeepSpeed
 (``--engine baseline``) and with memascend's memory seam alike.
@@ -82,11 +82,11 @@ from typing import Any
 
 from memascend.errors import UserError
 from memascend.integrations.deepspeed.patches import PatchRecord, PatchRegistry
+from memascend.integrations.deepspeed.swap_backend import StoreSwapHandle
 from memascend.io import checkpoint as store_checkpoint
 from memascend.io.durable import write_text_durable
 from memascend.io.runlock import RunLock, acquire_run_lock, pid_alive
 from memascend.io.store import DEFAULT_QUEUE_DEPTH, DEFAULT_REQUEST_BYTES, TensorStore
-from memascend.io.swap_backend import StoreSwapHandle
 
 #: Owner identity written into the header of stores made by :func:`apply_raw_store` on a target
 #: memascend keeps (a block device, a file that existed before the run): a target left by an

@@ -15,10 +15,10 @@ backward do not use:
   step, keeping the mapping (parked), and locked again at the next
   (:meth:`OnDemandSwapBufferManager.release_free_buffers`): same peak locked memory, but the
   forward and backward run without them.
-* free heap memory of glibc's arenas (:func:`host_allocator.trim`): after each step, and before
-  stage 3 partitions a bucket of gradients (``partition_grads``). Activations freed during backward
-  stay resident in the heap until then; the gradient partitions written next would otherwise land
-  on top of them.
+* free heap memory of glibc's arenas (:func:`~memascend.memory.host_allocator.trim`): after each
+  step, and before stage 3 partitions a bucket of gradients (``partition_grads``). Activations
+  freed during backward stay resident in the heap until then; the gradient partitions written next
+  would otherwise land on top of them.
 
 None of this changes a computed value: only when pages are resident.
 """
@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from memascend.errors import UserError
-from memascend.integrations.deepspeed import host_allocator
 from memascend.integrations.deepspeed.settings import MemAscendSettings, load_ds_config
+from memascend.memory import host_allocator
 
 
 def release_grad_buffer_pages(optimizer: Any) -> int:
@@ -148,8 +148,9 @@ def grad_partitions_are_dead(optimizer: Any) -> bool:
 def make_partition_grads(original: Any, settings: MemAscendSettings | None = None) -> Any:
     """Wrap ``DeepSpeedZeroOptimizer_Stage3.partition_grads`` (once per reduced bucket in backward).
 
-    * ``enable_malloc_policy``: :func:`host_allocator.trim` first, so freed activation memory goes
-      back to the OS before the bucket's gradient partitions are written on top of it;
+    * ``enable_malloc_policy``: :func:`~memascend.memory.host_allocator.trim` first, so freed
+      activation memory goes back to the OS before the bucket's gradient partitions are written on
+      top of it;
     * ``enable_grad_buffer_release``: when :func:`grad_partitions_are_dead`, the whole pages of the
       partitions just written (the returned views into ``grad_partitions_flat_buffer``) go back to
       the OS at once, so at most one bucket of the whole-model gradient buffer is resident during
@@ -176,9 +177,9 @@ def make_engine_forward(original: Any, *, trim: bool = True, install_host_cache:
 
     Args:
         original: ``DeepSpeedEngine.forward``.
-        trim: :func:`host_allocator.trim` before each training forward (``enable_malloc_policy``):
-            what the previous phase freed (an evaluation pass, model loading) is handed back before
-            the forward stacks its activations on top.
+        trim: :func:`~memascend.memory.host_allocator.trim` before each training forward
+            (``enable_malloc_policy``): what the previous phase freed (an evaluation pass, model
+            loading) is handed back before the forward stacks its activations on top.
         install_host_cache: put the host block cache (:mod:`memascend.memory.host_cache`) in front
             of torch's CPU allocator at the first forward (``enable_host_block_cache``), not when
             memascend is applied: building the model and the engine allocates every tensor once,

@@ -5,11 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from memascend.integrations.deepspeed.swap_backend import StoreSwapHandle
 from memascend.io.errors import ChecksumError
 from memascend.io.store import TensorStore
-from memascend.io.swap_backend import StoreSwapHandle
 
 MiB = 1 << 20
+
+
+@pytest.fixture()
+def store_path(tmp_path):
+    """Path of a store file that does not exist yet (TensorStore.create preallocates it)."""
+    return tmp_path / "store.bin"
 
 
 def test_swap_out_and_in_like_deepspeed(store_path):

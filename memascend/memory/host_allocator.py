@@ -1,4 +1,4 @@
-"""glibc malloc policy for the training process: give freed host memory back to the OS.
+"""Host memory calls on glibc: the ``mallopt`` policy, ``malloc_trim``, page release and locking.
 
 Torch's CPU allocator takes every host tensor from glibc ``malloc``. glibc's defaults suit
 long-lived small objects, not a training step that allocates and frees hundreds of MB of
@@ -9,22 +9,20 @@ activations and gradient temporaries per layer from several threads (aio, OpenMP
   freed memory stays resident (RSS) until the arena's top happens to be free;
 * each thread may get its own arena (up to 8 per core), each keeping its own free memory.
 
-Measured on SmolLM2-135M with ZeRO-Infinity (bf16, 4 x 256), RSS between steps grows by about
-1 GiB over the first steps for that reason alone: memory the process no longer uses. MemAscend's
-"eradicating fragmentation" (paper section 4) is here the allocator half: a fixed mmap threshold,
-a trim threshold, two arenas, and ``malloc_trim(0)`` at the points where a step stops needing
-memory (:mod:`.step_memory`). None of it changes a computed value.
+MemAscend's "eradicating fragmentation" (paper section 4) is here the allocator half: a fixed mmap
+threshold, a trim threshold, two arenas (:class:`MallocPolicy`), and ``malloc_trim(0)`` at the
+points where a step stops needing memory (:mod:`memascend.integrations.deepspeed.step_memory`). The
+mmap threshold trades time for memory: a lower one maps and unmaps more blocks (page faults at
+every step), a higher one keeps more freed memory resident in the heap. With the host block cache
+(:mod:`memascend.memory.host_cache`) torch's tensors of 1 MiB or more do not come from glibc at
+all, and this policy is left with the smaller ones and the libraries' own allocations. None of it
+changes a computed value. The measured trade is in ``baselines/<profile>/ablation/``.
 
-The threshold is a time/memory trade measured on that job: at 256 KiB every activation is mapped
-and unmapped (peak RSS 2.39 GiB but 1.45x the stock step time: page faults and unmaps). At the
-4 MiB default the memory handed back is faulted in again at the next step; on the 2-core virtual
-machine of profile cpu-2c-24g the whole policy measured peak RSS 0.371 of stock's at 1.229x its
-step time, against 0.459 at 0.984x without it (``memascend regress --matrix ablation --repeats 3``,
-medians of three pairs, before the host block cache existed). With the host block cache
-(:mod:`memascend.memory.host_cache`, on by default) torch's tensors of 1 MiB or more no longer
-come from glibc at all: they reuse the cache's resident blocks, and this policy is left with the
-smaller ones and the libraries' own allocations.
-All functions are no-ops returning ``False``/``None`` on a C library without these glibc calls.
+Page calls on tensors' memory: :func:`release_pages` (``madvise(MADV_DONTNEED)``),
+:func:`park_locked_pages` / :func:`lock_pages` (``munlock`` + ``madvise``, ``mlock``) and
+:func:`resident_bytes` (``mincore``).
+
+All functions are no-ops returning ``False``/``0``/``None`` on a C library without these glibc calls.
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ DeepSpeed 0.19.8's swappers (``AsyncPartitionedParameterSwapper``, ``Partitioned
 ``async_pwrite(buffer, path, 0)`` / ``async_pread(buffer, path, 0)`` (each returns 0), ``wait()``
 (returns how many operations completed), ``sync_pwrite`` / ``sync_pread``,
 ``new_cpu_locked_tensor`` / ``free_cpu_locked_tensor`` and a few getters. :class:`StoreSwapHandle`
-offers that surface with the swap-file path used as the tensor key, so the DeepSpeed seam
-(``memascend/integrations/deepspeed``) can substitute it for the aio handle and drop the folder of
-``.swp`` files. Unlike the stock handle, reading works on a raw block device, and every read is
+offers that surface with the swap-file path used as the tensor key, so the raw store
+(:mod:`~memascend.integrations.deepspeed.raw_store`) can substitute it for the aio handle and drop the
+folder of ``.swp`` files. Unlike the stock handle, reading works on a raw block device, and every read is
 checked against the CRC32C recorded at write time.
 
 Source: MemAscend (arXiv 2505.23254), direct NVMe engine; replaces DeepSpeed's
