@@ -31,6 +31,7 @@ import ctypes
 import dataclasses
 import functools
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from memascend.errors import UserError
@@ -64,33 +65,121 @@ def _libc() -> Any | None:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MallocPolicy:
-    """What :func:`set_malloc_policy` sets (glibc ``mallopt``).
+    """glibc ``mallopt`` values: what :func:`set_malloc_policy` sets (the defaults are memascend's
+    policy) or, from :func:`startup_malloc_policy`, what glibc started with.
 
     Attributes:
         mmap_threshold_bytes: blocks at least this large are mmapped and unmapped on free
-            (fixed: disables glibc's dynamic raising of the threshold up to 32 MiB).
-        trim_threshold_bytes: free memory at an arena's top above this is returned at once.
-        arena_max: most malloc arenas (threads share them beyond that).
+            (``M_MMAP_THRESHOLD``; setting it fixes the threshold: glibc stops raising it).
+        trim_threshold_bytes: free memory at an arena's top above this is returned at once
+            (``M_TRIM_THRESHOLD``).
+        arena_max: most malloc arenas, threads share them beyond that (``M_ARENA_MAX``); ``None``:
+            glibc's own limit (8 per core), which ``mallopt`` cannot set back (it ignores 0).
     """
 
     mmap_threshold_bytes: int = 4 * 1024 * 1024
     trim_threshold_bytes: int = 16 * 1024 * 1024
-    arena_max: int = 2
+    arena_max: int | None = 2
+
+
+#: glibc's start-up ``M_MMAP_THRESHOLD`` and ``M_TRIM_THRESHOLD`` (malloc/malloc.c
+#: ``DEFAULT_MMAP_THRESHOLD_MIN``, ``DEFAULT_TRIM_THRESHOLD``; mallopt(3)).
+GLIBC_DEFAULT_MMAP_THRESHOLD_BYTES = 128 * 1024
+GLIBC_DEFAULT_TRIM_THRESHOLD_BYTES = 128 * 1024
+#: Largest ``M_MMAP_THRESHOLD`` glibc accepts on 64-bit (``HEAP_MAX_SIZE / 2``); it ignores more.
+_GLIBC_MAX_MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024
+
+# MallocPolicy field -> (mallopt parameter, glibc tunable, legacy environment variable).
+_PARAMETERS = {
+    "mmap_threshold_bytes": (_M_MMAP_THRESHOLD, "glibc.malloc.mmap_threshold", "MALLOC_MMAP_THRESHOLD_"),
+    "trim_threshold_bytes": (_M_TRIM_THRESHOLD, "glibc.malloc.trim_threshold", "MALLOC_TRIM_THRESHOLD_"),
+    "arena_max": (_M_ARENA_MAX, "glibc.malloc.arena_max", "MALLOC_ARENA_MAX"),
+}
+
+_in_force: MallocPolicy | None = None
+"""The values :func:`set_malloc_policy` last set in this process (``None``: it never ran)."""
+
+
+def _parse_glibc_number(text: str) -> int | None:
+    """A tunable's value as glibc's ``_dl_strtoul`` reads it (decimal, ``0x`` hex, leading-0 octal)."""
+    text = text.strip()
+    try:
+        if text[:2].lower() == "0x":
+            return int(text[2:], 16)
+        return int(text, 8) if len(text) > 1 and text.startswith("0") else int(text, 10)
+    except ValueError:
+        return None
+
+
+def startup_malloc_policy(environ: Mapping[str, str] | None = None) -> MallocPolicy:
+    """The ``mallopt`` values glibc started this process with, as far as they can be known.
+
+    glibc has no getter for them. At start-up it takes each from ``GLIBC_TUNABLES``
+    (``glibc.malloc.mmap_threshold``, ``.trim_threshold``, ``.arena_max``) or the legacy variable
+    (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_ARENA_MAX``), whichever comes
+    first in the environment, else its defaults (:data:`GLIBC_DEFAULT_MMAP_THRESHOLD_BYTES`,
+    :data:`GLIBC_DEFAULT_TRIM_THRESHOLD_BYTES`, its own arena limit). This reads the same variables.
+
+    Args:
+        environ: the environment (default: ``os.environ``, which is what glibc read unless code
+            changed it since).
+
+    Returns:
+        The values; ``arena_max`` is ``None`` when none was given. Unreadable values, and an mmap
+        threshold above 32 MiB, count as not given (glibc ignores them too).
+    """
+    environ = os.environ if environ is None else environ
+    given: dict[str, str] = {}
+    for name, value in environ.items():
+        if name == "GLIBC_TUNABLES":
+            for item in value.split(":"):
+                key, _, text = item.partition("=")
+                given.update({f: text for f, (_, tunable, _) in _PARAMETERS.items() if tunable == key
+                              and f not in given})
+        else:
+            given.update({f: value for f, (_, _, legacy) in _PARAMETERS.items() if legacy == name
+                          and f not in given})
+    values = {f: _parse_glibc_number(text) for f, text in given.items()}
+    mmap = values.get("mmap_threshold_bytes")
+    trim = values.get("trim_threshold_bytes")
+    arenas = values.get("arena_max")
+    return MallocPolicy(
+        mmap_threshold_bytes=mmap if mmap is not None and mmap <= _GLIBC_MAX_MMAP_THRESHOLD_BYTES
+        else GLIBC_DEFAULT_MMAP_THRESHOLD_BYTES,
+        trim_threshold_bytes=trim if trim is not None else GLIBC_DEFAULT_TRIM_THRESHOLD_BYTES,
+        arena_max=arenas if arenas else None,
+    )
+
+
+def malloc_policy_in_force() -> MallocPolicy:
+    """What :func:`set_malloc_policy` last set, else :func:`startup_malloc_policy`.
+
+    A ``mallopt`` call by other code in the process is not seen (glibc cannot be asked).
+    """
+    return _in_force if _in_force is not None else startup_malloc_policy()
 
 
 def set_malloc_policy(policy: MallocPolicy = MallocPolicy()) -> bool:
-    """Apply ``policy`` to this process's glibc malloc; ``True`` if every call succeeded.
+    """Set ``policy``'s values in this process's glibc malloc; ``True`` if every call succeeded.
 
-    glibc cannot report its current settings, so nothing is restored later: the settings only
-    decide when free memory goes back to the OS, never what a computation produces.
+    To undo it, keep :func:`malloc_policy_in_force` from before and set that again. glibc offers
+    no call that gives the mmap threshold back its dynamic raising, nor one back to its own arena
+    limit (``arena_max=None`` leaves the limit as it is), so after such a restore the thresholds
+    are the previous values, fixed. The values only decide when free memory goes back to the OS,
+    never what a computation produces.
     """
+    global _in_force
     libc = _libc()
     if libc is None:
         return False
-    ok = libc.mallopt(_M_MMAP_THRESHOLD, int(policy.mmap_threshold_bytes)) == 1
-    ok &= libc.mallopt(_M_TRIM_THRESHOLD, int(policy.trim_threshold_bytes)) == 1
-    ok &= libc.mallopt(_M_ARENA_MAX, int(policy.arena_max)) == 1
-    return bool(ok)
+    before = malloc_policy_in_force()
+    done = {}
+    for name, (param, _, _) in _PARAMETERS.items():
+        value = getattr(policy, name)
+        if value is not None:
+            done[name] = libc.mallopt(param, int(value)) == 1
+    _in_force = dataclasses.replace(before, **{name: getattr(policy, name) for name, ok in done.items() if ok})
+    return all(done.values())
 
 
 def trim() -> bool:

@@ -1,4 +1,5 @@
-"""apply()/revert() leave DeepSpeed exactly as it was; settings load from a DeepSpeed config."""
+"""apply()/apply_raw_store()/revert() leave DeepSpeed (and glibc malloc, the host block cache) exactly as
+it was; settings load from a DeepSpeed config."""
 
 from __future__ import annotations
 
@@ -68,6 +69,108 @@ def test_revert_restores_identical_objects():
     after = _snapshot()
     assert all(after[k] is before[k] for k in before)
     assert ma_ds.applied_settings() is None and ma_ds.patch_records() == ()
+
+
+class _MalloptRecorder:
+    """Stands in for glibc in memascend.memory.host_allocator: records each mallopt call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int]] = []
+
+    def mallopt(self, param: int, value: int) -> int:
+        self.calls.append((param, value))
+        return 1
+
+    def malloc_trim(self, pad: int) -> int:
+        return 0
+
+
+def _raw_store_objects():
+    import importlib
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as S3
+
+    from memascend.integrations.deepspeed import raw_store
+
+    found = {f"{name}.AsyncIOBuilder": (importlib.import_module(name), "AsyncIOBuilder")
+             for name in raw_store._BUILDER_MODULES}
+    found.update({"engine.save_checkpoint": (DeepSpeedEngine, "save_checkpoint"),
+                  "engine.load_checkpoint": (DeepSpeedEngine, "load_checkpoint"),
+                  "stage3.reset_swap_buffers": (S3, "reset_swap_buffers")})
+    return found
+
+
+def _everything():
+    return {key: vars(owner).get(name, "<absent>")
+            for key, (owner, name) in {**_seam_objects(), **_raw_store_objects()}.items()}
+
+
+@pytest.fixture()
+def mallopt_calls(monkeypatch):
+    """glibc's mallopt recorded instead of called; the environment sets the arena limit only."""
+    from memascend.memory import host_allocator
+
+    recorder = _MalloptRecorder()
+    monkeypatch.setattr(host_allocator, "_libc", lambda: recorder)
+    monkeypatch.setattr(host_allocator, "_in_force", None)
+    for name in ("GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    return recorder.calls
+
+
+@pytest.mark.parametrize("raw_store_first", [True, False])
+def test_one_revert_restores_patches_raw_store_malloc_policy_and_host_cache(tmp_path, mallopt_calls,
+                                                                            raw_store_first):
+    from memascend.memory import host_allocator as ha
+    from memascend.memory import host_cache
+
+    before = _everything()
+    if raw_store_first:
+        handle = ma_ds.apply_raw_store(tmp_path / "r.store", world_rank=0, size_bytes=32 << 20)
+        ma_ds.apply(ALL_ON)
+    else:
+        ma_ds.apply(ALL_ON)
+        handle = ma_ds.apply_raw_store(tmp_path / "r.store", world_rank=0, size_bytes=32 << 20)
+    host_cache.install()  # what the engine's first forward does
+    during = _everything()
+    assert all(during[k] is not before[k] for k in before), "every seam must be patched"
+    assert len(ma_ds.patch_records()) == len(before)  # one registry holds both
+    assert ma_ds.active_raw_store() is handle and host_cache.installed()
+    assert mallopt_calls == [(ha._M_MMAP_THRESHOLD, 4 << 20), (ha._M_TRIM_THRESHOLD, 16 << 20),
+                             (ha._M_ARENA_MAX, 2)]
+
+    ma_ds.revert()
+    after = _everything()
+    assert all(after[k] is before[k] for k in before)
+    assert ma_ds.patch_records() == () and ma_ds.applied_settings() is None and ma_ds.active_raw_store() is None
+    assert not host_cache.installed()
+    # glibc's start-up values: its default thresholds, the arena limit from MALLOC_ARENA_MAX
+    assert mallopt_calls[3:] == [(ha._M_MMAP_THRESHOLD, 128 << 10), (ha._M_TRIM_THRESHOLD, 128 << 10),
+                                 (ha._M_ARENA_MAX, 4)]
+    assert ha.malloc_policy_in_force() == ha.startup_malloc_policy()
+    assert not (tmp_path / "r.store").exists() and not handle.key_root.exists()  # the store is closed
+
+    ma_ds.revert()  # twice is safe: nothing left to undo
+    assert _everything() == before and len(mallopt_calls) == 6 and ma_ds.active_raw_store() is None
+
+
+def test_failed_apply_keeps_the_raw_store_and_restores_the_malloc_policy(tmp_path, mallopt_calls, monkeypatch):
+    def broken():
+        raise UserError("op unavailable")
+
+    monkeypatch.setattr(overflow, "load_checker", broken)
+    handle = ma_ds.apply_raw_store(tmp_path / "r.store", world_rank=0, size_bytes=32 << 20)
+    with_store = _everything()
+    records = ma_ds.patch_records()
+    with pytest.raises(UserError, match="op unavailable"):
+        ma_ds.apply(ALL_ON)  # the fused overflow check comes after the malloc policy
+    assert _everything() == with_store and ma_ds.patch_records() == records
+    assert ma_ds.applied_settings() is None and ma_ds.active_raw_store() is handle
+    assert [value for _, value in mallopt_calls] == [4 << 20, 16 << 20, 2, 128 << 10, 128 << 10, 4]
+    ma_ds.revert()
+    assert not (tmp_path / "r.store").exists()
 
 
 def test_each_flag_patches_only_its_seams():

@@ -1,4 +1,4 @@
-"""apply_raw_store/revert_raw_store: DeepSpeed's swappers get store-backed handles; revert restores
+"""apply_raw_store/revert: DeepSpeed's swappers get store-backed handles; revert restores
 DeepSpeed exactly; a DeepSpeed swap path round-trips through the store under a run-independent key."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import importlib
 import pytest
 import torch
 
+import memascend.integrations.deepspeed as seam
 from memascend.integrations.deepspeed import raw_store
 from memascend.integrations.deepspeed.swap_backend import StoreSwapHandle
 from memascend.io.errors import DeviceRefusedError
@@ -44,13 +45,13 @@ def test_revert_restores_deepspeed_exactly(tmp_path):
     handle = raw_store.apply_raw_store(tmp_path / "r.store", world_rank=0, size_bytes=32 * MiB)
     during = _snapshot()
     assert all(during[k] is not before[k] for k in before)
-    assert len(raw_store.raw_store_patch_records()) == len(before)
+    assert len(seam.patch_records()) == len(before)
     assert raw_store.active_raw_store() is handle
     raw_store.revert_raw_store(close=True)
     after = _snapshot()
     assert all(after[k] is before[k] for k in before)
     assert all(m.AsyncIOBuilder is AsyncIOBuilder for m in _MODULES)
-    assert raw_store.raw_store_patch_records() == () and raw_store.active_raw_store() is None
+    assert seam.patch_records() == () and raw_store.active_raw_store() is None
     assert not (tmp_path / "r.store").exists() and not handle.key_root.exists()
     raw_store.revert_raw_store(close=True)  # idempotent
 
@@ -109,4 +110,4 @@ def test_second_apply_refused_and_foreign_store_refused(applied, tmp_path):
     with pytest.raises(DeviceRefusedError, match="memascend store header"):
         raw_store.apply_raw_store(tmp_path / "foreign.store", world_rank=0, size_bytes=32 * MiB)
     assert (tmp_path / "foreign.store").read_bytes() == before
-    assert raw_store.raw_store_patch_records() == ()
+    assert seam.patch_records() == ()

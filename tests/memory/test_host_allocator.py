@@ -27,3 +27,56 @@ def test_malloc_policy_and_trim_run():
     assert host_allocator.set_malloc_policy() is True
     host_allocator.trim()
     assert host_allocator.malloc_stats()["heap_bytes"] > 0
+
+
+@pytest.mark.parametrize(("environ", "expected"), [
+    ({}, (128 << 10, 128 << 10, None)),  # glibc's defaults; its own arena limit
+    ({"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "3"}, (65536, 128 << 10, 3)),
+    ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0x100000:glibc.malloc.arena_max=010"}, (128 << 10, 1 << 20, 8)),
+    # whichever comes first in the environment, as glibc takes it
+    ({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=4096", "MALLOC_MMAP_THRESHOLD_": "8192"}, (4096, 128 << 10, None)),
+    ({"MALLOC_MMAP_THRESHOLD_": "8192", "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=4096"}, (8192, 128 << 10, None)),
+    # values glibc ignores: unreadable, an mmap threshold over 32 MiB, no arena limit
+    ({"MALLOC_TRIM_THRESHOLD_": "lots", "MALLOC_MMAP_THRESHOLD_": str(64 << 20), "MALLOC_ARENA_MAX": "0"},
+     (128 << 10, 128 << 10, None)),
+])
+def test_startup_malloc_policy_reads_what_glibc_reads(environ, expected):
+    policy = host_allocator.startup_malloc_policy(environ)
+    assert (policy.mmap_threshold_bytes, policy.trim_threshold_bytes, policy.arena_max) == expected
+
+
+class _Recorder:
+    def __init__(self, refuse=()):
+        self.calls, self.refuse = [], set(refuse)
+
+    def mallopt(self, param, value):
+        self.calls.append((param, value))
+        return 0 if param in self.refuse else 1
+
+
+def test_setting_the_previous_policy_again_restores_it(monkeypatch):
+    recorder = _Recorder()
+    monkeypatch.setattr(host_allocator, "_libc", lambda: recorder)
+    monkeypatch.setattr(host_allocator, "_in_force", None)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX"):
+        monkeypatch.delenv(name, raising=False)
+    previous = host_allocator.malloc_policy_in_force()
+    assert host_allocator.set_malloc_policy() is True
+    assert host_allocator.malloc_policy_in_force() == host_allocator.MallocPolicy()
+    assert host_allocator.set_malloc_policy(previous) is True
+    # no arena call: glibc's own limit cannot be set back, so the one memascend set stays (and is known)
+    assert recorder.calls[3:] == [(host_allocator._M_MMAP_THRESHOLD, 128 << 10),
+                                  (host_allocator._M_TRIM_THRESHOLD, 128 << 10)]
+    assert host_allocator.malloc_policy_in_force() == host_allocator.MallocPolicy(
+        mmap_threshold_bytes=128 << 10, trim_threshold_bytes=128 << 10, arena_max=2)
+
+
+def test_a_refused_value_is_not_recorded_as_in_force(monkeypatch):
+    recorder = _Recorder(refuse={host_allocator._M_MMAP_THRESHOLD})
+    monkeypatch.setattr(host_allocator, "_libc", lambda: recorder)
+    monkeypatch.setattr(host_allocator, "_in_force", host_allocator.MallocPolicy(
+        mmap_threshold_bytes=1 << 20, trim_threshold_bytes=1 << 20, arena_max=None))
+    assert host_allocator.set_malloc_policy() is False
+    assert host_allocator.malloc_policy_in_force() == host_allocator.MallocPolicy(
+        mmap_threshold_bytes=1 << 20, trim_threshold_bytes=16 << 20, arena_max=2)

@@ -1,13 +1,24 @@
 """The one reversible seam between memascend and DeepSpeed 0.19.8.
 
-This package is the only code in memascend that touches DeepSpeed internals. :func:`apply`
-patches DeepSpeed where the patched objects are *used* (names imported into other modules are
-patched in those modules); :func:`revert` puts every original object back.
+This package is the only code in memascend that touches DeepSpeed internals. It changes DeepSpeed
+in two independent ways, both recorded in one :class:`~.patches.PatchRegistry` under one lock:
+
+* :func:`apply` patches the MemAscend optimizations and correctness fixes in, where the patched
+  objects are *used* (names imported into other modules are patched in those modules), and sets
+  the glibc ``mallopt`` policy (:mod:`memascend.memory.host_allocator`);
+* :func:`apply_raw_store` puts this rank's direct NVMe store under DeepSpeed's swappers and
+  checkpoints (:mod:`.raw_store`, :mod:`.store_checkpoint`, :mod:`.swap_backend`).
+
+One :func:`revert` undoes both: every patched attribute gets its very original object back
+(``is``-identical), the host block cache is uninstalled, the ``mallopt`` values from before
+:func:`apply` are set again and the raw store is closed. Other code reaches DeepSpeed's internals
+only through this package's functions (e.g. :mod:`.engine_state`).
 
 Three ways in:
 
-* ``memascend finetune --engine memascend`` calls :func:`apply` before ``deepspeed.initialize``
-  (and before ``deepspeed.zero.Init``) and :func:`revert` after training;
+* ``memascend finetune`` calls :func:`apply_raw_store` (for a device or store-file
+  ``--nvme-path``) and :func:`apply` (``--engine baseline``: the correctness fixes only) before
+  ``deepspeed.zero.Init``/``deepspeed.initialize``, and :func:`revert` at exit;
 * code that drives DeepSpeed itself (HF Trainer, accelerate, its own loop) adds a
   ``"memascend": {...}`` section to its DeepSpeed JSON (DeepSpeed ignores unknown top-level keys)
   and calls, once, before the model is built under ZeRO-3::
@@ -41,11 +52,14 @@ What each flag patches (DeepSpeed 0.19.8 names):
 * ``grad_norm_sub_group_numel`` (set): ``DeepSpeedZeroOptimizer_Stage3._get_norm_groups`` computes
   the per-group norms over the stock sub-groups (:mod:`.grad_norm`).
 * ``enable_malloc_policy``, ``enable_grad_buffer_release``, ``enable_optimizer_pool``:
-  glibc ``mallopt`` thresholds when applied (:mod:`.host_allocator`),
+  glibc ``mallopt`` thresholds when applied (:mod:`memascend.memory.host_allocator`; restored by
+  :func:`revert`),
   ``DeepSpeedZeroOptimizer_Stage3.partition_grads`` and ``DeepSpeedEngine.forward`` (training)
   preceded by ``malloc_trim`` (malloc policy), and
   ``DeepSpeedZeroOptimizer_Stage3.__init__`` / ``._post_step`` followed by handing memory back
   (:mod:`.step_memory`: gradient-buffer pages, unused optimizer swap buffers, ``malloc_trim``).
+* ``enable_host_block_cache``: ``DeepSpeedEngine.forward`` installs the host block cache
+  (:mod:`memascend.memory.host_cache`) at the first forward; :func:`revert` uninstalls it.
 * ``fix_unaligned_gradient_io`` (a correctness fix, on for both engines):
   ``PartitionedOptimizerSwapper._swap_in_pinned_gradients`` and
   ``OptimizerSwapper._writeback_gradients`` (:mod:`.aligned_io`).
@@ -58,10 +72,11 @@ What each flag patches (DeepSpeed 0.19.8 names):
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memascend.errors import UserError
 from memascend.integrations.deepspeed.accounting import swap_buffer_breakdown
@@ -69,11 +84,17 @@ from memascend.integrations.deepspeed.patches import PatchRecord, PatchRegistry
 from memascend.integrations.deepspeed.settings import DS_CONFIG_SECTION, MemAscendSettings, rewrite_ds_config
 from memascend.integrations.deepspeed.sizing import prepare_ds_config
 
+if TYPE_CHECKING:
+    from memascend.integrations.deepspeed.raw_store import RawStoreHandle
+    from memascend.memory.host_allocator import MallocPolicy
+
 __all__ = [
     "DS_CONFIG_SECTION",
     "MemAscendSettings",
+    "active_raw_store",
     "apply",
     "apply_from_config",
+    "apply_raw_store",
     "applied_settings",
     "patch_records",
     "prepare_ds_config",
@@ -84,14 +105,19 @@ __all__ = [
 
 _lock = threading.Lock()
 _registry = PatchRegistry()
+"""Every patch the seam makes, memascend's optimizations and the raw store's alike."""
 _applied: MemAscendSettings | None = None
+_raw_store: RawStoreHandle | None = None
+_malloc_before: MallocPolicy | None = None
+"""The ``mallopt`` values in force before :func:`apply` set memascend's policy (restored by :func:`revert`)."""
 
 
 def apply(settings: MemAscendSettings | None = None) -> MemAscendSettings:
     """Patch DeepSpeed with the MemAscend optimizations enabled in ``settings``.
 
     Call before ``deepspeed.zero.Init`` / ``deepspeed.initialize``: swappers built earlier keep
-    the stock behaviour. Applying the same settings again is a no-op.
+    the stock behaviour. Applying the same settings again is a no-op. An applied raw store
+    (:func:`apply_raw_store`) is independent of it: either may come first.
 
     Args:
         settings: what to enable; default: everything (``MemAscendSettings()``).
@@ -101,7 +127,7 @@ def apply(settings: MemAscendSettings | None = None) -> MemAscendSettings:
 
     Raises:
         UserError: already applied with different settings (call :func:`revert` first), or an
-            enabled optimization's op is unavailable on this host.
+            enabled optimization's op is unavailable on this host (DeepSpeed is then left as it was).
     """
     global _applied
     settings = settings if settings is not None else MemAscendSettings()
@@ -110,10 +136,12 @@ def apply(settings: MemAscendSettings | None = None) -> MemAscendSettings:
             if _applied == settings:
                 return _applied
             raise UserError("memascend is already applied to DeepSpeed with other settings; call revert() first")
+        mark = len(_registry)
         try:
             _patch_all(settings)  # the host block cache is installed by the engine's first forward
         except BaseException:
-            _registry.restore_all()
+            _registry.restore_after(mark)
+            _restore_malloc_policy()
             raise
         _applied = settings
     _warn_torch_thp(settings)
@@ -147,118 +175,202 @@ def apply_from_config(ds_config: Mapping[str, Any] | str | Path) -> MemAscendSet
     return apply(MemAscendSettings.from_ds_config(ds_config))
 
 
-def revert() -> None:
-    """Restore every patched DeepSpeed attribute to its original object. Safe to call twice."""
-    global _applied
-    with _lock:
-        _registry.restore_all()
-        if _applied is not None and _applied.enable_host_block_cache:
-            from memascend.memory import host_cache
+def apply_raw_store(target: str | os.PathLike, **options: Any) -> RawStoreHandle:
+    """Create this rank's raw store on ``target`` and make DeepSpeed's swappers use it.
 
-            host_cache.uninstall()
-        _applied = None
+    Call before ``deepspeed.zero.Init``/``deepspeed.initialize`` and give DeepSpeed
+    ``handle.key_root`` as ``nvme_path``; :func:`revert` undoes it and closes the store.
+
+    Args:
+        target, options: as :func:`~memascend.integrations.deepspeed.raw_store.open_raw_store`
+            (``world_rank`` required; ``allow_overwrite``, ``enable_crc``, ``size_bytes``,
+            ``key_root``, ``queue_depth``, ``request_bytes``, ``backend``, ``min_capacity_bytes``).
+
+    Returns:
+        The :class:`~memascend.integrations.deepspeed.raw_store.RawStoreHandle`.
+
+    Raises:
+        UserError: a raw store is already applied (call :func:`revert` first), or as
+            ``open_raw_store`` (DeviceRefusedError, TargetBusyError: the target is left as it was).
+    """
+    global _raw_store
+    from memascend.integrations.deepspeed import raw_store
+
+    with _lock:
+        if _raw_store is not None:
+            raise UserError("a raw store is already applied to DeepSpeed; call revert() first")
+        _raw_store = raw_store.open_raw_store(_registry, target, **options)
+        return _raw_store
+
+
+def revert() -> None:
+    """Undo everything :func:`apply` and :func:`apply_raw_store` did. Safe to call twice.
+
+    Every patched DeepSpeed attribute gets its original object back (``is``-identical; one added
+    where there was none is deleted); the host block cache is uninstalled; the ``mallopt`` values
+    from before :func:`apply` are set again
+    (:func:`~memascend.memory.host_allocator.malloc_policy_in_force`: the ones set last, else
+    glibc's start-up values from the environment, else its defaults; glibc cannot give the mmap
+    threshold back its dynamic raising, nor the arena limit back its own default); the raw store is
+    closed (:meth:`RawStoreHandle.close`: a file memascend created is deleted, the key folder
+    removed, the run lock released).
+    """
+    global _applied, _raw_store
+    with _lock:
+        settings, _applied = _applied, None
+        store, _raw_store = _raw_store, None
+        try:
+            _registry.restore_all()
+            if settings is not None and settings.enable_host_block_cache:
+                from memascend.memory import host_cache
+
+                host_cache.uninstall()
+            _restore_malloc_policy()
+        finally:
+            if store is not None:
+                store.close()
+
+
+def _restore_malloc_policy() -> None:
+    global _malloc_before
+    previous, _malloc_before = _malloc_before, None
+    if previous is not None:
+        from memascend.memory import host_allocator
+
+        host_allocator.set_malloc_policy(previous)
 
 
 def applied_settings() -> MemAscendSettings | None:
-    """The settings in force, or ``None`` when DeepSpeed is stock."""
+    """The settings in force, or ``None`` when no optimization is applied."""
     return _applied
 
 
+def active_raw_store() -> RawStoreHandle | None:
+    """The applied raw store's handle, or ``None``."""
+    return _raw_store
+
+
 def patch_records() -> tuple[PatchRecord, ...]:
-    """The attribute patches in force (owner, name, original, replacement)."""
+    """The attribute patches in force, memascend's and the raw store's (owner, name, original,
+    replacement), in the order they were made."""
     return _registry.records()
 
 
+# ---- what each flag patches (DeepSpeed imported here, so importing memascend does not import it)
+
+
+def _patch_param_pool(settings: MemAscendSettings) -> None:
+    from deepspeed.runtime.zero import partition_parameters
+
+    from memascend.integrations.deepspeed.param_swapper import make_param_swapper_class
+
+    _registry.patch(partition_parameters, "AsyncPartitionedParameterSwapper", make_param_swapper_class(settings))
+
+
+def _patch_optimizer_pool(settings: MemAscendSettings) -> None:
+    from deepspeed.runtime.swap_tensor import optimizer_utils
+
+    from memascend.integrations.deepspeed.optimizer_swapper import make_swap_buffer_manager_class
+
+    _registry.patch(optimizer_utils, "SwapBufferManager", make_swap_buffer_manager_class(settings))
+
+
+def _patch_arena_pinning(settings: MemAscendSettings) -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    from memascend.integrations.deepspeed.pinning import make_arena_pin_memory, make_arena_unpin_memory
+
+    accelerator_cls = type(get_accelerator())
+    _registry.patch(accelerator_cls, "pin_memory", make_arena_pin_memory(accelerator_cls.pin_memory))
+    _registry.patch(accelerator_cls, "unpin_memory", make_arena_unpin_memory(accelerator_cls.unpin_memory))
+
+
+def _patch_grad_norm(settings: MemAscendSettings) -> None:
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as stage3
+
+    from memascend.integrations.deepspeed.grad_norm import make_get_norm_groups
+
+    _registry.patch(stage3, "_get_norm_groups",
+                    make_get_norm_groups(stage3._get_norm_groups, settings.grad_norm_sub_group_numel))
+
+
+def _set_malloc_policy(settings: MemAscendSettings) -> None:
+    global _malloc_before
+    from memascend.memory import host_allocator
+
+    _malloc_before = host_allocator.malloc_policy_in_force()
+    host_allocator.set_malloc_policy()
+
+
+def _patch_engine_forward(settings: MemAscendSettings) -> None:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from memascend.integrations.deepspeed import step_memory
+
+    _registry.patch(DeepSpeedEngine, "forward", step_memory.make_engine_forward(
+        DeepSpeedEngine.forward, trim=settings.enable_malloc_policy,
+        install_host_cache=settings.enable_host_block_cache, enable_thp=settings.enable_torch_thp))
+
+
+def _patch_step_memory(settings: MemAscendSettings) -> None:
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as stage3
+
+    from memascend.integrations.deepspeed import step_memory
+
+    if settings.enable_malloc_policy or settings.enable_grad_buffer_release:
+        _registry.patch(stage3, "partition_grads", step_memory.make_partition_grads(stage3.partition_grads, settings))
+    _registry.patch(stage3, "__init__", step_memory.make_init(stage3.__init__, settings))
+    _registry.patch(stage3, "_post_step", step_memory.make_post_step(stage3._post_step, settings))
+
+
+def _patch_aligned_io(settings: MemAscendSettings) -> None:
+    from deepspeed.runtime.swap_tensor.optimizer_utils import OptimizerSwapper
+    from deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper import PartitionedOptimizerSwapper
+
+    from memascend.integrations.deepspeed.aligned_io import (
+        make_swap_in_pinned_gradients,
+        make_writeback_gradients,
+    )
+
+    _registry.patch(PartitionedOptimizerSwapper, "_swap_in_pinned_gradients", make_swap_in_pinned_gradients())
+    _registry.patch(OptimizerSwapper, "_writeback_gradients", make_writeback_gradients())
+
+
+def _patch_exact_resume(settings: MemAscendSettings) -> None:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from memascend.integrations.deepspeed.exact_resume import make_load_checkpoint
+
+    _registry.patch(DeepSpeedEngine, "_load_checkpoint", make_load_checkpoint(DeepSpeedEngine._load_checkpoint))
+
+
+def _patch_fused_overflow(settings: MemAscendSettings) -> None:
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as stage3
+
+    from memascend.integrations.deepspeed.overflow import load_checker, make_has_inf_or_nan, make_has_overflow
+
+    checker = load_checker()
+    _registry.patch(stage3, "has_overflow", make_has_overflow(stage3.has_overflow, checker))
+    _registry.patch(stage3, "_has_inf_or_nan", make_has_inf_or_nan(checker))
+
+
+#: (when, what) for each group of patches, in the order they are applied (the package doc lists
+#: what each flag replaces).
+_FLAG_GROUPS: tuple[tuple[Callable[[MemAscendSettings], bool], Callable[[MemAscendSettings], None]], ...] = (
+    (lambda s: s.enable_param_pool, _patch_param_pool),
+    (lambda s: s.enable_optimizer_pool, _patch_optimizer_pool),
+    (lambda s: s.enable_arena_pinning, _patch_arena_pinning),
+    (lambda s: s.grad_norm_sub_group_numel is not None, _patch_grad_norm),
+    (lambda s: s.enable_malloc_policy, _set_malloc_policy),
+    (lambda s: s.enable_malloc_policy or s.enable_host_block_cache, _patch_engine_forward),
+    (lambda s: s.enable_malloc_policy or s.enable_grad_buffer_release or s.enable_optimizer_pool, _patch_step_memory),
+    (lambda s: s.fix_unaligned_gradient_io, _patch_aligned_io),
+    (lambda s: s.fix_exact_resume, _patch_exact_resume),
+    (lambda s: s.enable_fused_overflow_check, _patch_fused_overflow),
+)
+
+
 def _patch_all(settings: MemAscendSettings) -> None:
-    # Imported here so importing memascend does not import DeepSpeed.
-    if settings.enable_param_pool:
-        from deepspeed.runtime.zero import partition_parameters
-
-        from memascend.integrations.deepspeed.param_swapper import make_param_swapper_class
-
-        _registry.patch(partition_parameters, "AsyncPartitionedParameterSwapper",
-                        make_param_swapper_class(settings))
-
-    if settings.enable_optimizer_pool:
-        from deepspeed.runtime.swap_tensor import optimizer_utils
-
-        from memascend.integrations.deepspeed.optimizer_swapper import make_swap_buffer_manager_class
-
-        _registry.patch(optimizer_utils, "SwapBufferManager", make_swap_buffer_manager_class(settings))
-
-    if settings.enable_arena_pinning:
-        from deepspeed.accelerator import get_accelerator
-
-        from memascend.integrations.deepspeed.pinning import make_arena_pin_memory, make_arena_unpin_memory
-
-        accelerator_cls = type(get_accelerator())
-        _registry.patch(accelerator_cls, "pin_memory", make_arena_pin_memory(accelerator_cls.pin_memory))
-        _registry.patch(accelerator_cls, "unpin_memory", make_arena_unpin_memory(accelerator_cls.unpin_memory))
-
-    if settings.grad_norm_sub_group_numel is not None:
-        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-
-        from memascend.integrations.deepspeed.grad_norm import make_get_norm_groups
-
-        stage3 = DeepSpeedZeroOptimizer_Stage3
-        _registry.patch(stage3, "_get_norm_groups",
-                        make_get_norm_groups(stage3._get_norm_groups, settings.grad_norm_sub_group_numel))
-
-    if settings.enable_malloc_policy:
-        from memascend.memory import host_allocator
-
-        host_allocator.set_malloc_policy()
-
-    if settings.enable_malloc_policy or settings.enable_host_block_cache:
-        from deepspeed.runtime.engine import DeepSpeedEngine
-
-        from memascend.integrations.deepspeed import step_memory
-
-        _registry.patch(DeepSpeedEngine, "forward", step_memory.make_engine_forward(
-            DeepSpeedEngine.forward, trim=settings.enable_malloc_policy,
-            install_host_cache=settings.enable_host_block_cache, enable_thp=settings.enable_torch_thp))
-
-    if settings.enable_malloc_policy or settings.enable_grad_buffer_release or settings.enable_optimizer_pool:
-        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-
-        from memascend.integrations.deepspeed import step_memory
-
-        stage3 = DeepSpeedZeroOptimizer_Stage3
-        if settings.enable_malloc_policy or settings.enable_grad_buffer_release:
-            _registry.patch(stage3, "partition_grads",
-                            step_memory.make_partition_grads(stage3.partition_grads, settings))
-        _registry.patch(stage3, "__init__", step_memory.make_init(stage3.__init__, settings))
-        _registry.patch(stage3, "_post_step", step_memory.make_post_step(stage3._post_step, settings))
-
-    if settings.fix_unaligned_gradient_io:
-        from deepspeed.runtime.swap_tensor.optimizer_utils import OptimizerSwapper
-        from deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper import PartitionedOptimizerSwapper
-
-        from memascend.integrations.deepspeed.aligned_io import (
-            make_swap_in_pinned_gradients,
-            make_writeback_gradients,
-        )
-
-        _registry.patch(PartitionedOptimizerSwapper, "_swap_in_pinned_gradients", make_swap_in_pinned_gradients())
-        _registry.patch(OptimizerSwapper, "_writeback_gradients", make_writeback_gradients())
-
-    if settings.fix_exact_resume:
-        from deepspeed.runtime.engine import DeepSpeedEngine
-
-        from memascend.integrations.deepspeed.exact_resume import make_load_checkpoint
-
-        _registry.patch(DeepSpeedEngine, "_load_checkpoint", make_load_checkpoint(DeepSpeedEngine._load_checkpoint))
-
-    if settings.enable_fused_overflow_check:
-        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-
-        from memascend.integrations.deepspeed.overflow import (
-            load_checker,
-            make_has_inf_or_nan,
-            make_has_overflow,
-        )
-
-        checker = load_checker()
-        stage3 = DeepSpeedZeroOptimizer_Stage3
-        _registry.patch(stage3, "has_overflow", make_has_overflow(stage3.has_overflow, checker))
-        _registry.patch(stage3, "_has_inf_or_nan", make_has_inf_or_nan(checker))
+    for wanted, patch_group in _FLAG_GROUPS:
+        if wanted(settings):
+            patch_group(settings)

@@ -1,8 +1,10 @@
 """A registry of attribute patches that remembers the originals and restores them exactly.
 
-Every change memascend makes to DeepSpeed goes through :class:`PatchRegistry`, so that
-:func:`memascend.integrations.deepspeed.revert` puts back the very same objects (``is``-identical)
-and deletes attributes that did not exist before.
+Every change memascend makes to DeepSpeed (its optimizations and the raw store) goes through the
+seam's one :class:`PatchRegistry`, so that :func:`memascend.integrations.deepspeed.revert` puts back
+the very same objects (``is``-identical) and deletes attributes that did not exist before. One
+attribute is patched at most once, so the records are independent and any tail of them can be
+undone on its own.
 """
 
 from __future__ import annotations
@@ -52,7 +54,12 @@ class PatchRegistry:
 
     def restore_all(self) -> None:
         """Undo every patch, last first, and forget them."""
-        while self._records:
+        self.restore_after(0)
+
+    def restore_after(self, count: int) -> None:
+        """Undo the patches applied after the first ``count`` (``len(registry)`` taken before a
+        group of patches undoes just that group), last first, and forget them."""
+        while len(self._records) > count:
             record = self._records.pop()
             if record.existed:
                 setattr(record.owner, record.name, record.original)
