@@ -31,29 +31,31 @@ def _snapshot():
 
 @pytest.fixture()
 def applied(tmp_path):
-    handle = raw_store.apply_raw_store(tmp_path / "r.store", world_rank=0, size_bytes=32 * MiB)
+    handle = seam.apply_raw_store(tmp_path / "r.store", world_rank=0, size_bytes=32 * MiB)
     try:
         yield handle
     finally:
-        raw_store.revert_raw_store(close=True)
+        seam.revert()
 
 
 def test_revert_restores_deepspeed_exactly(tmp_path):
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
     before = _snapshot()
-    handle = raw_store.apply_raw_store(tmp_path / "r.store", world_rank=0, size_bytes=32 * MiB)
+    handle = seam.apply_raw_store(tmp_path / "r.store", world_rank=0, size_bytes=32 * MiB)
     during = _snapshot()
     assert all(during[k] is not before[k] for k in before)
     assert len(seam.patch_records()) == len(before)
-    assert raw_store.active_raw_store() is handle
-    raw_store.revert_raw_store(close=True)
+    assert seam.active_raw_store() is handle
+    seam.revert()
     after = _snapshot()
     assert all(after[k] is before[k] for k in before)
     assert all(m.AsyncIOBuilder is AsyncIOBuilder for m in _MODULES)
-    assert seam.patch_records() == () and raw_store.active_raw_store() is None
+    assert seam.patch_records() == () and seam.active_raw_store() is None
     assert not (tmp_path / "r.store").exists() and not handle.key_root.exists()
-    raw_store.revert_raw_store(close=True)  # idempotent
+    raw_store.revert_raw_store(close=True)  # idempotent; the alias train/runner.py calls
+    with pytest.raises(ValueError):
+        raw_store.revert_raw_store(close=False)
 
 
 def test_swapper_builder_gives_store_handles(applied):
@@ -101,13 +103,13 @@ def test_second_apply_refused_and_foreign_store_refused(applied, tmp_path):
     from memascend.errors import UserError
 
     with pytest.raises(UserError, match="already applied"):
-        raw_store.apply_raw_store(tmp_path / "b.store", world_rank=0, size_bytes=32 * MiB)
-    raw_store.revert_raw_store(close=True)
+        seam.apply_raw_store(tmp_path / "b.store", world_rank=0, size_bytes=32 * MiB)
+    seam.revert()
     from memascend.io.store import TensorStore
 
     TensorStore.create(tmp_path / "foreign.store", size_bytes=16 * MiB).close()
     before = (tmp_path / "foreign.store").read_bytes()
     with pytest.raises(DeviceRefusedError, match="memascend store header"):
-        raw_store.apply_raw_store(tmp_path / "foreign.store", world_rank=0, size_bytes=32 * MiB)
+        seam.apply_raw_store(tmp_path / "foreign.store", world_rank=0, size_bytes=32 * MiB)
     assert (tmp_path / "foreign.store").read_bytes() == before
     assert seam.patch_records() == ()

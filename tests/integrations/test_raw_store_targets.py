@@ -1,4 +1,4 @@
-"""What :func:`apply_raw_store` may do to a ``--nvme-path`` target (issue "Nothing lost", items 1 and 5).
+"""What :func:`~memascend.integrations.deepspeed.apply_raw_store` may do to a ``--nvme-path`` target (issue "Nothing lost", items 1 and 5).
 
 memascend deletes only store files it created; an existing non-empty file that is not a memascend
 store is refused without ``allow_overwrite`` whatever its content, kept at close with it; a refused
@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from memascend.errors import UserError
+from memascend.integrations import deepspeed as seam
 from memascend.integrations.deepspeed import raw_store as rs
 from memascend.io.errors import DeviceRefusedError
 from memascend.io.runlock import TargetBusyError
@@ -31,11 +32,11 @@ def _digest(path: Path) -> tuple[str, int, int]:
 @pytest.fixture(autouse=True)
 def _reverted():
     yield
-    rs.revert_raw_store(close=True)
+    seam.revert()
 
 
 def _apply(path: Path, **kw) -> rs.RawStoreHandle:
-    return rs.apply_raw_store(path, world_rank=0, size_bytes=SIZE_BYTES, **kw)
+    return seam.apply_raw_store(path, world_rank=0, size_bytes=SIZE_BYTES, **kw)
 
 
 @pytest.mark.parametrize(
@@ -58,7 +59,7 @@ def test_user_file_with_overwrite_is_used_and_kept(tmp_path):
     handle = _apply(target, allow_overwrite=True)
     assert not handle.created_file
     handle.store.write("k", torch.arange(1024, dtype=torch.float32))
-    rs.revert_raw_store(close=True)
+    seam.revert()
     assert target.is_file() and target.stat().st_size >= SIZE_BYTES
 
 
@@ -66,7 +67,7 @@ def test_new_file_is_created_and_deleted(tmp_path):
     target = tmp_path / "new.store"
     handle = _apply(target)
     assert handle.created_file and target.stat().st_size >= SIZE_BYTES
-    rs.revert_raw_store(close=True)
+    seam.revert()
     assert not target.exists()
 
 
@@ -75,7 +76,7 @@ def test_empty_user_file_is_used_and_left_empty(tmp_path):
     target.touch()
     handle = _apply(target)
     assert not handle.created_file
-    rs.revert_raw_store(close=True)
+    seam.revert()
     assert target.is_file() and target.stat().st_size == 0
 
 
@@ -88,7 +89,7 @@ def test_store_left_by_a_dead_run_is_reused_and_removed(tmp_path, capfd):
     handle = _apply(target)
     assert handle.created_file
     assert "earlier memascend run that did not finish" in capfd.readouterr().err
-    rs.revert_raw_store(close=True)
+    seam.revert()
     assert not target.exists()
 
 
@@ -104,7 +105,7 @@ def test_too_small_target_refused_before_any_write(tmp_path):
 def test_failed_preallocation_leaves_no_file(tmp_path):
     target = tmp_path / "huge.store"
     with pytest.raises(UserError, match="cannot preallocate"):
-        rs.apply_raw_store(target, world_rank=0, size_bytes=1 << 60)
+        seam.apply_raw_store(target, world_rank=0, size_bytes=1 << 60)
     assert not target.exists()
 
 
@@ -164,7 +165,7 @@ def test_too_small_block_device_refused_before_any_write(tmp_path):
         with open(dev, "r+b") as f:
             f.write(b"\xa5" * 8192)  # no signature: a raw partition with old bytes on it
         with pytest.raises(UserError, match=r"holds \d+\.\d\d MiB of store space"):
-            rs.apply_raw_store(dev, world_rank=0, min_capacity_bytes=1 << 30)
+            seam.apply_raw_store(dev, world_rank=0, min_capacity_bytes=1 << 30)
         with open(dev, "rb") as f:
             assert f.read(8192) == b"\xa5" * 8192  # no store header was written
 
@@ -180,9 +181,9 @@ def test_block_device_held_by_another_run_is_refused(tmp_path):
         try:
             assert other.stdout.readline().strip() == "locked"
             with pytest.raises(TargetBusyError, match=rf"process {other.pid}"):
-                rs.apply_raw_store(dev, world_rank=0)
+                seam.apply_raw_store(dev, world_rank=0)
         finally:
             other.kill()
             other.wait()
-        handle = rs.apply_raw_store(dev, world_rank=0)
+        handle = seam.apply_raw_store(dev, world_rank=0)
         assert handle.is_block_device and not handle.created_file
