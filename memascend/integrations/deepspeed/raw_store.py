@@ -57,15 +57,13 @@ from memascend.integrations.deepspeed.patches import PatchRegistry
 from memascend.integrations.deepspeed.store_checkpoint import (
     CHECKPOINT_SUBDIR,
     checkpoint_rank_dir,
+    make_load_checkpoint,
+    make_reset_swap_buffers,
+    make_save_checkpoint,
     prepare_folder_resume,
     resolve_checkpoint_tag,
     stock_offload_rank_dir,
 )
-from memascend.integrations.deepspeed.store_checkpoint import make_load_checkpoint as _make_load_checkpoint
-from memascend.integrations.deepspeed.store_checkpoint import (
-    make_reset_swap_buffers as _make_reset_swap_buffers,
-)
-from memascend.integrations.deepspeed.store_checkpoint import make_save_checkpoint as _make_save_checkpoint
 from memascend.integrations.deepspeed.swap_backend import StoreSwapHandle
 from memascend.io import checkpoint as io_checkpoint
 from memascend.io.runlock import RunLock, acquire_run_lock, pid_alive
@@ -106,6 +104,7 @@ _BUILDER_MODULES = (
     "deepspeed.runtime.swap_tensor.pipelined_optimizer_swapper",
     "memascend.integrations.deepspeed.param_swapper",
 )
+
 
 @dataclass(eq=False)
 class RawStoreHandle:
@@ -453,16 +452,19 @@ def _patch_deepspeed(registry: PatchRegistry, handle: RawStoreHandle) -> None:
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-    registry.patch(DeepSpeedEngine, "save_checkpoint", _make_save_checkpoint(DeepSpeedEngine.save_checkpoint, handle))
-    registry.patch(DeepSpeedEngine, "load_checkpoint", _make_load_checkpoint(DeepSpeedEngine.load_checkpoint, handle))
+    registry.patch(DeepSpeedEngine, "save_checkpoint", make_save_checkpoint(DeepSpeedEngine.save_checkpoint, handle))
+    registry.patch(DeepSpeedEngine, "load_checkpoint", make_load_checkpoint(DeepSpeedEngine.load_checkpoint, handle))
     registry.patch(
         DeepSpeedZeroOptimizer_Stage3,
         "reset_swap_buffers",
-        _make_reset_swap_buffers(DeepSpeedZeroOptimizer_Stage3.reset_swap_buffers, handle),
+        make_reset_swap_buffers(DeepSpeedZeroOptimizer_Stage3.reset_swap_buffers, handle),
     )
 
 
-# Names train/runner.py imports from here; the seam (memascend.integrations.deepspeed) owns them.
+# Names train/runner.py (and tests/train/test_checkpoints.py: _make_save_checkpoint) import from
+# here; the seam (memascend.integrations.deepspeed) and store_checkpoint own them.
+_make_save_checkpoint = make_save_checkpoint
+
 
 def apply_raw_store(target: str | os.PathLike, **options: Any) -> RawStoreHandle:
     """:func:`memascend.integrations.deepspeed.apply_raw_store` (``options``: as :func:`open_raw_store`)."""
