@@ -1,9 +1,16 @@
-"""``report.json`` of a run: resolved config, versions, per-step numbers, memory peaks, NVMe bytes."""
+"""``report.json`` of a run: resolved config, versions, per-step numbers, memory peaks, NVMe bytes.
+
+One builder: :func:`build_report` assembles the whole final report from :class:`ReportInputs`
+(what the run measured and decided), one section function per part; :func:`report_header` is what
+a partial report (:mod:`memascend.train.run_log`) carries before the first step. All sizes are in
+bytes, all times in seconds.
+"""
 
 from __future__ import annotations
 
 import platform
 import statistics
+from dataclasses import dataclass
 from importlib import metadata
 
 import psutil
@@ -15,6 +22,7 @@ REPORT_VERSION = 1
 
 
 def versions() -> dict[str, str | None]:
+    """Versions of Python and of the packages a run depends on (``None``: not installed)."""
     out: dict[str, str | None] = {"python": platform.python_version()}
     for pkg in ("memascend", "torch", "deepspeed", "transformers"):
         try:
@@ -37,33 +45,79 @@ def median_phase_s(per_step: list[dict]) -> dict[str, float] | None:
     return {name: statistics.median(float(r[name]) for r in rows) for name in PHASES}
 
 
-def build_report(
-    *,
-    cfg: RunConfig,
-    ds_cfg: dict,
-    derived: list[dict],
-    engine_settings,
-    info,
-    split,
-    shape,
-    per_step: list[dict],
-    loss_before: float | None,
-    loss_after: float | None,
-    summary: dict,
-    rank_peaks: list[dict],
-    io_read_bytes: int,
-    io_write_bytes: int,
-    swap_folder_bytes: int,
-    train_s: float,
-    wall_s: float,
-    skipped_steps: int,
-    model_dir: str | None,
-    param_dtype: str,
-) -> dict:
-    """Assemble the report dict (all sizes in bytes, times in seconds)."""
-    # The first step pays one-off costs (swap file creation, allocator warm-up): the median of the
-    # later steps is the steady-state number.
-    steady_steps = per_step[1:] or per_step
+@dataclass(frozen=True, kw_only=True)
+class ReportInputs:
+    """What a finished run hands to :func:`build_report` (rank 0's view; sizes in bytes, times in
+    seconds).
+
+    Attributes:
+        cfg: the run's configuration.
+        ds_config: the DeepSpeed config the engine ran with.
+        derived: the derived DeepSpeed settings (``ResolvedRun.derived_dicts()``).
+        engine_settings: the applied memascend settings (``dataclasses.asdict``).
+        user_ds_config: the user's ``--deepspeed-config`` as read (``None`` without one).
+        device_type, world_size: the accelerator (``cpu``/``cuda``) and the rank count.
+        split: the data split (``num_documents``, ``num_tokens``, ``train``, ``eval``).
+        shape: the model's parameter layout (``total_numel``, ``largest_numel``).
+        param_dtype: the parameters' torch dtype name (``bfloat16``, ...).
+        per_step: one record per optimizer step (``StepRecord.to_dict()``).
+        loss_before, loss_after: held-out loss before and after training (``None``: no eval blocks).
+        skipped_steps: optimizer steps DeepSpeed skipped (``engine.skipped_steps``).
+        train_s, wall_s: the training loop's time and the run's wall time.
+        summary: the memory sampler's summary (peaks, phase peaks).
+        rank_peaks: every rank's ``{"rank", "peak_rss_bytes", "peak_locked_bytes"}``.
+        memory_breakdown: :func:`memascend.integrations.deepspeed.accounting.memory_breakdown`.
+        io_read_bytes, io_write_bytes: this process's block I/O during the training loop.
+        swap_folder_bytes: the swap folder's size after the first step (0 without one).
+        nvme_backend: ``raw_store``, ``folder`` or ``None`` (no NVMe).
+        store_report, store_ranks: the raw store's report, and every rank's (``None``: no store).
+        seeding: what seeded the RNGs (:func:`memascend.train.determinism.seed_training`).
+        model_dir: where the fine-tuned model was written (``None``: not saved).
+        resumed_from: the checkpoint resumed from (``None``: step 0).
+        start_step: the first step this run trained.
+        periodic_saved: tags of the periodic checkpoints saved.
+        checkpoint_saves: every save's ``{"path", "save_s", "manifest_s", "bytes"}``.
+        saved_to, saved_tag: ``--save-checkpoint`` and the tag saved there (``None``: none).
+    """
+
+    cfg: RunConfig
+    ds_config: dict
+    derived: list[dict]
+    engine_settings: dict
+    user_ds_config: dict | None
+    device_type: str
+    world_size: int
+    split: object
+    shape: object
+    param_dtype: str
+    per_step: list[dict]
+    loss_before: float | None
+    loss_after: float | None
+    skipped_steps: int
+    train_s: float
+    wall_s: float
+    summary: dict
+    rank_peaks: list[dict]
+    memory_breakdown: dict
+    io_read_bytes: int
+    io_write_bytes: int
+    swap_folder_bytes: int
+    nvme_backend: str | None
+    store_report: dict | None
+    store_ranks: list[dict] | None
+    seeding: dict
+    model_dir: str | None
+    resumed_from: str | None
+    start_step: int
+    periodic_saved: list[str]
+    checkpoint_saves: list[dict]
+    saved_to: str | None
+    saved_tag: str | None
+
+
+def build_report(inp: ReportInputs) -> dict:
+    """The final ``report.json`` dict of a completed run (keys in the order the file has them)."""
+    cfg = inp.cfg
     return {
         "report_version": REPORT_VERSION,
         # a report.json written while the run goes says "complete": false (memascend.train.run_log)
@@ -71,35 +125,83 @@ def build_report(
         "status": "completed",
         "engine": cfg.engine,
         "config": cfg.to_dict(),
-        "deepspeed_config": ds_cfg,
-        "derived_deepspeed_settings": derived,
-        "memascend_settings": engine_settings,
+        "deepspeed_config": inp.ds_config,
+        "derived_deepspeed_settings": inp.derived,
+        "memascend_settings": inp.engine_settings,
         "versions": versions(),
-        "host": {
-            "platform": platform.platform(),
-            "cpu_count": psutil.cpu_count(),
-            "memory_total_bytes": psutil.virtual_memory().total,
-            "device_type": info.device_type,
-            "world_size": info.world_size,
-            # Whether torch's host tensors of >= 2 MiB were advised MADV_HUGEPAGE (enable_torch_thp).
-            "torch_thp": torch_thp.status(),
-        },
-        "model": {
-            "source": cfg.model.name_or_path,
-            "from_scratch": cfg.model.from_scratch is not None,
-            "param_numel": shape.total_numel,
-            "largest_param_numel": shape.largest_numel,
-            "param_dtype": param_dtype,
-        },
-        "data": {
-            "source": cfg.data.source,
-            "documents": split.num_documents,
-            "tokens": split.num_tokens,
-            "train_blocks": len(split.train),
-            "eval_blocks": len(split.eval),
-            "seq_len": cfg.data.seq_len,
-        },
-        "eval": {"loss_before": loss_before, "loss_after": loss_after},
+        "host": _host_section(inp.device_type, inp.world_size),
+        "model": {**_model_section(cfg, inp.shape), "param_dtype": inp.param_dtype},
+        "data": _data_section(cfg, inp.split),
+        "eval": {"loss_before": inp.loss_before, "loss_after": inp.loss_after},
+        **_steps_section(inp.per_step, inp.skipped_steps),
+        "train_s": inp.train_s,
+        "wall_s": inp.wall_s,
+        "memory": _memory_section(inp.summary, inp.rank_peaks),
+        "nvme": _nvme_section(inp),
+        "model_dir": inp.model_dir,
+        "memory_breakdown": inp.memory_breakdown,
+        # The user's --deepspeed-config as read (its path may be gone when the report is read
+        # again, e.g. by the planner's check against recorded runs).
+        "user_deepspeed_config": inp.user_ds_config,
+        "seeding": inp.seeding,
+        "checkpoint": _checkpoint_section(inp),
+    }
+
+
+def report_header(cfg: RunConfig, shape, split, info) -> dict:
+    """What a partial ``report.json`` carries before the first step (the final report's keys).
+
+    Args:
+        info: the rank's :class:`memascend.train.dist.DistInfo` (``device_type``, ``world_size``).
+    """
+    return {
+        "report_version": REPORT_VERSION,
+        "engine": cfg.engine,
+        "config": cfg.to_dict(),
+        "versions": versions(),
+        "host": {"device_type": info.device_type, "world_size": info.world_size},
+        "model": _model_section(cfg, shape),
+        "data": _data_section(cfg, split),
+    }
+
+
+def _host_section(device_type: str, world_size: int) -> dict:
+    return {
+        "platform": platform.platform(),
+        "cpu_count": psutil.cpu_count(),
+        "memory_total_bytes": psutil.virtual_memory().total,
+        "device_type": device_type,
+        "world_size": world_size,
+        # Whether torch's host tensors of >= 2 MiB were advised MADV_HUGEPAGE (enable_torch_thp).
+        "torch_thp": torch_thp.status(),
+    }
+
+
+def _model_section(cfg: RunConfig, shape) -> dict:
+    return {
+        "source": cfg.model.name_or_path,
+        "from_scratch": cfg.model.from_scratch is not None,
+        "param_numel": shape.total_numel,
+        "largest_param_numel": shape.largest_numel,
+    }
+
+
+def _data_section(cfg: RunConfig, split) -> dict:
+    return {
+        "source": cfg.data.source,
+        "documents": split.num_documents,
+        "tokens": split.num_tokens,
+        "train_blocks": len(split.train),
+        "eval_blocks": len(split.eval),
+        "seq_len": cfg.data.seq_len,
+    }
+
+
+def _steps_section(per_step: list[dict], skipped_steps: int) -> dict:
+    # The first step pays one-off costs (swap file creation, allocator warm-up): the median of the
+    # later steps is the steady-state number.
+    steady_steps = per_step[1:] or per_step
+    return {
         "steps": per_step,
         "num_steps": len(per_step),
         "skipped_steps": skipped_steps,
@@ -109,20 +211,42 @@ def build_report(
         if steady_steps and all("minor_faults" in s for s in steady_steps)
         else None,
         "median_tokens_per_s": statistics.median(s["tokens_per_s"] for s in steady_steps) if steady_steps else None,
-        "train_s": train_s,
-        "wall_s": wall_s,
-        "memory": {
-            **summary,
-            "ranks": rank_peaks,
-            # Ranks on one host add up; the sum of per-rank peaks bounds the host's peak.
-            "sum_rank_peak_rss_bytes": sum(r["peak_rss_bytes"] for r in rank_peaks),
-            "sum_rank_peak_locked_bytes": sum(r["peak_locked_bytes"] for r in rank_peaks),
-        },
-        "nvme": {
-            "read_bytes": io_read_bytes,
-            "write_bytes": io_write_bytes,
-            "swap_folder_bytes": swap_folder_bytes,
-            "path": cfg.offload.nvme_path if cfg.offload.uses_nvme else None,
-        },
-        "model_dir": model_dir,
+    }
+
+
+def _memory_section(summary: dict, rank_peaks: list[dict]) -> dict:
+    return {
+        **summary,
+        "ranks": rank_peaks,
+        # Ranks on one host add up; the sum of per-rank peaks bounds the host's peak.
+        "sum_rank_peak_rss_bytes": sum(r["peak_rss_bytes"] for r in rank_peaks),
+        "sum_rank_peak_locked_bytes": sum(r["peak_locked_bytes"] for r in rank_peaks),
+    }
+
+
+def _nvme_section(inp: ReportInputs) -> dict:
+    offload = inp.cfg.offload
+    out = {
+        "read_bytes": inp.io_read_bytes,
+        "write_bytes": inp.io_write_bytes,
+        "swap_folder_bytes": inp.swap_folder_bytes,
+        "path": offload.nvme_path if offload.uses_nvme else None,
+        "backend": inp.nvme_backend,
+    }
+    if inp.nvme_backend == "raw_store":
+        out["store"] = inp.store_report
+        out["store_ranks"] = inp.store_ranks
+    return out
+
+
+def _checkpoint_section(inp: ReportInputs) -> dict:
+    return {
+        "resumed_from": inp.resumed_from,
+        "periodic_saved": inp.periodic_saved,
+        # every save of this run: wall seconds (DeepSpeed's save + hashing/fsync + rename), of which
+        # manifest_s hashing and fsyncing the files (rank 0), and the checkpoint's bytes
+        "saves": inp.checkpoint_saves,
+        "start_step": inp.start_step,
+        "saved_to": inp.saved_to,
+        "saved_tag": inp.saved_tag,
     }

@@ -1,0 +1,566 @@
+"""The fine-tuning run as a recipe: one rank's job in named steps (the shape of torchtune's recipes).
+
+:func:`run_finetune` is the entry point (one call per process; under torchrun or the ``deepspeed``
+launcher every rank calls it; rank 0 writes the outputs). It drives :class:`FinetuneRecipe`:
+
+1. :meth:`~FinetuneRecipe.setup`: model source, tokenizer and data; the model's shape; the process
+   group; the checkpoint to resume, checked; the run resolved (:func:`memascend.resolve.resolve`);
+   the swap target (a private swap folder, or the raw store); the run log; the seam applied
+   (:func:`memascend.integrations.deepspeed.apply`); ``deepspeed.initialize``; the resume.
+2. :meth:`~FinetuneRecipe.evaluate` the held-out loss, :meth:`~FinetuneRecipe.train` (one
+   :meth:`~FinetuneRecipe.train_step` and one :class:`StepRecord` per optimizer step, periodic
+   checkpoints, the non-finite loss check), :meth:`~FinetuneRecipe.evaluate` again.
+3. :meth:`~FinetuneRecipe.save` (checkpoint, model), :meth:`~FinetuneRecipe.report`
+   (``report.json``, the memory timeline), then :meth:`~FinetuneRecipe.cleanup`; after an error,
+   :meth:`~FinetuneRecipe.fail` (the partial report records it) and the error is raised again.
+
+The parts these steps use (collectives, evaluation, the swap target, the cleanup ledger) are in
+:mod:`memascend.train.runner`; the report is built by :mod:`memascend.train.report`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import resource
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from memascend.config import MAX_STEPS, RunConfig
+from memascend.errors import UserError
+from memascend.resolve import resolve
+from memascend.telemetry import MemorySampler, read_proc_io
+from memascend.train import checkpoints as ckpt
+from memascend.train import determinism
+from memascend.train import dist as dist_setup
+from memascend.train import report as report_mod
+from memascend.train.preflight import check_aio_for_swap_folder, check_memlock_for_run, check_stock_param_dram
+from memascend.train.run_log import RunLog, write_json_atomic
+from memascend.train.runner import (
+    Cleanup,
+    all_reduce_sum,
+    broadcast,
+    check_dtype_supported,
+    check_output_dir,
+    lock_swap_folder_for_run,
+    meta_shape,
+    open_raw_store,
+    progress_bar,
+)
+from memascend.train.runner import evaluate as evaluate_held_out
+from memascend.train.supervisor import record_run_state
+from memascend.train.swapdir import TerminationAsInterrupt, folder_bytes, make_run_id, prepare_swap_dir
+
+
+def run_finetune(cfg: RunConfig) -> dict | None:
+    """Run one fine-tuning job and write its outputs to ``cfg.output_dir``.
+
+    Returns:
+        The report dict on rank 0, ``None`` on other ranks.
+
+    Raises:
+        UserError: bad input detected before or during the run (nothing is left behind).
+    """
+    info = dist_setup.setup_env()
+    with TerminationAsInterrupt(), MemorySampler() as sampler:
+        recipe = FinetuneRecipe(cfg, info, sampler)
+        try:
+            result = recipe.run()
+        except BaseException as exc:
+            recipe.fail(exc)
+            raise
+        recipe.cleanup()
+        return result
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepRecord:
+    """One optimizer step, as ``steps.jsonl`` and ``report.json``'s ``steps[i]`` record it.
+
+    Attributes:
+        step: the step's number, 1-based (after a resume, counting on from the checkpoint's).
+        loss: mean training loss of the step's micro-batches over all ranks.
+        rank_losses: this rank's loss of each micro-batch.
+        time_s: this rank's wall time of the step, seconds.
+        phase_s: this rank's wall seconds in each phase (:data:`memascend.train.report.PHASES`),
+            summed over the micro-batches (``engine.step()`` is the ZeRO-3 optimizer step, swap-in
+            and swap-out of the optimizer state included).
+        tokens: tokens of the step, all ranks (global batch x sequence length).
+        tokens_per_s: ``tokens / time_s``.
+        rss_bytes: this rank's resident set size at the end of the step.
+        minor_faults: pages this rank's process faulted in during the step (all threads): memory
+            handed back to the OS and touched again costs one fault per page (4 KiB, or 2 MiB with
+            THP).
+        skipped: DeepSpeed skipped the optimizer step (``engine.skipped_steps`` grew).
+    """
+
+    step: int
+    loss: float
+    rank_losses: tuple[float, ...]
+    time_s: float
+    phase_s: Mapping[str, float]
+    tokens: int
+    tokens_per_s: float
+    rss_bytes: int
+    minor_faults: int
+    skipped: bool
+
+    def to_dict(self) -> dict:
+        """The JSON record (keys in this order; lists and dicts are fresh copies)."""
+        return {
+            "step": self.step,
+            "loss": self.loss,
+            "rank_losses": list(self.rank_losses),
+            "time_s": self.time_s,
+            "phase_s": dict(self.phase_s),
+            "tokens": self.tokens,
+            "tokens_per_s": self.tokens_per_s,
+            "rss_bytes": self.rss_bytes,
+            "minor_faults": self.minor_faults,
+            "skipped": self.skipped,
+        }
+
+
+class FinetuneRecipe:
+    """One rank's fine-tuning run, step by step (see the module doc for the order).
+
+    Args:
+        cfg: the run's configuration.
+        info: this process's rank, local rank, world size and accelerator (:func:`dist.setup_env`).
+        sampler: the run's memory sampler (started); its phase names the step the run is in.
+
+    What must be undone at exit is recorded in :attr:`ledger` as the run goes (:meth:`cleanup`).
+    """
+
+    def __init__(self, cfg: RunConfig, info: dist_setup.DistInfo, sampler: MemorySampler) -> None:
+        self.cfg, self.info, self.sampler = cfg, info, sampler
+        self.ledger = Cleanup()
+        self.is_rank0 = info.rank == 0
+        self.out_dir = Path(cfg.output_dir)
+        self.t_start = time.time()
+        self.swap_dir: Path | None = None
+        self.raw_store = None
+        self.resume_ck = None
+        self.layout: dict[str, list[int]] | None = None
+        self.client_state: dict | None = None
+        self.start_step = 0
+        self.records: list[StepRecord] = []
+        self.ck_saves: list[dict] = []
+        self.peak_swap_bytes = 0
+        self.checkpoint_tag: str | None = None
+        self.model_dir: Path | None = None
+
+    @property
+    def run_log(self) -> RunLog | None:
+        """Rank 0's running record (``None`` before the output folder exists and on other ranks)."""
+        return self.ledger.run_log
+
+    @property
+    def nvme_backend(self) -> str | None:
+        """``raw_store``, ``folder`` (stock swap files) or ``None`` (nothing on NVMe)."""
+        return "raw_store" if self.raw_store is not None else ("folder" if self.swap_dir is not None else None)
+
+    def run(self) -> dict | None:
+        """Every step in order; the report dict on rank 0, ``None`` on other ranks."""
+        self.setup()
+        self.loss_before = self.evaluate()
+        self.train()
+        self.loss_after = self.evaluate()
+        self.save()
+        return self.report()
+
+    # ---- setup ----------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        """Cheap checks first, then the model source and data, the process group, the checkpoint
+        to resume (checked against this run, parameter names and shapes, dtype, ranks, and every
+        file's checksum before DeepSpeed starts; checkpoint folders checked for space), the run
+        resolved, the swap target, the run log, the engine, and the resume.
+
+        Raises:
+            UserError: bad input (the message names it and the fix).
+        """
+        self.sampler.phase("load")
+        self._load_inputs()
+        dist_setup.init_process_group()
+        check_dtype_supported(self.cfg.train.dtype, self.info.device_type)
+        self.run_id = broadcast(make_run_id(), self.info.rank)
+        self._check_resume()
+        ckpt.check_checkpoint_space(self.cfg.train, self.out_dir, self.shape.total_numel)
+        self._resolve()
+        self._open_swap_target()
+        if self.cfg.engine == "baseline":
+            check_stock_param_dram(self.resolved.ds_config, self.shape.param_numels, self.info.world_size)
+        self._open_run_log()
+        self.sampler.phase("initialize")
+        self._initialize()
+        self.steps = self._total_steps()
+        self._resume()
+
+    def _load_inputs(self) -> None:
+        from memascend.data import build_blocks, read_documents
+        from memascend.models.loading import load_tokenizer, max_positions, resolve_model
+
+        cfg = self.cfg
+        self.src = resolve_model(cfg.model)
+        limit = max_positions(self.src, cfg.model.from_scratch)
+        if cfg.data.seq_len > limit:
+            raise UserError(f"--seq-len {cfg.data.seq_len} exceeds the model's limit of {limit} tokens")
+        check_output_dir(self.out_dir)
+        self.tokenizer = load_tokenizer(self.src)
+        self.documents = read_documents(cfg.data.source, cfg.data.max_documents)
+        self.split = build_blocks(self.documents, self.tokenizer, cfg.data.seq_len, cfg.data.eval_blocks,
+                                  cfg.train.seed)
+        self.shape = meta_shape(self.src, cfg)
+        if cfg.model.from_scratch and cfg.model.from_scratch.vocab_size < len(self.tokenizer):
+            raise UserError(
+                f"from-scratch vocab_size {cfg.model.from_scratch.vocab_size} is smaller than the tokenizer's "
+                f"{len(self.tokenizer)}"
+            )
+
+    def _check_resume(self) -> None:
+        """The checkpoints' parameter layout (when any checkpoint is read or written) and the
+        checkpoint to resume, checked (:mod:`memascend.train.checkpoints`)."""
+        train, info = self.cfg.train, self.info
+        periodic_on = train.checkpoint_every is not None or train.checkpoint_every_minutes is not None
+        if train.resume is not None or train.save_checkpoint is not None or periodic_on:
+            self.layout = ckpt.meta_param_layout(self.src, self.cfg.model)
+        if train.resume is None:
+            return
+        self.resume_ck = ckpt.resolve_resume(train.resume, self.out_dir)
+        if self.resume_ck is not None:
+            ckpt.check_compatible(self.resume_ck, param_shapes=self.layout, dtype=train.dtype,
+                                  world_size=info.world_size)
+            ckpt.verify_checkpoint(self.resume_ck, rank=info.rank, world_size=info.world_size)
+        elif self.is_rank0:
+            print(f"memascend: --resume auto: no complete checkpoint in {ckpt.periodic_root(self.out_dir)}; "
+                  "starting from step 0", file=sys.stderr)
+
+    def _resolve(self) -> None:
+        """The run's DeepSpeed JSON, settings and estimates; the swap folder's path is filled in
+        by :meth:`_open_swap_target` (its size is checked against the estimate first)."""
+        self.resolved = resolve(self.cfg, self.shape, self.info.world_size)
+
+    def _open_swap_target(self) -> None:
+        """The raw store, or the locked private swap folder (every rank checks: ranks may have
+        different NVMe paths via the environment; the first rank's folder name is shared so all
+        ranks of one launch use one run folder)."""
+        cfg, info = self.cfg, self.info
+        if not cfg.offload.uses_nvme:
+            return
+        need_bytes = self.resolved.nvme_bytes_per_rank
+        if cfg.offload.swap_target.is_raw_store:
+            self.raw_store = open_raw_store(cfg.offload, info, need_bytes)
+            self.ledger.raw_store = self.raw_store
+            record_run_state(info.rank, key_root=str(self.raw_store.key_root),
+                             store_file=str(self.raw_store.target) if self.raw_store.created_file else None)
+            self.swap_dir = self.raw_store.key_root
+        else:
+            check_aio_for_swap_folder()
+            self.ledger.swap_lock = lock_swap_folder_for_run(cfg.offload.nvme_path, info, self.run_id)
+            self.swap_dir = prepare_swap_dir(cfg.offload.nvme_path, need_bytes, self.run_id)
+            self.ledger.swap_dir = self.swap_dir
+            record_run_state(info.rank, swap_dir=str(self.swap_dir), nvme_path=str(self.swap_dir.parent))
+        self.resolved = self.resolved.with_swap_dir(str(self.swap_dir))
+
+    def _open_run_log(self) -> None:
+        if not self.is_rank0:
+            return
+        if not self.out_dir.exists():
+            self.ledger.created_out_dir = self.out_dir
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        header = report_mod.report_header(self.cfg, self.shape, self.split, self.info)
+        self.ledger.run_log = RunLog(self.out_dir, self.sampler, header)
+        record_run_state(self.info.rank, out_dir=str(self.out_dir.resolve()))
+
+    def _initialize(self) -> None:
+        """Apply the seam, check the memlock limit, build the model, ``deepspeed.initialize``."""
+        import deepspeed
+
+        from memascend.integrations import deepspeed as seam
+        from memascend.models.loading import build_model
+
+        settings = self.resolved.settings
+        self.ledger.revert = seam.revert
+        seam.apply(settings)
+        self.engine_settings = dataclasses.asdict(settings)
+        check_memlock_for_run(self.resolved.upfront_locked_bytes)
+        ds_cfg = self.resolved.ds_config
+        model, hf_ds = build_model(self.src, self.cfg.model, ds_cfg, self.cfg.train.seed)
+        if self.cfg.train.activation_checkpointing:
+            model.gradient_checkpointing_enable()
+        self.engine, _opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
+        del hf_ds
+        first = next(self.engine.module.parameters())
+        # The parameter's own dtype: ZeRO-3 keeps it when it frees param.data, while ds_tensor of a
+        # partition that lives on NVMe only is DeepSpeed's float16 placeholder until it is swapped in.
+        self.param_dtype = str(first.dtype).replace("torch.", "")
+
+    def _total_steps(self) -> int:
+        """Optimizer steps of the run (``--steps``, or ``--epochs`` over the training blocks)."""
+        train = self.cfg.train
+        self.global_batch_blocks = self.resolved.micro_batch * self.resolved.grad_accum * self.info.world_size
+        if train.epochs is None:
+            return int(train.steps)
+        steps = max(1, math.floor(train.epochs * len(self.split.train) / self.global_batch_blocks))
+        if steps > MAX_STEPS:
+            raise UserError(
+                f"--epochs {train.epochs:g} is {steps:,} optimizer steps over {len(self.split.train):,} training "
+                f"blocks, more than the {MAX_STEPS:,} a run may take"
+            )
+        return steps
+
+    def _resume(self) -> None:
+        ck = self.resume_ck
+        if ck is None:
+            return
+        self.sampler.phase("resume")
+        if self.raw_store is None:  # a raw-store checkpoint keeps its optimizer state outside stock's folder
+            from memascend.integrations.deepspeed.store_checkpoint import prepare_folder_resume
+
+            prepare_folder_resume(self.engine, ck.load_dir, ck.tag)
+        load_path, self.client_state = self.engine.load_checkpoint(str(ck.load_dir), tag=ck.tag)
+        resume_dir = self.cfg.train.resume
+        if load_path is None:
+            raise UserError(f"--resume {resume_dir}: DeepSpeed found no checkpoint to load")
+        self.start_step = int(self.engine.global_steps)
+        if self.start_step > self.steps:
+            raise UserError(f"--resume {resume_dir} is at step {self.start_step}, beyond --steps {self.steps}")
+
+    # ---- evaluate and train ---------------------------------------------------------------------
+
+    def evaluate(self) -> float | None:
+        """Held-out loss (token-weighted mean cross-entropy; all ranks take part); ``None`` when
+        there are fewer held-out blocks than ranks."""
+        return evaluate_held_out(self.engine, self.split.eval, self.resolved.micro_batch, self.info, self.sampler)
+
+    def train(self) -> None:
+        """The training loop from the start step to the last, with the progress bar, periodic
+        checkpoints and the non-finite loss check (a NaN/inf loss stops the run before anything is
+        saved from that state).
+
+        Raises:
+            TrainingError: a non-finite loss without ``--allow-nonfinite-loss`` (exit code 5).
+        """
+        from memascend.data import BlockSampler
+
+        cfg, info = self.cfg, self.info
+        self.periodic = self._periodic_checkpointer()
+        self.blocks = BlockSampler(len(self.split.train), self.resolved.micro_batch, info.world_size, info.rank,
+                                   cfg.train.seed)
+        # Every RNG the steps draw from (dropout): seeded with seed + rank, or a checkpoint's states.
+        self.seeding = determinism.seed_training(cfg.train.seed, info.rank, info.world_size)
+        self.seeding["rng_from_checkpoint"] = determinism.restore_from_client_state(self.client_state, info.rank,
+                                                                                    info.world_size)
+        io0 = read_proc_io()
+        store_io0 = self.raw_store.store.io_counters() if self.raw_store is not None else None
+        self.tokens_per_step = self.global_batch_blocks * cfg.data.seq_len
+        bar = progress_bar(self.steps, self.is_rank0)
+        bar.update(self.start_step)
+        train_t0 = time.monotonic()
+        try:
+            for step in range(self.start_step, self.steps):
+                self._after_step(step, self.train_step(step), bar)
+        finally:
+            bar.close()
+        self.train_s = time.monotonic() - train_t0
+        io1 = read_proc_io()
+        self.io_read_bytes = io1["read_bytes"] - io0["read_bytes"]
+        self.io_write_bytes = io1["write_bytes"] - io0["write_bytes"]
+        if self.raw_store is not None:
+            self.raw_store.train_io = self.raw_store.store.io_counters() - store_io0
+        self.skipped_steps = int(getattr(self.engine, "skipped_steps", 0))
+
+    def train_step(self, step: int) -> StepRecord:
+        """One optimizer step (``step`` 0-based): ``grad_accum`` micro-batches of forward, backward
+        and ``engine.step()``; the mean loss over the ranks (collective)."""
+        engine = self.engine
+        t0 = time.monotonic()
+        faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        skipped_before = int(getattr(engine, "skipped_steps", 0))
+        phase_s = {"forward_s": 0.0, "backward_s": 0.0, "optimizer_step_s": 0.0}
+        grad_accum = self.resolved.grad_accum
+        losses = [self._micro_step(step * grad_accum + micro, phase_s) for micro in range(grad_accum)]
+        loss_sum, n = all_reduce_sum([sum(losses), len(losses)])
+        dt = time.monotonic() - t0
+        return StepRecord(
+            step=step + 1,
+            loss=loss_sum / n,
+            rank_losses=tuple(losses),
+            time_s=dt,
+            phase_s=phase_s,
+            tokens=self.tokens_per_step,
+            tokens_per_s=self.tokens_per_step / dt,
+            rss_bytes=self.sampler.sample().rss_bytes,
+            minor_faults=resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0,
+            skipped=int(getattr(engine, "skipped_steps", 0)) > skipped_before,
+        )
+
+    def _micro_step(self, index: int, phase_s: dict[str, float]) -> float:
+        """Forward, backward and ``engine.step()`` of micro-batch ``index``; adds each phase's
+        seconds to ``phase_s``; returns this rank's loss."""
+        engine = self.engine
+        idx = self.blocks.indices(index)
+        ids = self.split.train.input_ids[idx].to(engine.device)
+        labels = self.split.train.labels[idx].to(engine.device)
+        self.sampler.phase("forward")
+        t_phase = time.monotonic()
+        loss = engine(input_ids=ids, labels=labels).loss
+        self.sampler.phase("backward")
+        t_backward = time.monotonic()
+        engine.backward(loss)
+        self.sampler.phase("step")
+        t_step = time.monotonic()
+        engine.step()
+        t_done = time.monotonic()
+        phase_s["forward_s"] += t_backward - t_phase
+        phase_s["backward_s"] += t_step - t_backward
+        phase_s["optimizer_step_s"] += t_done - t_step
+        return float(loss.detach().float())
+
+    def _after_step(self, step: int, record: StepRecord, bar) -> None:
+        self.records.append(record)
+        if self.run_log is not None:
+            self.run_log.step(record.to_dict())
+        if self.raw_store is not None:
+            self.raw_store.sample_usage()
+        elif self.swap_dir is not None and step == self.start_step:
+            self.peak_swap_bytes = folder_bytes(self.swap_dir)
+        bar.set_postfix(loss=f"{record.loss:.4f}", tok_s=f"{record.tokens_per_s:.0f}",
+                        rss=f"{record.rss_bytes / 2**30:.2f}GiB")
+        bar.update(1)
+        # fp16 excepted: a loss-scale overflow step that DeepSpeed skipped (bf16/fp32 steps that
+        # DeepSpeed skips on a non-finite gradient norm are not excused).
+        ckpt.check_finite_loss(step + 1, record.loss, skipped=record.skipped and self.cfg.train.dtype == "fp16",
+                               allow=self.cfg.train.allow_nonfinite_loss)
+        self.periodic.maybe_checkpoint(step + 1)
+
+    # ---- save -----------------------------------------------------------------------------------
+
+    def _periodic_checkpointer(self) -> ckpt.PeriodicCheckpointer:
+        self.ck_info = {"dtype": self.cfg.train.dtype, "world_size": self.info.world_size, "engine": self.cfg.engine,
+                        "backend": self.nvme_backend, "param_shapes": self.layout}
+        train = self.cfg.train
+        return ckpt.PeriodicCheckpointer(ckpt.periodic_root(self.out_dir), every_steps=train.checkpoint_every,
+                                         every_minutes=train.checkpoint_every_minutes, keep=train.keep_checkpoints,
+                                         save=self._save_checkpoint, rank=self.info.rank)
+
+    def _save_checkpoint(self, root: Path) -> ckpt.Checkpoint:
+        """Atomic checkpoint of this step into ``root`` (every rank calls it), timed."""
+        t_save = time.monotonic()
+        saved = ckpt.save_checkpoint(self.engine, root, run_id=self.run_id, info=self.ck_info, rank=self.info.rank,
+                                     client_state=determinism.checkpoint_client_state(self.info.world_size))
+        self.ck_saves.append({"path": str(saved.path), "save_s": time.monotonic() - t_save,
+                              "manifest_s": saved.manifest_s, "bytes": saved.total_bytes})
+        return saved
+
+    def save(self) -> None:
+        """``--save-checkpoint`` (unless the last periodic checkpoint is that one) and the model."""
+        self.sampler.phase("save")
+        save_dir = self.cfg.train.save_checkpoint
+        if save_dir is not None:
+            self.checkpoint_tag = ckpt.tag_for_step(int(self.engine.global_steps))
+            same = Path(save_dir).absolute() == self.periodic.root.absolute()
+            if not (same and self.periodic.saved and self.periodic.saved[-1] == self.checkpoint_tag):
+                self._save_checkpoint(Path(save_dir))
+        if self.cfg.train.save_model:
+            self._save_model()
+        self.sampler.phase("done")
+
+    def _save_model(self) -> None:
+        """The fine-tuned model and tokenizer as an HF folder ``OUTPUT/model`` (collective gather,
+        rank 0 writes)."""
+        from memascend.integrations.deepspeed.engine_state import consolidated_16bit_state_dict
+
+        state_dict = consolidated_16bit_state_dict(self.engine)
+        if self.is_rank0:
+            self.model_dir = self.out_dir / "model"
+            model_to_save = self.engine.module
+            with contextlib.suppress(AttributeError):
+                model_to_save.config.use_cache = True
+            model_to_save.save_pretrained(self.model_dir, state_dict=state_dict, safe_serialization=True)
+            self.tokenizer.save_pretrained(self.model_dir)
+        del state_dict
+
+    # ---- report and cleanup ---------------------------------------------------------------------
+
+    def report(self) -> dict | None:
+        """Gather every rank's peaks (collective), release the engine, and on rank 0 write
+        ``report.json`` and the memory timeline (CSV, PNG); the report dict on rank 0."""
+        from memascend.integrations.deepspeed.accounting import memory_breakdown
+
+        summary = self.sampler.summary()
+        breakdown = memory_breakdown(self.engine, summary, self.sampler.samples)
+        rank_peaks, store_ranks = self._gather_ranks(summary)
+        if hasattr(self.engine, "destroy"):
+            self.engine.destroy()
+        if not self.is_rank0:
+            return None
+        rep = report_mod.build_report(self._report_inputs(summary, breakdown, rank_peaks, store_ranks))
+        self._write_outputs(rep)
+        return rep
+
+    def _gather_ranks(self, summary: dict) -> tuple[list[dict], list[dict] | None]:
+        """Every rank's memory peaks, and every rank's raw store report (``None`` without one)."""
+        import torch.distributed as tdist
+
+        ws = self.info.world_size
+        rank_peaks = [None] * ws
+        tdist.all_gather_object(rank_peaks, {"rank": self.info.rank,
+                                             **{k: summary[k] for k in ("peak_rss_bytes", "peak_locked_bytes")}})
+        store_ranks = None
+        if self.raw_store is not None:  # every rank has its own store: gather each one's report
+            store_ranks = [None] * ws
+            tdist.all_gather_object(store_ranks, {"rank": self.info.rank, **self.raw_store.report()})
+        return rank_peaks, store_ranks
+
+    def _report_inputs(self, summary: dict, breakdown: dict, rank_peaks: list[dict],
+                       store_ranks: list[dict] | None) -> report_mod.ReportInputs:
+        resolved, train = self.resolved, self.cfg.train
+        return report_mod.ReportInputs(
+            cfg=self.cfg, ds_config=resolved.ds_config, derived=resolved.derived_dicts(),
+            engine_settings=self.engine_settings, user_ds_config=resolved.user_ds_config,
+            device_type=self.info.device_type, world_size=self.info.world_size, split=self.split, shape=self.shape,
+            param_dtype=self.param_dtype, per_step=[r.to_dict() for r in self.records],
+            loss_before=self.loss_before, loss_after=self.loss_after, skipped_steps=self.skipped_steps,
+            train_s=self.train_s, wall_s=time.time() - self.t_start, summary=summary, rank_peaks=rank_peaks,
+            memory_breakdown=breakdown, io_read_bytes=self.io_read_bytes, io_write_bytes=self.io_write_bytes,
+            swap_folder_bytes=self.peak_swap_bytes, nvme_backend=self.nvme_backend,
+            store_report=self.raw_store.report() if self.raw_store is not None else None, store_ranks=store_ranks,
+            seeding=self.seeding, model_dir=str(self.model_dir) if self.model_dir else None,
+            resumed_from=str(self.resume_ck.path) if self.resume_ck is not None else None,
+            start_step=self.start_step, periodic_saved=self.periodic.saved, checkpoint_saves=self.ck_saves,
+            saved_to=train.save_checkpoint, saved_tag=self.checkpoint_tag,
+        )
+
+    def _write_outputs(self, rep: dict) -> None:
+        from memascend.telemetry.plot import plot_timelines
+
+        if self.run_log is not None:
+            self.run_log.close()
+        csv = self.out_dir / "memory_timeline.csv"
+        self.sampler.write_csv(csv)
+        model = self.cfg.model
+        plot_timelines({self.cfg.engine: csv}, self.out_dir / "memory_timeline.png",
+                       title=f"{model.name_or_path if not model.from_scratch else 'from-scratch'} / {self.cfg.engine}")
+        write_json_atomic(self.out_dir / "report.json", rep)
+
+    def cleanup(self, *, failed: bool = False) -> None:
+        """Undo what the run set up (:class:`memascend.train.runner.Cleanup`: swap folder and its
+        lock, the seam, the raw store; after a failure an output folder this run created and left
+        empty). Every step runs; the first error is raised at the end."""
+        self.ledger.run(failed=failed)
+
+    def fail(self, exc: BaseException) -> None:
+        """Record ``exc`` in the partial report (bad input, a :class:`UserError`, leaves nothing
+        behind; a crash or an interrupt leaves its record) and clean up. Raises nothing: the run's
+        own error (e.g. a checksum mismatch naming tensor and offset) is what the user must see."""
+        if self.run_log is not None:
+            with contextlib.suppress(Exception):
+                self.run_log.fail(exc, discard=isinstance(exc, UserError))
+        with contextlib.suppress(Exception):
+            self.cleanup(failed=True)
