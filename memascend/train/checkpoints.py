@@ -88,7 +88,7 @@ def param_layout(module: Any) -> dict[str, list[int]]:
 
 def meta_param_layout(src: Any, model_cfg: Any) -> dict[str, list[int]]:
     """:func:`param_layout` of the run's model built on the meta device (no memory, no weights
-    read), as ``runner._meta_shape`` builds it: what a checkpoint records and resume compares."""
+    read), as ``runner.meta_shape`` builds it: what a checkpoint records and resume compares."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
