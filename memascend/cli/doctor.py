@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from memascend.cli import options
 from memascend.cli.params import SIZE_BYTES
 from memascend.host import DoctorOptions, HostPaths, Status, exit_code, run_checks
 from memascend.host.doctor import builtin_run
@@ -29,6 +30,7 @@ def _print_table(results, console) -> None:
 
 
 @click.command("doctor")
+@options.apply_groups(*options.RUN_SHAPE)
 @click.option(
     "--lock-bytes",
     type=SIZE_BYTES,
@@ -48,12 +50,6 @@ def _print_table(results, console) -> None:
     "device_user",
     default=None,
     help="Check device access for this user instead of the current process.",
-)
-@click.option(
-    "--nvme-path",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Offload folder to check for free space and O_DIRECT [default: not checked].",
 )
 @click.option(
     "--nvme-bytes",
@@ -97,7 +93,6 @@ def doctor(
     lock_bytes,
     devices,
     device_user,
-    nvme_path,
     nvme_bytes,
     require_hugepages,
     require_gpu,
@@ -105,6 +100,7 @@ def doctor(
     proc_root,
     sys_root,
     etc_root,
+    **run_flags,
 ) -> None:
     """Check that this host can run memascend and print the fix for each failure.
 
@@ -113,17 +109,18 @@ def doctor(
     Exit code 1 when a check the run needs fails, 0 otherwise (warnings do not fail).
     """
     builtin = builtin_run()
-    options = DoctorOptions(
+    nvme_path = run_flags.get("nvme_path")
+    doctor_options = DoctorOptions(
         lock_bytes=builtin.upfront_locked_bytes if lock_bytes is None else lock_bytes,
         devices=tuple(devices),
         device_user=device_user,
-        nvme_path=nvme_path,
+        nvme_path=Path(nvme_path) if nvme_path is not None else None,
         nvme_bytes=builtin.nvme_bytes_per_rank if nvme_bytes is None else nvme_bytes,
         require_hugepages=require_hugepages,
         require_gpu=require_gpu,
         paths=HostPaths(proc=proc_root, sys=sys_root, etc=etc_root),
     )
-    results = run_checks(options)
+    results = run_checks(doctor_options)
     code = exit_code(results)
     if as_json:
         click.echo(json.dumps({"ok": code == 0, "checks": [r.to_dict() for r in results]}, indent=2))

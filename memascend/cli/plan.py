@@ -6,20 +6,12 @@ import json
 
 import click
 
-from memascend.cli.finetune import finetune as _finetune_cmd
+from memascend.cli import options
 from memascend.cli.params import POSITIVE_FLOAT
-
-# The run-shaping flags of `memascend finetune` (same names, defaults and help), minus those that
-# only matter when a run happens.
-_SKIP = {"output_dir", "engine", "eval_blocks", "save_model", "nproc", "launcher_local_rank", "epochs", "lr",
-         "nvme_path"}
-
-
-def _shared_params() -> list[click.Parameter]:
-    return [p for p in _finetune_cmd.params if p.name not in _SKIP]
 
 
 @click.command("plan", context_settings={"show_default": True})
+@options.apply_groups(*options.RUN_SHAPE)
 @click.option("--nproc", type=int, default=1, help="Ranks on this host (memory is summed over them)")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of a table")
 @click.option("--cap-gib", type=POSITIVE_FLOAT, default=None,
@@ -32,7 +24,6 @@ def plan(nproc: int, as_json: bool, cap_gib: float | None, **kw) -> None:
     "needed / rank" rows: the NVMe space and lockable memory finetune requires of each rank before
     it starts.
     """
-    from memascend.config import build_run_config, load_toml
     from memascend.errors import UserError
     from memascend.plan import largest_preset_under_cap, plan_run
     from memascend.units import GIB
@@ -41,16 +32,7 @@ def plan(nproc: int, as_json: bool, cap_gib: float | None, **kw) -> None:
         raise UserError(f"--nproc must be at least 1, got {nproc}")
     if cap_gib is not None and cap_gib <= 0:
         raise UserError(f"--cap-gib must be positive, got {cap_gib}")
-    file_values = load_toml(kw.pop("config_file")) if kw.get("config_file") else {}
-    kw.pop("config_file", None)
-    overrides = {
-        "model": {"name_or_path": kw["model"], "from_scratch": kw["from_scratch"]},
-        "data": {"source": kw["data"], "seq_len": kw["seq_len"]},
-        "train": {k: kw[k] for k in ("micro_batch", "grad_accum", "steps", "seed", "dtype", "activation_checkpointing")},
-        "offload": {"param": kw["offload_param"], "optimizer": kw["offload_optimizer"]},
-        "deepspeed_config": kw["deepspeed_config"],
-    }
-    cfg = build_run_config(file_values, overrides)
+    cfg = options.run_config_from_flags(kw)
     plans = plan_run(cfg, world_size=nproc)
     fits = largest_preset_under_cap(cfg, int(cap_gib * GIB), nproc) if cap_gib else None
     if as_json:
@@ -90,5 +72,3 @@ def plan(nproc: int, as_json: bool, cap_gib: float | None, **kw) -> None:
             what = f"{fit[0]} (planned peak {fit[1] / GIB:.2f} GiB)" if fit else "no preset"
             console.print(f"largest from-scratch preset under {cap_gib:g} GiB, {engine}: {what}")
 
-
-plan.params[:0] = _shared_params()
