@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from memascend.config import RunConfig, load_user_ds_config
+from memascend.config import RunConfig
 from memascend.errors import UserError
 from memascend.integrations.deepspeed.sizing import prepare_ds_config
 from memascend.settings import MemAscendSettings
@@ -43,7 +43,6 @@ __all__ = [
     "ResolvedRun",
     "applied_settings",
     "derived_as_dicts",
-    "load_user_ds_config",
     "model_shape",
     "nvme_space_bytes",
     "nvme_swap_bytes",
@@ -161,11 +160,9 @@ def render_ds_config(cfg: RunConfig, shape: ModelShape, world_size: int, swap_di
     else:
         for k, v in (("lr", t.lr), ("weight_decay", t.weight_decay)):
             _setdefault_path(ds, f"optimizer.params.{k}", v)
-    if t.warmup_steps and "scheduler" not in ds:
-        ds["scheduler"] = {
-            "type": "WarmupLR",
-            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": t.lr, "warmup_num_steps": t.warmup_steps},
-        }
+    # No "scheduler" section from memascend: --warmup-steps / --lr-scheduler are Hugging Face's
+    # schedules, given to deepspeed.initialize as a LambdaLR (memascend.train.schedule); a user's
+    # "scheduler" stays, and is refused together with a schedule from the flags.
     z = ds.setdefault("zero_optimization", {})
     if z.get("stage", 3) != 3:
         raise UserError(f"memascend runs ZeRO stage 3; the DeepSpeed config sets stage {z['stage']}")

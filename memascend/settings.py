@@ -211,21 +211,41 @@ class MemAscendSettings:
         return cls.from_mapping(config.get(DS_CONFIG_SECTION, {}))
 
 
-def load_ds_config(ds_config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
-    """Return a DeepSpeed config as a dict, reading it from JSON when given a path.
+def read_ds_config(path: str | Path) -> dict[str, Any]:
+    """Read a DeepSpeed config JSON file (``--deepspeed-config``): the one reader of the user's JSON.
 
     Raises:
-        UserError: the file cannot be read or is not a JSON object.
+        UserError: missing/unreadable file, invalid JSON or UTF-8, ``NaN``/``Infinity`` anywhere in
+            it, or a document that is not an object (``[1, 2, 3]``), or a ``"memascend"`` section
+            that is not an object.
+    """
+
+    def refuse_constant(name: str):
+        raise UserError(f"DeepSpeed config {path} holds {name}: every number must be finite")
+
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"), parse_constant=refuse_constant)
+    except FileNotFoundError:
+        raise UserError(f"DeepSpeed config not found: {path}") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"DeepSpeed config {path} is not valid JSON: line {exc.lineno}: {exc.msg}") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"DeepSpeed config {path} is not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise UserError(f"cannot read DeepSpeed config {path}: {exc.strerror}") from None
+    if not isinstance(doc, dict):
+        raise UserError(f"DeepSpeed config {path} must be a JSON object ({{...}}), got a {type(doc).__name__}")
+    if not isinstance(doc.get(DS_CONFIG_SECTION, {}), Mapping):
+        raise UserError(f"DeepSpeed config {path}: its \"memascend\" section must be a JSON object")
+    return doc
+
+
+def load_ds_config(ds_config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
+    """Return a DeepSpeed config as a dict: a copy of a mapping, or the file read by :func:`read_ds_config`.
+
+    Raises:
+        UserError: as :func:`read_ds_config`.
     """
     if isinstance(ds_config, Mapping):
         return dict(ds_config)
-    path = Path(ds_config)
-    try:
-        loaded = json.loads(path.read_text())
-    except OSError as exc:
-        raise UserError(f"cannot read DeepSpeed config {path}: {exc.strerror}") from exc
-    except json.JSONDecodeError as exc:
-        raise UserError(f"DeepSpeed config {path} is not valid JSON: {exc.msg} at line {exc.lineno}") from exc
-    if not isinstance(loaded, dict):
-        raise UserError(f"DeepSpeed config {path} must hold a JSON object")
-    return loaded
+    return read_ds_config(ds_config)

@@ -152,8 +152,8 @@ def test_the_user_json_is_read_and_its_section_parsed_once(shapes, user_files, m
     from memascend.plan.shapes import ModelDims
 
     reads = []
-    real = config_mod.load_user_ds_config
-    monkeypatch.setattr(config_mod, "load_user_ds_config", lambda path: reads.append(path) or real(path))
+    real = config_mod.read_ds_config
+    monkeypatch.setattr(config_mod, "read_ds_config", lambda path: reads.append(path) or real(path))
     cfg = build_run_config({}, {"deepspeed_config": user_files["section"], "model": {"from_scratch": "llama-tiny"}})
     assert cfg.memascend == MemAscendSettings.from_mapping(USERS["section"]["memascend"])
     assert cfg.user_ds_config == USERS["section"]
@@ -171,8 +171,7 @@ def test_the_user_json_is_read_and_its_section_parsed_once(shapes, user_files, m
 @pytest.mark.parametrize("user", ["none", "sizes"])
 def test_plan_preflight_and_the_swap_folder_use_the_resolvers_estimates(engine, world, user, shapes, user_files):
     from memascend.plan import model_dims, plan_run
-    from memascend.train.preflight import upfront_locked_bytes
-    from memascend.train.swapdir import estimate_nvme_bytes
+    from memascend.resolve import nvme_space_bytes, upfront_locked_bytes
     from memascend.units import DTYPE_BYTES
 
     cfg = build_run_config({}, {"engine": engine, "deepspeed_config": user_files.get(user),
@@ -188,7 +187,7 @@ def test_plan_preflight_and_the_swap_folder_use_the_resolvers_estimates(engine, 
     assert int(plan.nvme_bytes * NVME_SPACE_MARGIN) // world == run.nvme_bytes_per_rank
     # What the run's preflight and swap folder check.
     assert upfront_locked_bytes(run.ds_config, "bf16", shape.largest_numel, world, engine) == run.upfront_locked_bytes
-    assert estimate_nvme_bytes(shape.total_numel, DTYPE_BYTES["bf16"], True, True) // world == run.nvme_bytes_per_rank
+    assert nvme_space_bytes(shape.total_numel, DTYPE_BYTES["bf16"], True, True) // world == run.nvme_bytes_per_rank
 
 
 def test_doctor_checks_what_the_builtin_run_resolves_to(shapes):

@@ -2,17 +2,16 @@
 line instead of a crash deep inside an op (DeepSpeed's aio op segfaults when ``mlock`` fails).
 
 What they check comes from the resolver (:func:`memascend.resolve.resolve`): the rendered DeepSpeed
-config and ``ResolvedRun.upfront_locked_bytes`` (:func:`~memascend.resolve.upfront_locked_bytes`,
-re-exported here)."""
+config and ``ResolvedRun.upfront_locked_bytes`` (:func:`~memascend.resolve.upfront_locked_bytes`)."""
 
 from __future__ import annotations
 
 from memascend.errors import UserError
 from memascend.host.memlock import check_memlock
 from memascend.host.result import HostPaths, Status
-from memascend.resolve import DS_DEFAULT_MAX_IN_CPU_NUMEL, per_rank_param_numel, upfront_locked_bytes
+from memascend.resolve import DS_DEFAULT_MAX_IN_CPU_NUMEL, per_rank_param_numel
 
-__all__ = ["check_aio_for_swap_folder", "check_memlock_for_run", "check_stock_param_dram", "upfront_locked_bytes"]
+__all__ = ["check_aio_for_swap_folder", "check_memlock_for_run", "check_stock_param_dram"]
 
 
 def check_memlock_for_run(lock_bytes: int, paths: HostPaths | None = None) -> None:

@@ -16,26 +16,11 @@ from pathlib import Path
 from memascend.errors import UserError
 from memascend.host.storage import o_direct_works
 from memascend.io.runlock import RunLock, acquire_run_lock
-from memascend.resolve import nvme_space_bytes
 from memascend.units import format_bytes
 
 #: A run's private folder under ``--nvme-path``: ``memascend-<YYYYmmdd-HHMMSS>-<pid>``.
 RUN_DIR_PREFIX = "memascend-"
 RUN_DIR_RE = re.compile(r"memascend-\d{8}-\d{6}-\d+")
-
-
-def estimate_nvme_bytes(total_numel: int, param_bytes: int, offload_param_nvme: bool, offload_opt_nvme: bool) -> int:
-    """Bytes this run will write to the swap folder, all ranks together (upper estimate, with a margin):
-    :func:`memascend.resolve.nvme_space_bytes`, which ``ResolvedRun.nvme_bytes_per_rank`` divides
-    over the ranks.
-
-    Args:
-        total_numel: model parameters.
-        param_bytes: bytes per element of the training dtype (2 for bf16/fp16, 4 for fp32).
-        offload_param_nvme: parameters offloaded to NVMe.
-        offload_opt_nvme: optimizer state offloaded to NVMe.
-    """
-    return nvme_space_bytes(total_numel, param_bytes, offload_param_nvme, offload_opt_nvme)
 
 
 def check_swap_base(nvme_path: str) -> Path:

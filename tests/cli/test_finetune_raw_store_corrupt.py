@@ -25,14 +25,14 @@ TINY = ["--from-scratch", "llama-tiny", "--steps", "3", "--seq-len", "32", "--mi
 _WORKER = r"""
 import json, os, sys
 from deepspeed.runtime.engine import DeepSpeedEngine
-from memascend.integrations.deepspeed import raw_store
+import memascend.integrations.deepspeed as seam
 
 record_path, sys.argv = sys.argv[1], ["memascend", *sys.argv[2:]]
 _step = DeepSpeedEngine.step
 
 def step(self, *args, **kwargs):
     out = _step(self, *args, **kwargs)
-    handle = raw_store.active_raw_store()
+    handle = seam.active_raw_store()
     if self.global_steps == 1 and handle is not None and not os.path.exists(record_path):
         handle.store.wait_all()
         keys = sorted(k for k in handle.store.keys() if "/optimizer/" in k and "gradient" not in k)

@@ -297,7 +297,7 @@ def test_bad_sections_are_user_errors(section, match):
 
 
 def test_bad_config_files_are_user_errors(tmp_path):
-    with pytest.raises(UserError, match="cannot read"):
+    with pytest.raises(UserError, match="DeepSpeed config not found"):
         ma_ds.apply_from_config(tmp_path / "missing.json")
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")

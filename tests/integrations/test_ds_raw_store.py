@@ -53,9 +53,8 @@ def test_revert_restores_deepspeed_exactly(tmp_path):
     assert all(m.AsyncIOBuilder is AsyncIOBuilder for m in _MODULES)
     assert seam.patch_records() == () and seam.active_raw_store() is None
     assert not (tmp_path / "r.store").exists() and not handle.key_root.exists()
-    raw_store.revert_raw_store(close=True)  # idempotent; the alias train/runner.py calls
-    with pytest.raises(ValueError):
-        raw_store.revert_raw_store(close=False)
+    seam.revert()  # idempotent
+    assert seam.patch_records() == () and seam.active_raw_store() is None
 
 
 def test_swapper_builder_gives_store_handles(applied):

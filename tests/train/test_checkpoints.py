@@ -294,7 +294,7 @@ def test_raw_store_save_names_latest_only_after_the_export(tmp_path):
     store's export of the optimizer state ran: a run killed during the export left a ``latest``
     naming a checkpoint without its optimizer state. The wrapper saves with save_latest=False and
     writes ``latest`` after the export."""
-    from memascend.integrations.deepspeed import raw_store
+    from memascend.integrations.deepspeed import store_checkpoint
 
     seen = {}
 
@@ -320,7 +320,7 @@ def test_raw_store_save_names_latest_only_after_the_export(tmp_path):
         def zero_nvme_offload_optimizer(self):
             return True
 
-    save = raw_store._make_save_checkpoint(stock_save, Handle())
+    save = store_checkpoint.make_save_checkpoint(stock_save, Handle())
     assert save(Engine(), str(tmp_path / "ck")) is True
     assert seen == {"save_latest": False, "latest_at_export": False}
     assert (tmp_path / "ck" / "latest").read_text() == "global_step3"

@@ -5,9 +5,9 @@ from memascend.errors import UserError
 from memascend.resolve import (
     DS_DEFAULT_PARAM_BUFFER_SIZE_NUMEL,
     ModelShape,
-    load_user_ds_config,
     render_ds_config,
 )
+from memascend.settings import read_ds_config
 
 SMALL = ModelShape(total_numel=10_000, param_numels=(5_000, 5_000), module_param_counts=(1, 1))
 
@@ -63,4 +63,4 @@ def test_contradictions_are_user_errors(tmp_path):
     bad = tmp_path / "ds.json"
     bad.write_text("{\n  'single quotes': 1\n}")
     with pytest.raises(UserError, match="not valid JSON: line 2"):
-        load_user_ds_config(str(bad))
+        read_ds_config(str(bad))

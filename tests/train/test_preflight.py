@@ -6,7 +6,8 @@ import pytest
 
 from memascend.errors import UserError
 from memascend.host.result import HostPaths
-from memascend.train.preflight import check_memlock_for_run, upfront_locked_bytes
+from memascend.resolve import upfront_locked_bytes
+from memascend.train.preflight import check_memlock_for_run
 
 NVME = {"zero_optimization": {"offload_param": {"device": "nvme"}}}
 

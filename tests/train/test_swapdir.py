@@ -7,13 +7,14 @@ import textwrap
 import pytest
 
 from memascend.errors import UserError
-from memascend.train.swapdir import estimate_nvme_bytes, prepare_swap_dir, remove_swap_dir
+from memascend.resolve import nvme_space_bytes
+from memascend.train.swapdir import prepare_swap_dir, remove_swap_dir
 
 
 def test_estimate_counts_params_and_optimizer_state():
-    assert estimate_nvme_bytes(10**9, 2, True, True) == int(10**9 * 18 * 1.1)
-    assert estimate_nvme_bytes(10**9, 2, False, True) == int(10**9 * 16 * 1.1)
-    assert estimate_nvme_bytes(10**9, 4, True, False) == int(10**9 * 4 * 1.1)
+    assert nvme_space_bytes(10**9, 2, True, True) == int(10**9 * 18 * 1.1)
+    assert nvme_space_bytes(10**9, 2, False, True) == int(10**9 * 16 * 1.1)
+    assert nvme_space_bytes(10**9, 4, True, False) == int(10**9 * 4 * 1.1)
 
 
 def test_prepare_checks_space_and_writability(tmp_path):

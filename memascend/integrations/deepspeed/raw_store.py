@@ -52,7 +52,6 @@ from pathlib import Path
 from typing import Any
 
 from memascend.errors import UserError
-from memascend.integrations import deepspeed as seam
 from memascend.integrations.deepspeed.patches import PatchRegistry
 from memascend.integrations.deepspeed.store_checkpoint import (
     CHECKPOINT_SUBDIR,
@@ -75,13 +74,10 @@ __all__ = [
     "FINETUNE_OWNER_UUID",
     "KEY_ROOT_PREFIX",
     "RawStoreHandle",
-    "active_raw_store",
-    "apply_raw_store",
     "checkpoint_rank_dir",
     "open_raw_store",
     "prepare_folder_resume",
     "resolve_checkpoint_tag",
-    "revert_raw_store",
     "stock_offload_rank_dir",
 ]
 
@@ -459,30 +455,3 @@ def _patch_deepspeed(registry: PatchRegistry, handle: RawStoreHandle) -> None:
         "reset_swap_buffers",
         make_reset_swap_buffers(DeepSpeedZeroOptimizer_Stage3.reset_swap_buffers, handle),
     )
-
-
-# Names train/runner.py (and tests/train/test_checkpoints.py: _make_save_checkpoint) import from
-# here; the seam (memascend.integrations.deepspeed) and store_checkpoint own them.
-_make_save_checkpoint = make_save_checkpoint
-
-
-def apply_raw_store(target: str | os.PathLike, **options: Any) -> RawStoreHandle:
-    """:func:`memascend.integrations.deepspeed.apply_raw_store` (``options``: as :func:`open_raw_store`)."""
-    return seam.apply_raw_store(target, **options)
-
-
-def revert_raw_store(*, close: bool = True) -> None:
-    """:func:`memascend.integrations.deepspeed.revert`: restores everything the seam patched (the
-    raw store's patches and memascend's) and closes the store. Safe to call twice.
-
-    Raises:
-        ValueError: ``close=False`` (the one revert always closes the store).
-    """
-    if not close:
-        raise ValueError("revert() always closes the raw store; there is no revert without close")
-    seam.revert()
-
-
-def active_raw_store() -> RawStoreHandle | None:
-    """:func:`memascend.integrations.deepspeed.active_raw_store`: the applied handle, or ``None``."""
-    return seam.active_raw_store()
