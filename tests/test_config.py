@@ -28,7 +28,7 @@ def test_cli_overrides_file_and_none_means_not_given(tmp_path):
 @pytest.mark.parametrize(
     "text, match",
     [
-        ("[train]\nbogus = 1\n", r"unknown key \[train\]\.bogus"),
+        ("train = 5\n", r"\[train\] must be a table, got 5"),
         ("nonsense = 1\n", "unknown key 'nonsense'"),
         ("[train\n", "not valid TOML"),
     ],
@@ -38,6 +38,35 @@ def test_bad_toml_is_a_user_error(tmp_path, text, match):
     f.write_text(text)
     with pytest.raises(UserError, match=match):
         load_toml(f)
+
+
+def test_an_unknown_key_in_a_section_names_the_file_and_key(tmp_path):
+    f = tmp_path / "bad.toml"
+    f.write_text("[train]\nbogus = 1\n")
+    with pytest.raises(UserError, match=r"bad.toml: train.bogus: Unexpected keyword argument"):
+        build_run_config(load_toml(f), {}, file_name=f)
+
+
+def test_yaml_config_is_read_like_toml(tmp_path):
+    from memascend.config import load_config_file
+
+    y = tmp_path / "run.yaml"
+    y.write_text("engine: baseline\ntrain:\n  lr: 1e-4   # YAML 1.1 would read a string\n  steps: 7\n"
+                 "data:\n  seq_len: 128\n")
+    t = tmp_path / "run.toml"
+    t.write_text('engine = "baseline"\n[train]\nlr = 1e-4\nsteps = 7\n[data]\nseq_len = 128\n')
+    assert load_config_file(y) == load_config_file(t)
+    assert build_run_config(load_config_file(y), {}).train.lr == 1e-4
+    y.write_text("train:\n  lr: '1e-4'\n")
+    with pytest.raises(UserError, match=r"run.yaml: train.lr: Input should be a valid number, got '1e-4'"):
+        build_run_config(load_config_file(y), {}, file_name=y)
+    for text, match in (("train: [1\n", "not valid YAML"), ("- 1\n", "must hold a table of sections"),
+                        ("train: 5\n", r"\[train\] must be a table, got 5"), ("bogus: 1\n", "unknown key 'bogus'")):
+        y.write_text(text)
+        with pytest.raises(UserError, match=match):
+            load_config_file(y)
+    y.write_text("")
+    assert load_config_file(y) == {}
 
 
 def test_missing_toml_file():

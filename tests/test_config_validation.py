@@ -1,7 +1,8 @@
-"""Every field of every config section is checked against its type, so a value from a --config TOML
-file or a flag can never reach the run unchecked: non-finite numbers (nan, inf) in any float field,
-a non-integer in an int field, a string where a number goes. The checks are generic (from the
-dataclass annotations), so fields added later are covered too."""
+"""Every field of every config section is checked against its type (pydantic, strict: memascend/validate.py),
+so a value from a --config file or a flag can never reach the run unchecked: non-finite numbers (nan, inf)
+in any float field, a non-integer in an int field, a string where a number goes, a number where a string
+goes. The checks are generic (from the dataclass annotations), so fields added later are covered too, and
+every error names the field: the flag (``--lr: ...``) or the file and key (``run.toml: train.lr: ...``)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,14 @@ def _fields_of(kind) -> list[tuple[str, str]]:
 
 FLOAT_FIELDS = _fields_of(float)
 INT_FIELDS = _fields_of(int)
+STR_FIELDS = _fields_of(str)
+BOOL_FIELDS = _fields_of(bool)
+
+
+def _flag(name: str) -> str:
+    from memascend.config import _FLAGS
+
+    return _FLAGS.get(name, "--" + name.replace("_", "-"))
 
 
 def test_the_sections_have_float_and_int_fields():
@@ -44,26 +53,64 @@ def test_the_sections_have_float_and_int_fields():
 
 @pytest.mark.parametrize("section, name", FLOAT_FIELDS)
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
-def test_non_finite_float_is_refused_naming_the_field(section, name, value):
-    with pytest.raises(UserError, match=rf"\[{section}\] {name}\)? must be a finite number, got {value}"):
+def test_non_finite_float_is_refused_naming_the_flag(section, name, value):
+    with pytest.raises(UserError, match=rf"^{_flag(name)}: Input should be a finite number, got {value}$"):
         build_run_config({}, {section: {name: value}})
+
+
+@pytest.mark.parametrize("section, name", FLOAT_FIELDS)
+@pytest.mark.parametrize("value, message", [("1e-4", "a valid number"), (math.nan, "a finite number"),
+                                            (True, "a valid number")])
+def test_float_field_from_a_file_names_the_file_and_key(section, name, value, message):
+    with pytest.raises(UserError, match=rf"^run.toml: {section}\.{name}: Input should be {message}, got "):
+        build_run_config({section: {name: value}}, {}, file_name="run.toml")
 
 
 @pytest.mark.parametrize("section, name", INT_FIELDS)
-@pytest.mark.parametrize("value", [1.5, "7", True])
+@pytest.mark.parametrize("value", [1.5, 2.0, "7", True])
 def test_int_field_takes_only_integers(section, name, value):
-    with pytest.raises(UserError, match=rf"\[{section}\] {name}\)? must be a whole number"):
+    with pytest.raises(UserError, match=rf"^{_flag(name)}: Input should be a valid integer, got {value!r}$"):
         build_run_config({}, {section: {name: value}})
+    with pytest.raises(UserError, match=rf"^run.toml: {section}\.{name}: Input should be a valid integer"):
+        build_run_config({section: {name: value}}, {}, file_name="run.toml")
+
+
+@pytest.mark.parametrize("section, name", STR_FIELDS)
+def test_str_field_takes_only_strings(section, name):
+    with pytest.raises(UserError, match=rf"^c.yaml: {section}\.{name}: Input should be a valid string, got 3$"):
+        build_run_config({section: {name: 3}}, {}, file_name="c.yaml")
+
+
+@pytest.mark.parametrize("section, name", BOOL_FIELDS)
+@pytest.mark.parametrize("value", [1, "yes"])
+def test_bool_field_takes_only_true_or_false(section, name, value):
+    with pytest.raises(UserError, match=rf"^c.yaml: {section}\.{name}: Input should be a valid boolean"):
+        build_run_config({section: {name: value}}, {}, file_name="c.yaml")
+
+
+def test_an_integer_is_a_number_and_a_flag_wins_over_the_file():
+    assert build_run_config({"train": {"lr": 1}}, {}).train.lr == 1.0
+    cfg = build_run_config({"train": {"lr": "1e-4"}}, {"train": {"lr": 3e-4}}, file_name="run.toml")
+    assert cfg.train.lr == 3e-4  # the bad file value is never used: the flag replaced it
+
+
+def test_unknown_keys_and_wrong_shapes_name_the_field():
+    with pytest.raises(UserError, match=r"^run.toml: train.bogus: Unexpected keyword argument$"):
+        build_run_config({"train": {"bogus": 1}}, {}, file_name="run.toml")
+    with pytest.raises(UserError, match=r"^run.toml: engine: Input should be 'baseline' or 'memascend', got 'fast'$"):
+        build_run_config({"engine": "fast"}, {}, file_name="run.toml")
+    with pytest.raises(UserError, match=r"^--dtype: Input should be 'bf16', 'fp16' or 'fp32', got 'fp8'$"):
+        build_run_config({}, {"train": {"dtype": "fp8"}})
 
 
 def test_toml_nan_and_inf_literals_are_refused(tmp_path):
     f = tmp_path / "run.toml"
     f.write_text("[train]\nlr = nan\n")
-    with pytest.raises(UserError, match=r"--lr \(\[train\] lr\) must be a finite number, got nan"):
-        build_run_config(load_toml(f), {})
-    f.write_text("[train]\ngradient_clipping = -inf\n")
-    with pytest.raises(UserError, match=r"\[train\] gradient_clipping must be a finite number, got -inf"):
-        build_run_config(load_toml(f), {})
+    with pytest.raises(UserError, match=r"run.toml: train.lr: Input should be a finite number, got nan"):
+        build_run_config(load_toml(f), {}, file_name=f)
+    f.write_text("[data]\neval_blocks = -inf\n")
+    with pytest.raises(UserError, match=r"run.toml: data.eval_blocks: Input should be a valid integer, got -inf"):
+        build_run_config(load_toml(f), {}, file_name=f)
 
 
 def test_bounds():
@@ -81,9 +128,9 @@ def test_bounds():
 def test_from_scratch_values_are_checked():
     with pytest.raises(UserError, match="not a finite number: 'inf'"):
         parse_from_scratch("hidden=inf,layers=2,heads=4")
-    with pytest.raises(UserError, match="from-scratch model: hidden_size must be a whole number"):
+    with pytest.raises(UserError, match="^--from-scratch: hidden_size: Input should be a valid integer, got 'wide'"):
         build_run_config({}, {"model": {"from_scratch": {"hidden_size": "wide", "num_layers": 2, "num_heads": 4}}})
-    with pytest.raises(UserError, match=r"invalid \[model\] settings"):
+    with pytest.raises(UserError, match=r"^--from-scratch: hidden_size: Field required$"):
         build_run_config({}, {"model": {"from_scratch": {"hidden": 64}}})
 
 
