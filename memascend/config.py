@@ -423,6 +423,10 @@ class RunConfig:
     when the file is read (the defaults without one). :func:`memascend.resolve.resolve` turns them
     into the settings the engine applies."""
 
+    ds_config_notes: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    """Settings taken from ``deepspeed_config`` because no flag or config key set them, one line each
+    to show the user (:mod:`memascend.ds_conflicts`); not in :meth:`to_dict`."""
+
     def __post_init__(self) -> None:
         if self.deepspeed_config is not None and self.user_ds_config is None and isinstance(self.deepspeed_config, str):
             doc = read_ds_config(self.deepspeed_config)
@@ -436,6 +440,7 @@ class RunConfig:
         out = dataclasses.asdict(self)
         out.pop("user_ds_config")
         out.pop("memascend")
+        out.pop("ds_config_notes")
         out["offload"].pop("swap_target")
         return out
 
@@ -533,8 +538,19 @@ def build_run_config(file_values: dict[str, Any], overrides: dict[str, dict[str,
     merged.update(given_top)
     if isinstance(merged["model"].get("from_scratch"), str):
         merged["model"]["from_scratch"] = parse_from_scratch(merged["model"]["from_scratch"])
+    file_label = "config file" if file_name is None else str(file_name)
+
+    def origin(section: str, name: str) -> str | None:
+        """How the user set a section's field: the flag, the config file's key, or None (not set)."""
+        if name in given[section]:
+            return _flag_name((section, name))
+        return f"{file_label}: {section}.{name}" if name in file_values.get(section, {}) else None
+
+    adopted = _with_user_ds_config(merged, origin)
 
     def name_of(loc: tuple) -> str:
+        if tuple(loc[:2]) in adopted:
+            return f"--deepspeed-config {merged['deepspeed_config']}: {adopted[tuple(loc[:2])]}"
         in_section = loc[0] in _SECTIONS
         from_flag = (len(loc) > 1 and loc[1] in given[loc[0]]) if in_section else loc[0] in given_top
         if from_flag:
@@ -542,3 +558,26 @@ def build_run_config(file_values: dict[str, Any], overrides: dict[str, dict[str,
         return f"{file_name}: {dotted(loc)}" if file_name is not None else dotted(loc)
 
     return validate_config(RunConfig, merged, name_of)
+
+
+def _with_user_ds_config(merged: dict[str, Any], origin) -> dict[tuple[str, str], str]:
+    """Read ``--deepspeed-config`` (once) into ``merged`` and settle the settings it shares with the
+    flags and the config file (:func:`memascend.ds_conflicts.reconcile`).
+
+    Returns:
+        ``(section, field) -> JSON path`` of the values taken from the JSON.
+
+    Raises:
+        UserError: an unreadable JSON, or a value the user set that the JSON contradicts.
+    """
+    from memascend.ds_conflicts import reconcile
+
+    path = merged.get("deepspeed_config")
+    if not isinstance(path, str):
+        return {}
+    doc = read_ds_config(path)
+    done = reconcile(merged, origin, doc, path, lambda section, name: getattr(_SECTIONS[section](), name))
+    merged["user_ds_config"] = doc
+    merged["memascend"] = MemAscendSettings.from_mapping(doc.get(DS_CONFIG_SECTION, {}))
+    merged["ds_config_notes"] = tuple(done.notes)
+    return done.adopted

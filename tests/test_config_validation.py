@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 import typing
 
 import pytest
@@ -29,7 +30,9 @@ def _fields_of(kind) -> list[tuple[str, str]]:
     for section, cls in _SECTIONS.items():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            if kind in typing.get_args(hints[f.name]) or hints[f.name] is kind:
+            hint = hints[f.name]
+            union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+            if hint is kind or (union and kind in typing.get_args(hint)):
                 out.append((section, f.name))
     return out
 

@@ -64,6 +64,8 @@ def finetune(**kw) -> None:
         # the launch runs under a parent that cleans up after ranks killed outright
         sys.exit(supervise(_torchrun_cmd(nproc)))
     cfg = options.run_config_from_flags(kw)
+    if os.environ.get("RANK") == "0" or ("RANK" not in os.environ and not is_supervised()):
+        options.show_config_notes(cfg)  # once: here, not again in the supervised child; rank 0 of several
     if "RANK" not in os.environ and not is_supervised():
         # Checked input, then the job in a child: a SIGKILL/OOM kill/abort of the training process
         # still gets one line and its swap files removed (memascend.train.supervisor).

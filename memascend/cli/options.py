@@ -253,8 +253,15 @@ def run_config_from_flags(kw: dict[str, Any]):
     Raises:
         UserError: an unreadable or invalid config file, or any invalid value (naming the field).
     """
-    from memascend.config import build_run_config, load_toml
+    from memascend.config import build_run_config, load_config_file
 
     path = kw.get("config_file")
-    file_values = load_toml(path) if path else {}
-    return build_run_config(file_values, config_overrides(kw))
+    file_values = load_config_file(path) if path else {}
+    return build_run_config(file_values, config_overrides(kw), file_name=path)
+
+
+def show_config_notes(cfg) -> None:
+    """Print on stderr, one line each, the settings the run took from ``--deepspeed-config`` because no
+    flag or config key set them (``RunConfig.ds_config_notes``)."""
+    for note in cfg.ds_config_notes:
+        click.echo(f"memascend: note: {note}", err=True)

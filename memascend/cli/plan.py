@@ -33,6 +33,7 @@ def plan(nproc: int, as_json: bool, cap_gib: float | None, **kw) -> None:
     if cap_gib is not None and cap_gib <= 0:
         raise UserError(f"--cap-gib must be positive, got {cap_gib}")
     cfg = options.run_config_from_flags(kw)
+    options.show_config_notes(cfg)
     plans = plan_run(cfg, world_size=nproc)
     fits = largest_preset_under_cap(cfg, int(cap_gib * GIB), nproc) if cap_gib else None
     if as_json:

@@ -1,0 +1,146 @@
+"""The user's ``--deepspeed-config`` against the run's flags and ``--config`` file: never silently resolved.
+
+A setting both memascend and DeepSpeed's JSON have (the learning rate, the micro-batch, where the
+optimizer state lives, the swap folder, ...):
+
+- set by a flag the user typed (or a ``--config`` key) and by the JSON to another value: the run
+  stops with one line naming both (:class:`~memascend.errors.UserError`);
+- set only by the JSON: the JSON's value becomes the run's (so the report, the plan and the data
+  loader agree with what DeepSpeed runs), and a line says so (:attr:`Reconciled.notes`);
+- set only by memascend: as before, memascend's value goes into the JSON
+  (:func:`memascend.resolve.render_ds_config`).
+
+A JSON value ``"auto"`` counts as not set.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from memascend.errors import UserError
+
+_UNSET = object()
+
+SHARED_KEYS: tuple[tuple[str, str, str], ...] = (
+    ("train", "micro_batch", "train_micro_batch_size_per_gpu"),
+    ("train", "grad_accum", "gradient_accumulation_steps"),
+    ("train", "gradient_clipping", "gradient_clipping"),
+    ("train", "lr", "optimizer.params.lr"),
+    ("train", "weight_decay", "optimizer.params.weight_decay"),
+    ("offload", "param", "zero_optimization.offload_param.device"),
+    ("offload", "optimizer", "zero_optimization.offload_optimizer.device"),
+    ("offload", "nvme_path", "zero_optimization.offload_param.nvme_path"),
+    ("offload", "nvme_path", "zero_optimization.offload_optimizer.nvme_path"),
+)
+"""``(section, field, JSON path)`` of each setting a RunConfig and DeepSpeed's JSON both hold
+(the precision, ``train.dtype`` vs ``bf16.enabled``/``fp16.enabled``, is handled on its own)."""
+
+
+@dataclass
+class Reconciled:
+    """What :func:`reconcile` did to the merged config values.
+
+    Attributes:
+        adopted: ``(section, field) -> JSON path`` of every value taken from the JSON.
+        notes: one line per adopted value that differs from memascend's default, e.g.
+            ``ds.json: optimizer.params.lr = 0.0003 is the run's --lr (default 0.0001)``.
+    """
+
+    adopted: dict[tuple[str, str], str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def _get(doc: Mapping, dotted: str) -> Any:
+    node: Any = doc
+    for key in dotted.split("."):
+        if not isinstance(node, Mapping) or key not in node:
+            return _UNSET
+        node = node[key]
+    return _UNSET if node == "auto" else node
+
+
+def _same(section_field: tuple[str, str], a: Any, b: Any) -> bool:
+    if section_field == ("offload", "nvme_path") and isinstance(a, str) and isinstance(b, str):
+        return os.path.abspath(a) == os.path.abspath(b)
+    return a == b
+
+
+def _show(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _json_dtypes(doc: Mapping) -> set[str]:
+    """The precisions the JSON's ``bf16.enabled`` / ``fp16.enabled`` allow."""
+    allowed = {"bf16", "fp16", "fp32"}
+    for dtype in ("bf16", "fp16"):
+        enabled = _get(doc, f"{dtype}.enabled")
+        if enabled is True:
+            allowed &= {dtype}
+        elif enabled is False:
+            allowed -= {dtype}
+    return allowed
+
+
+def reconcile(merged: dict[str, Any], origin: Callable[[str, str], str | None], doc: Mapping, ds_name: str,
+              defaults: Callable[[str, str], Any]) -> Reconciled:
+    """Check the merged config values against the user's DeepSpeed JSON and adopt the JSON's values
+    where the user set none (in place).
+
+    Args:
+        merged: ``{"train": {...}, "offload": {...}, ...}``: the keyword values the RunConfig is built
+            from (flags over the ``--config`` file), changed in place.
+        origin: ``(section, field)`` -> how the user set it (``--lr``, ``run.toml: train.lr``), or
+            ``None`` when the user did not.
+        doc: the JSON (``--deepspeed-config``'s content).
+        ds_name: the JSON file, as errors and notes name it.
+        defaults: ``(section, field)`` -> memascend's default value.
+
+    Raises:
+        UserError: a value the user set disagrees with the JSON's, e.g. ``--lr 0.0001 disagrees with
+            --deepspeed-config ds.json: optimizer.params.lr = 0.0003``; or the JSON's two
+            ``nvme_path`` differ (one swap target per run).
+    """
+    done = Reconciled()
+    for section, name, path in SHARED_KEYS:
+        value = _get(doc, path)
+        if value is _UNSET:
+            continue
+        _settle(merged, origin, done, (section, name), path, value, ds_name, defaults)
+    allowed = _json_dtypes(doc)
+    if allowed != {"bf16", "fp16", "fp32"}:
+        dtype = merged["train"].get("dtype", defaults("train", "dtype"))
+        where = origin("train", "dtype")
+        if dtype not in allowed and where is not None:
+            raise UserError(f"{where} {dtype} disagrees with --deepspeed-config {ds_name}: bf16/fp16 'enabled' "
+                            f"allow {' or '.join(sorted(allowed)) or 'nothing'} (give one of them)")
+        if dtype not in allowed and allowed:
+            pick = "fp32" if "fp32" in allowed else sorted(allowed)[0]
+            merged["train"]["dtype"] = pick
+            done.adopted[("train", "dtype")] = "bf16.enabled/fp16.enabled"
+            done.notes.append(f"{ds_name}: bf16/fp16 'enabled' make the run's --dtype {pick} (default {dtype})")
+    return done
+
+
+def _settle(merged: dict, origin: Callable, done: Reconciled, key: tuple[str, str], path: str, value: Any,
+            ds_name: str, defaults: Callable) -> None:
+    section, name = key
+    where = origin(section, name)
+    if where is not None:
+        if not _same(key, merged[section][name], value):
+            raise UserError(f"{where} {_show(merged[section][name])} disagrees with --deepspeed-config {ds_name}: "
+                            f"{path} = {_show(value)} (give one of them)")
+        return
+    if key in done.adopted:  # the second nvme_path
+        if not _same(key, merged[section][name], value):
+            raise UserError(f"--deepspeed-config {ds_name}: {done.adopted[key]} = {merged[section][name]} and "
+                            f"{path} = {value} differ; memascend swaps both to one --nvme-path")
+        return
+    merged[section][name] = value
+    done.adopted[key] = path
+    default = defaults(section, name)
+    if not _same(key, default, value):
+        flag = "--" + {"param": "offload-param", "optimizer": "offload-optimizer"}.get(name, name.replace("_", "-"))
+        done.notes.append(f"{ds_name}: {path} = {_show(value)} is the run's {flag} (default {_show(default)})")
