@@ -33,6 +33,7 @@ from typing import Any
 import click
 
 from memascend.config import DEFAULT_DATA, DEFAULT_MODEL
+from memascend.errors import UserError
 
 
 def _true_or_none(value: Any) -> Any:
@@ -43,6 +44,24 @@ def _true_or_none(value: Any) -> Any:
 def _false_or_none(value: Any) -> Any:
     """A ``--no-X`` flag that turns a field off: ``False`` when given, else "not given"."""
     return False if value else None
+
+
+def _column_mapping(value: str | None) -> dict[str, str] | None:
+    """``--data-columns text=body,...`` as a dict (field names are checked where the data is read:
+    :func:`memascend.data.formats.parse_columns`).
+
+    Raises:
+        UserError: an entry that is not FIELD=COLUMN.
+    """
+    if value is None:
+        return None
+    out: dict[str, str] = {}
+    for entry in (e.strip() for e in value.split(",") if e.strip()):
+        name, sep, column = entry.partition("=")
+        if not sep or not name.strip() or not column.strip():
+            raise UserError(f"--data-columns: '{entry}' is not FIELD=COLUMN (e.g. text=body or prompt=q,response=a)")
+        out[name.strip()] = column.strip()
+    return out
 
 
 @dataclass(frozen=True)
@@ -98,7 +117,10 @@ class OptionGroup:
 
 MODEL = OptionGroup("model", (
     flag("--model", "model", section="model", field="name_or_path", default=None,
-         help=f"HF model folder, .gguf file, or built-in name [default: {DEFAULT_MODEL}]"),
+         help="HF model folder, .gguf file, built-in name, or Hugging Face model id (org/name: the local HF cache "
+         f"first, else downloaded; HF_HUB_OFFLINE=1: the cache only) [default: {DEFAULT_MODEL}]"),
+    flag("--revision", section="model", field="revision", default=None, metavar="REV",
+         help="Branch, tag or commit of a Hugging Face model id [default: main]"),
     flag("--from-scratch", section="model", field="from_scratch", default=None, metavar="SPEC",
          help="Random-weight Llama instead of the model's weights: a preset (llama-tiny, llama-0.1b .. llama-3b), "
          "'hidden=2048,layers=16,heads=32,vocab=49152', or a .toml/.json file"),
@@ -106,7 +128,16 @@ MODEL = OptionGroup("model", (
 
 DATA = OptionGroup("data", (
     flag("--data", section="data", field="source", default=None,
-         help=f"Built-in corpus (shakespeare, chitchat), .jsonl file, or .txt/.md files/folders [default: {DEFAULT_DATA}]"),
+         help="Built-in corpus (shakespeare, chitchat), .jsonl/.json/.parquet/.csv/.arrow file, save_to_disk folder, "
+         f"Hugging Face data set id, or .txt/.md files/folders; comma-separated [default: {DEFAULT_DATA}]"),
+    flag("--data-format", section="data", field="format",
+         type=click.Choice(["auto", "text", "chat", "alpaca", "sharegpt"]), default=None,
+         help="Row format: text, chat (messages), alpaca (instruction/input/output), sharegpt (conversations "
+         "from/value), or auto: from each row's fields [default: auto]"),
+    flag("--data-columns", section="data", field="columns", default=None, metavar="FIELD=COLUMN,...",
+         to_config=_column_mapping,
+         help="Columns holding the format's fields when named otherwise, e.g. text=body or prompt=q,response=a "
+         "(fields: text, messages, instruction/prompt, input, output/response, system, history, conversations)"),
     flag("--seq-len", section="data", field="seq_len", type=int, default=None, help="Tokens per sequence [default: 256]"),
 ))
 

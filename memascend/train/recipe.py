@@ -212,7 +212,8 @@ class FinetuneRecipe:
             raise UserError(f"--seq-len {cfg.data.seq_len} exceeds the model's limit of {limit} tokens")
         check_output_dir(self.out_dir)
         self.tokenizer = load_tokenizer(self.src)
-        self.documents = read_documents(cfg.data.source, cfg.data.max_documents)
+        self.documents = read_documents(cfg.data.source, cfg.data.max_documents, data_format=cfg.data.format,
+                                        columns=cfg.data.columns)
         self.split = build_blocks(self.documents, self.tokenizer, cfg.data.seq_len, cfg.data.eval_blocks,
                                   cfg.train.seed)
         self.shape = meta_shape(self.src, cfg)

@@ -178,8 +178,13 @@ def _host_section(device_type: str, world_size: int) -> dict:
 
 
 def _model_section(cfg: RunConfig, shape) -> dict:
+    from memascend.models.loading import hub_origin
+
+    origin = hub_origin(cfg.model)
     return {
         "source": cfg.model.name_or_path,
+        # a Hugging Face model id only: {"id", "revision", "commit"} of the snapshot the run used
+        **({"hub": origin} if origin is not None else {}),
         "from_scratch": cfg.model.from_scratch is not None,
         "param_numel": shape.total_numel,
         "largest_param_numel": shape.largest_numel,
