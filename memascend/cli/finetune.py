@@ -55,6 +55,9 @@ def finetune(**kw) -> None:
     (HF folder), report.json and memory_timeline.{csv,png} to --output.
     """
     kw.pop("launcher_local_rank")
+    from memascend.train.console import mark_run_start
+
+    mark_run_start()  # the run's phase lines count the seconds from here (supervised child and ranks too)
     nproc = kw.pop("nproc")
     if nproc is not None and nproc < 1:
         raise UserError(f"--nproc must be at least 1, got {nproc}")

@@ -160,6 +160,16 @@ OPTIMIZER = OptionGroup("optimizer", (
     flag("--epochs", section="train", field="epochs", type=float, default=None,
          help="Passes over the training data (overrides --steps)"),
     flag("--lr", section="train", field="lr", type=float, default=None, help="AdamW learning rate [default: 1e-4]"),
+    flag("--lr-scheduler", section="train", field="lr_scheduler",
+         type=click.Choice(["constant", "linear", "cosine"]), default=None,
+         help="Learning rate after the warm-up: constant, or linear/cosine decay to 0 at the last step "
+         "(Hugging Face transformers' schedules) [default: constant]"),
+    flag("--warmup-steps", section="train", field="warmup_steps", type=int, default=None,
+         help="Optimizer steps of linear warm-up from 0 to --lr [default: 0]"),
+    flag("--weight-decay", section="train", field="weight_decay", type=float, default=None,
+         help="AdamW weight decay, on every parameter [default: 0]"),
+    flag("--max-grad-norm", section="train", field="gradient_clipping", type=float, default=None,
+         help="Clip the global gradient norm to this; 0 disables (TOML: [train] gradient_clipping) [default: 1.0]"),
 ))
 
 OFFLOAD = OptionGroup("offload", (
@@ -212,6 +222,9 @@ CHECKPOINT = OptionGroup("checkpoints", (
 RUN = OptionGroup("run", (
     flag("--eval-blocks", section="data", field="eval_blocks", type=int, default=None,
          help="Held-out blocks evaluated before/after training [default: 16]"),
+    flag("--eval-every", section="train", field="eval_every", type=int, default=None,
+         help="Also evaluate the held-out loss every N optimizer steps (steps.jsonl, report.json, "
+         "TensorBoard); 0: before and after training only [default: 0]"),
     flag("--allow-nonfinite-loss", section="train", field="allow_nonfinite_loss", to_config=_true_or_none,
          is_flag=True, default=False,
          help="Keep training on a NaN/inf loss (by default the run stops, exit code 5, saving nothing)"),
@@ -222,6 +235,12 @@ OUTPUT = OptionGroup("output", (
          help="Output folder (model, report.json, memory timeline) [default: runs/latest]"),
     flag("--save-model/--no-save-model", section="train", field="save_model", default=None,
          help="Write the fine-tuned model as an HF folder [default: on]"),
+    flag("--report-to", section="train", field="report_to", type=click.Choice(["tensorboard", "none"]), default=None,
+         help="Per-step loss, lr, tokens/s, RSS, locked and NVMe bytes and held-out loss as TensorBoard event "
+         "files in OUTPUT/tensorboard (tensorboard --logdir OUTPUT/tensorboard), or none [default: tensorboard]"),
+    flag("--verbose", section="train", field="verbose", to_config=_true_or_none, is_flag=True, default=False,
+         help="Show DeepSpeed's warnings and its op-loading messages, as DeepSpeed prints them (hidden by default; "
+         "errors always show)"),
 ))
 
 CONFIG = OptionGroup("config files", (

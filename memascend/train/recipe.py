@@ -26,19 +26,19 @@ import math
 import resource
 import sys
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 from memascend.config import MAX_STEPS, RunConfig
 from memascend.errors import UserError
 from memascend.resolve import resolve
 from memascend.telemetry import MemorySampler, read_proc_io
+from memascend.telemetry.tensorboard import check_tensorboard
 from memascend.train import checkpoints as ckpt
-from memascend.train import determinism
+from memascend.train import console, determinism, schedule
 from memascend.train import dist as dist_setup
 from memascend.train import report as report_mod
 from memascend.train.preflight import check_aio_for_swap_folder, check_memlock_for_run, check_stock_param_dram
+from memascend.train.report import StepRecord
 from memascend.train.run_log import RunLog, write_json_atomic
 from memascend.train.runner import (
     Cleanup,
@@ -54,6 +54,9 @@ from memascend.train.runner import (
 from memascend.train.runner import evaluate as evaluate_held_out
 from memascend.train.supervisor import record_run_state
 from memascend.train.swapdir import TerminationAsInterrupt, folder_bytes, make_run_id, prepare_swap_dir
+from memascend.units import format_bytes
+
+__all__ = ["FinetuneRecipe", "StepRecord", "run_finetune"]
 
 
 def run_finetune(cfg: RunConfig) -> dict | None:
@@ -65,64 +68,20 @@ def run_finetune(cfg: RunConfig) -> dict | None:
     Raises:
         UserError: bad input detected before or during the run (nothing is left behind).
     """
-    info = dist_setup.setup_env()
-    with TerminationAsInterrupt(), MemorySampler() as sampler:
-        recipe = FinetuneRecipe(cfg, info, sampler)
-        try:
-            result = recipe.run()
-        except BaseException as exc:
-            recipe.fail(exc)
-            raise
-        recipe.cleanup()
-        return result
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepRecord:
-    """One optimizer step, as ``steps.jsonl`` and ``report.json``'s ``steps[i]`` record it.
-
-    Attributes:
-        step: the step's number, 1-based (after a resume, counting on from the checkpoint's).
-        loss: mean training loss of the step's micro-batches over all ranks.
-        rank_losses: this rank's loss of each micro-batch.
-        time_s: this rank's wall time of the step, seconds.
-        phase_s: this rank's wall seconds in each phase (:data:`memascend.train.report.PHASES`),
-            summed over the micro-batches (``engine.step()`` is the ZeRO-3 optimizer step, swap-in
-            and swap-out of the optimizer state included).
-        tokens: tokens of the step, all ranks (global batch x sequence length).
-        tokens_per_s: ``tokens / time_s``.
-        rss_bytes: this rank's resident set size at the end of the step.
-        minor_faults: pages this rank's process faulted in during the step (all threads): memory
-            handed back to the OS and touched again costs one fault per page (4 KiB, or 2 MiB with
-            THP).
-        skipped: DeepSpeed skipped the optimizer step (``engine.skipped_steps`` grew).
-    """
-
-    step: int
-    loss: float
-    rank_losses: tuple[float, ...]
-    time_s: float
-    phase_s: Mapping[str, float]
-    tokens: int
-    tokens_per_s: float
-    rss_bytes: int
-    minor_faults: int
-    skipped: bool
-
-    def to_dict(self) -> dict:
-        """The JSON record (keys in this order; lists and dicts are fresh copies)."""
-        return {
-            "step": self.step,
-            "loss": self.loss,
-            "rank_losses": list(self.rank_losses),
-            "time_s": self.time_s,
-            "phase_s": dict(self.phase_s),
-            "tokens": self.tokens,
-            "tokens_per_s": self.tokens_per_s,
-            "rss_bytes": self.rss_bytes,
-            "minor_faults": self.minor_faults,
-            "skipped": self.skipped,
-        }
+    unquiet = console.quiet_deepspeed_logger(cfg.train.verbose)
+    try:
+        info = dist_setup.setup_env()
+        with TerminationAsInterrupt(), MemorySampler() as sampler:
+            recipe = FinetuneRecipe(cfg, info, sampler)
+            try:
+                result = recipe.run()
+            except BaseException as exc:
+                recipe.fail(exc)
+                raise
+            recipe.cleanup()
+            return result
+    finally:
+        unquiet()
 
 
 class FinetuneRecipe:
@@ -153,6 +112,7 @@ class FinetuneRecipe:
         self.peak_swap_bytes = 0
         self.checkpoint_tag: str | None = None
         self.model_dir: Path | None = None
+        self.phases = console.PhaseLines(self.is_rank0)
 
     @property
     def run_log(self) -> RunLog | None:
@@ -167,9 +127,17 @@ class FinetuneRecipe:
     def run(self) -> dict | None:
         """Every step in order; the report dict on rank 0, ``None`` on other ranks."""
         self.setup()
-        self.loss_before = self.evaluate()
+        self.loss_before = self._timed_eval("before training")
+        if self.run_log is not None:
+            self.run_log.eval(self.start_step, self.loss_before)
         self.train()
-        self.loss_after = self.evaluate()
+        last = self.records[-1] if self.records else None
+        if last is not None and last.eval_loss is not None and last.step == self.steps:
+            self.loss_after = last.eval_loss  # --eval-every evaluated this very state
+        else:
+            self.loss_after = self._timed_eval("after training")
+            if self.run_log is not None:
+                self.run_log.eval(self.steps, self.loss_after)
         self.save()
         return self.report()
 
@@ -184,22 +152,40 @@ class FinetuneRecipe:
         Raises:
             UserError: bad input (the message names it and the fix).
         """
+        self._check_run_options()
         self.sampler.phase("load")
         self._load_inputs()
-        dist_setup.init_process_group()
+        with console.quiet_prints(self.cfg.train.verbose):  # DeepSpeed's "shm_comm_op built successfully"
+            dist_setup.init_process_group()
         check_dtype_supported(self.cfg.train.dtype, self.info.device_type)
         self.run_id = broadcast(make_run_id(), self.info.rank)
         self._check_resume()
         ckpt.check_checkpoint_space(self.cfg.train, self.out_dir, self.shape.total_numel)
         self._resolve()
+        self.steps = self._total_steps()
         self._open_swap_target()
         if self.cfg.engine == "baseline":
             check_stock_param_dram(self.resolved.ds_config, self.shape.param_numels, self.info.world_size)
         self._open_run_log()
         self.sampler.phase("initialize")
         self._initialize()
-        self.steps = self._total_steps()
         self._resume()
+
+    def _check_run_options(self) -> None:
+        """The logging, evaluation and schedule options, checked before anything is loaded.
+
+        Raises:
+            UserError: ``--eval-every`` without held-out blocks; a schedule from the flags and a
+                ``"scheduler"`` in ``--deepspeed-config``; ``--report-to tensorboard`` without the
+                ``tensorboard`` package.
+        """
+        cfg = self.cfg
+        if cfg.train.eval_every and cfg.data.eval_blocks == 0:
+            raise UserError(f"--eval-every {cfg.train.eval_every} needs held-out blocks, but --eval-blocks is 0")
+        schedule.check_json_scheduler(cfg.user_ds_config or {}, cfg.train)
+        if cfg.train.report_to == "tensorboard" and self.is_rank0:
+            check_tensorboard()
+        self.phases.line(console.run_banner(cfg))
 
     def _load_inputs(self) -> None:
         from memascend.data import build_blocks, read_documents
@@ -222,6 +208,9 @@ class FinetuneRecipe:
                 f"from-scratch vocab_size {cfg.model.from_scratch.vocab_size} is smaller than the tokenizer's "
                 f"{len(self.tokenizer)}"
             )
+        split = self.split
+        self.phases.line(f"data read: {split.num_documents:,} documents, {len(split.train):,} training + "
+                         f"{len(split.eval):,} held-out blocks of {cfg.data.seq_len} tokens")
 
     def _check_resume(self) -> None:
         """The checkpoints' parameter layout (when any checkpoint is read or written) and the
@@ -275,7 +264,8 @@ class FinetuneRecipe:
             self.ledger.created_out_dir = self.out_dir
         self.out_dir.mkdir(parents=True, exist_ok=True)
         header = report_mod.report_header(self.cfg, self.shape, self.split, self.info)
-        self.ledger.run_log = RunLog(self.out_dir, self.sampler, header)
+        self.ledger.run_log = RunLog(self.out_dir, self.sampler, header,
+                                     tensorboard=self.cfg.train.report_to == "tensorboard")
         record_run_state(self.info.rank, out_dir=str(self.out_dir.resolve()))
 
     def _initialize(self) -> None:
@@ -285,17 +275,26 @@ class FinetuneRecipe:
         from memascend.integrations import deepspeed as seam
         from memascend.models.loading import build_model
 
+        cfg = self.cfg
         settings = self.resolved.settings
         self.ledger.revert = seam.revert
         seam.apply(settings)
         self.engine_settings = dataclasses.asdict(settings)
         check_memlock_for_run(self.resolved.upfront_locked_bytes)
         ds_cfg = self.resolved.ds_config
-        model, hf_ds = build_model(self.src, self.cfg.model, ds_cfg, self.cfg.train.seed)
-        if self.cfg.train.activation_checkpointing:
+        model, hf_ds = build_model(self.src, cfg.model, ds_cfg, cfg.train.seed)
+        self.phases.line(f"model {'built' if cfg.model.from_scratch else 'loaded'} "
+                         f"({console.format_params(self.shape.total_numel)} params, {cfg.train.dtype})")
+        if cfg.train.activation_checkpointing:
             model.gradient_checkpointing_enable()
-        self.engine, _opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
+        with console.quiet_prints(cfg.train.verbose):  # an op loaded from the build cache prints that it was built
+            self.engine, _opt, _, _ = deepspeed.initialize(
+                model=model, model_parameters=model.parameters(), config=ds_cfg,
+                lr_scheduler=schedule.scheduler_factory(cfg.train, self.steps))
         del hf_ds
+        self.phases.line(f"DeepSpeed initialized (ZeRO-3; parameters on {cfg.offload.param}, optimizer state on "
+                         f"{cfg.offload.optimizer}; {self.steps:,} steps, lr {cfg.train.lr:g} {cfg.train.lr_scheduler}"
+                         f"{f', {cfg.train.warmup_steps} warm-up' if cfg.train.warmup_steps else ''})")
         first = next(self.engine.module.parameters())
         # The parameter's own dtype: ZeRO-3 keeps it when it frees param.data, while ds_tensor of a
         # partition that lives on NVMe only is DeepSpeed's float16 placeholder until it is swapped in.
@@ -338,6 +337,15 @@ class FinetuneRecipe:
         """Held-out loss (token-weighted mean cross-entropy; all ranks take part); ``None`` when
         there are fewer held-out blocks than ranks."""
         return evaluate_held_out(self.engine, self.split.eval, self.resolved.micro_batch, self.info, self.sampler)
+
+    def _timed_eval(self, when: str) -> float | None:
+        """:meth:`evaluate`, with its phase line (``when``: ``before training``, ``after step 5``)."""
+        t0 = time.monotonic()
+        loss = self.evaluate()
+        if loss is not None:
+            self.phases.line(f"held-out loss {when}: {loss:.4f} ({len(self.split.eval)} blocks, "
+                             f"{time.monotonic() - t0:.1f}s)")
+        return loss
 
     def train(self) -> None:
         """The training loop from the start step to the last, with the progress bar, periodic
@@ -382,12 +390,15 @@ class FinetuneRecipe:
         engine = self.engine
         t0 = time.monotonic()
         faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        io0 = read_proc_io()
+        lrs = engine.get_lr()  # the rate this step runs with: the scheduler moves it after engine.step()
         skipped_before = int(getattr(engine, "skipped_steps", 0))
         phase_s = {"forward_s": 0.0, "backward_s": 0.0, "optimizer_step_s": 0.0}
         grad_accum = self.resolved.grad_accum
         losses = [self._micro_step(step * grad_accum + micro, phase_s) for micro in range(grad_accum)]
         loss_sum, n = all_reduce_sum([sum(losses), len(losses)])
         dt = time.monotonic() - t0
+        end = self.sampler.sample()
         return StepRecord(
             step=step + 1,
             loss=loss_sum / n,
@@ -396,9 +407,13 @@ class FinetuneRecipe:
             phase_s=phase_s,
             tokens=self.tokens_per_step,
             tokens_per_s=self.tokens_per_step / dt,
-            rss_bytes=self.sampler.sample().rss_bytes,
+            rss_bytes=end.rss_bytes,
             minor_faults=resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0,
             skipped=int(getattr(engine, "skipped_steps", 0)) > skipped_before,
+            lr=float(lrs[0]) if lrs else self.cfg.train.lr,
+            locked_bytes=end.locked_bytes,
+            nvme_read_bytes=end.read_bytes - io0["read_bytes"],
+            nvme_write_bytes=end.write_bytes - io0["write_bytes"],
         )
 
     def _micro_step(self, index: int, phase_s: dict[str, float]) -> float:
@@ -424,6 +439,9 @@ class FinetuneRecipe:
         return float(loss.detach().float())
 
     def _after_step(self, step: int, record: StepRecord, bar) -> None:
+        every = self.cfg.train.eval_every
+        if every and record.step % every == 0 and math.isfinite(record.loss):
+            record = dataclasses.replace(record, eval_loss=self._timed_eval(f"after step {record.step}"))
         self.records.append(record)
         if self.run_log is not None:
             self.run_log.step(record.to_dict())
@@ -455,8 +473,10 @@ class FinetuneRecipe:
         t_save = time.monotonic()
         saved = ckpt.save_checkpoint(self.engine, root, run_id=self.run_id, info=self.ck_info, rank=self.info.rank,
                                      client_state=determinism.checkpoint_client_state(self.info.world_size))
-        self.ck_saves.append({"path": str(saved.path), "save_s": time.monotonic() - t_save,
-                              "manifest_s": saved.manifest_s, "bytes": saved.total_bytes})
+        save_s = time.monotonic() - t_save
+        self.ck_saves.append({"path": str(saved.path), "save_s": save_s, "manifest_s": saved.manifest_s,
+                              "bytes": saved.total_bytes})
+        self.phases.line(f"checkpoint saved: {saved.path} ({format_bytes(saved.total_bytes)}, {save_s:.1f}s)")
         return saved
 
     def save(self) -> None:
@@ -477,6 +497,7 @@ class FinetuneRecipe:
         rank 0 writes)."""
         from memascend.integrations.deepspeed.engine_state import consolidated_16bit_state_dict
 
+        t_save = time.monotonic()
         state_dict = consolidated_16bit_state_dict(self.engine)
         if self.is_rank0:
             self.model_dir = self.out_dir / "model"
@@ -485,6 +506,7 @@ class FinetuneRecipe:
                 model_to_save.config.use_cache = True
             model_to_save.save_pretrained(self.model_dir, state_dict=state_dict, safe_serialization=True)
             self.tokenizer.save_pretrained(self.model_dir)
+            self.phases.line(f"model saved: {self.model_dir} ({time.monotonic() - t_save:.1f}s)")
         del state_dict
 
     # ---- report and cleanup ---------------------------------------------------------------------

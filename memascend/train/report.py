@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import platform
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import metadata
 
@@ -43,6 +44,70 @@ def median_phase_s(per_step: list[dict]) -> dict[str, float] | None:
     if not rows:
         return None
     return {name: statistics.median(float(r[name]) for r in rows) for name in PHASES}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepRecord:
+    """One optimizer step, as ``steps.jsonl`` and ``report.json``'s ``steps[i]`` record it.
+
+    Attributes:
+        step: the step's number, 1-based (after a resume, counting on from the checkpoint's).
+        loss: mean training loss of the step's micro-batches over all ranks.
+        rank_losses: this rank's loss of each micro-batch.
+        time_s: this rank's wall time of the step, seconds.
+        phase_s: this rank's wall seconds in each phase (:data:`PHASES`), summed over the
+            micro-batches (``engine.step()`` is the ZeRO-3 optimizer step, swap-in and swap-out of
+            the optimizer state included).
+        tokens: tokens of the step, all ranks (global batch x sequence length).
+        tokens_per_s: ``tokens / time_s``.
+        rss_bytes: this rank's resident set size at the end of the step.
+        minor_faults: pages this rank's process faulted in during the step (all threads): memory
+            handed back to the OS and touched again costs one fault per page (4 KiB, or 2 MiB with
+            THP).
+        skipped: DeepSpeed skipped the optimizer step (``engine.skipped_steps`` grew).
+        lr: the learning rate the step ran with (the optimizer's first parameter group).
+        locked_bytes: this rank's locked memory (VmLck) at the end of the step.
+        nvme_read_bytes, nvme_write_bytes: bytes this rank's process read from and wrote to
+            storage during the step (``/proc/self/io``: the swap traffic, as ``report.json``'s
+            ``nvme`` section counts it over the training loop).
+        eval_loss: the held-out loss measured after this step (``--eval-every``), else ``None``.
+    """
+
+    step: int
+    loss: float
+    rank_losses: tuple[float, ...]
+    time_s: float
+    phase_s: Mapping[str, float]
+    tokens: int
+    tokens_per_s: float
+    rss_bytes: int
+    minor_faults: int
+    skipped: bool
+    lr: float
+    locked_bytes: int
+    nvme_read_bytes: int
+    nvme_write_bytes: int
+    eval_loss: float | None = None
+
+    def to_dict(self) -> dict:
+        """The JSON record (keys in this order; lists and dicts are fresh copies)."""
+        return {
+            "step": self.step,
+            "loss": self.loss,
+            "rank_losses": list(self.rank_losses),
+            "time_s": self.time_s,
+            "phase_s": dict(self.phase_s),
+            "tokens": self.tokens,
+            "tokens_per_s": self.tokens_per_s,
+            "rss_bytes": self.rss_bytes,
+            "minor_faults": self.minor_faults,
+            "skipped": self.skipped,
+            "lr": self.lr,
+            "locked_bytes": self.locked_bytes,
+            "nvme_read_bytes": self.nvme_read_bytes,
+            "nvme_write_bytes": self.nvme_write_bytes,
+            "eval_loss": self.eval_loss,
+        }
 
 
 @dataclass(frozen=True, kw_only=True)

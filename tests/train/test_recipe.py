@@ -27,6 +27,11 @@ from memascend.train.runner import Cleanup
 FIXTURE = json.loads((Path(__file__).parent / "data" / "report_keys.json").read_text())
 PACKAGE = Path(__file__).resolve().parents[2] / "memascend"
 
+ADDED_STEP_KEYS = ["lr", "locked_bytes", "nvme_read_bytes", "nvme_write_bytes", "eval_loss"]
+"""Keys a step record gained after the fixture was recorded (issue 23: TensorBoard, --eval-every), at its end."""
+ADDED_TRAIN_KEYS = {"lr_scheduler", "eval_every", "report_to", "verbose"}
+"""``config.train`` keys added by issue 23 (the optimizer, evaluation and logging flags)."""
+
 
 def keys(value):
     """The key structure of a JSON value: dicts keep their keys in order, a list its first element."""
@@ -37,19 +42,35 @@ def keys(value):
     return None
 
 
+def old_step_keys(rec_keys):
+    """A step record's key structure without :data:`ADDED_STEP_KEYS` (which must close it, in order)."""
+    assert [k for k, _ in rec_keys[-len(ADDED_STEP_KEYS):]] == ADDED_STEP_KEYS
+    return rec_keys[:-len(ADDED_STEP_KEYS)]
+
+
+def is_subsequence(old: list, new: list) -> bool:
+    """Every element of ``old`` is in ``new``, in the same order (``new`` may have more)."""
+    it = iter(new)
+    return all(any(x == y for y in it) for x in old)
+
+
 def record(step: int = 1) -> StepRecord:
     return StepRecord(step=step, loss=10.5, rank_losses=(10.5,), time_s=0.5,
                       phase_s={"forward_s": 0.1, "backward_s": 0.2, "optimizer_step_s": 0.15}, tokens=64,
-                      tokens_per_s=128.0, rss_bytes=1 << 29, minor_faults=1000, skipped=False)
+                      tokens_per_s=128.0, rss_bytes=1 << 29, minor_faults=1000, skipped=False, lr=1e-4,
+                      locked_bytes=1 << 20, nvme_read_bytes=4096, nvme_write_bytes=8192)
 
 
 def test_step_record_has_the_keys_and_values_of_the_old_record():
     rec = record().to_dict()
     for backend in ("folder", "raw_store"):
-        assert keys(rec) == keys(FIXTURE[backend]["steps"][0])
+        assert old_step_keys(keys(rec)) == keys(FIXTURE[backend]["steps"][0])
     assert rec == {"step": 1, "loss": 10.5, "rank_losses": [10.5], "time_s": 0.5,
                    "phase_s": {"forward_s": 0.1, "backward_s": 0.2, "optimizer_step_s": 0.15}, "tokens": 64,
-                   "tokens_per_s": 128.0, "rss_bytes": 1 << 29, "minor_faults": 1000, "skipped": False}
+                   "tokens_per_s": 128.0, "rss_bytes": 1 << 29, "minor_faults": 1000, "skipped": False,
+                   "lr": 1e-4, "locked_bytes": 1 << 20, "nvme_read_bytes": 4096, "nvme_write_bytes": 8192,
+                   "eval_loss": None}
+    assert dataclasses.replace(record(), eval_loss=3.5).to_dict()["eval_loss"] == 3.5
     assert list(rec["phase_s"]) == list(report_mod.PHASES)
     # JSON as steps.jsonl writes it: a list, not a tuple; the record is frozen and its dict a copy
     assert json.loads(json.dumps(rec)) == rec
@@ -118,12 +139,18 @@ def test_report_from_fixed_inputs_has_the_old_reports_keys(tmp_path, backend):
     rep = report_mod.build_report(_inputs(backend, tmp_path))
     assert list(rep) == list(want)
     # the sections the builder makes, key for key and in order
-    for section in ("config", "host", "model", "data", "eval", "nvme", "checkpoint", "seeding"):
+    for section in ("host", "model", "data", "eval", "nvme", "checkpoint", "seeding"):
         if section == "nvme" and backend == "raw_store":
             assert list(rep["nvme"]) == list(want["nvme"])  # the store's own keys come from the store
             continue
         assert keys(rep[section]) == keys(want[section]), section
-    assert keys(rep["steps"]) == keys(want["steps"])
+    # config: the fields of the recorded config, in order, plus the ones added since (issue 23)
+    assert list(rep["config"]) == list(want["config"])
+    for section, fields in keys(want["config"]):
+        now = dict(keys(rep["config"]))[section]
+        assert is_subsequence(fields or [], now or []), section
+    assert ADDED_TRAIN_KEYS <= set(rep["config"]["train"])
+    assert [old_step_keys(k) for k in keys(rep["steps"])] == keys(want["steps"])
     assert list(rep["memory"]) == list(want["memory"])
     assert rep["memory"]["sum_rank_peak_rss_bytes"] == 1 << 30
     assert rep["complete"] is True and rep["status"] == "completed" and rep["num_steps"] == 2
