@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import click
 
 from memascend.cli import options
+from memascend.cli.outputs import ENV_OUTPUT_DIR, link_latest, settle_output
+from memascend.config import RunConfig
 from memascend.errors import UserError
 
 
@@ -63,13 +66,22 @@ def finetune(**kw) -> None:
         raise UserError(f"--nproc must be at least 1, got {nproc}")
     from memascend.train.supervisor import is_supervised, supervise
 
+    overwrite_output = kw.pop("overwrite_output")
+    cfg = options.run_config_from_flags(kw)
+    # The first process checks the input and decides the output folder; the supervised child and the
+    # ranks of --nproc inherit its choice (memascend.cli.outputs).
+    first = "RANK" not in os.environ and not is_supervised()
+    if first:
+        options.show_config_notes(cfg)
+    output_given = kw["output_dir"] is not None or cfg.output_dir != RunConfig.output_dir
+    if first or ENV_OUTPUT_DIR in os.environ:
+        cfg, fresh = settle_output(cfg, given=output_given, overwrite=overwrite_output, first_process=first)
+    else:  # a rank of an outside launcher (deepspeed, torchrun) without --output: the folder of old
+        fresh = False
     if nproc is not None and nproc > 1 and "RANK" not in os.environ:
         # the launch runs under a parent that cleans up after ranks killed outright
         sys.exit(supervise(_torchrun_cmd(nproc)))
-    cfg = options.run_config_from_flags(kw)
-    if os.environ.get("RANK") == "0" or ("RANK" not in os.environ and not is_supervised()):
-        options.show_config_notes(cfg)  # once: here, not again in the supervised child; rank 0 of several
-    if "RANK" not in os.environ and not is_supervised():
+    if first:
         # Checked input, then the job in a child: a SIGKILL/OOM kill/abort of the training process
         # still gets one line and its swap files removed (memascend.train.supervisor).
         sys.exit(supervise([sys.executable, "-m", "memascend", *sys.argv[1:]]))
@@ -80,7 +92,11 @@ def finetune(**kw) -> None:
         torch_thp.enable_before_torch(cfg.memascend)
     from memascend.train.runner import run_finetune
 
-    report = run_finetune(cfg)
+    try:
+        report = run_finetune(cfg)
+    finally:
+        if fresh and os.environ.get("RANK", "0") == "0":
+            link_latest(Path(cfg.output_dir))
     if report is not None:
         _print_summary(report, cfg.output_dir)
 

@@ -232,7 +232,12 @@ RUN = OptionGroup("run", (
 
 OUTPUT = OptionGroup("output", (
     flag("--output", "output_dir", section="", field="output_dir", default=None,
-         help="Output folder (model, report.json, memory timeline) [default: runs/latest]"),
+         help="Output folder (model, report.json, steps.jsonl, memory timeline); one that holds anything is "
+         "refused unless --overwrite-output or --resume [default: a new runs/<YYYYmmdd-HHMMSS>-<model> per run, "
+         "runs/latest links to it]"),
+    flag("--overwrite-output", is_flag=True, default=False,
+         help="Reuse a non-empty --output: memascend first removes what a run writes there (model/, report.json, "
+         "steps.jsonl, memory_timeline.*, tensorboard/, checkpoints/), never other files"),
     flag("--save-model/--no-save-model", section="train", field="save_model", default=None,
          help="Write the fine-tuned model as an HF folder [default: on]"),
     flag("--report-to", section="train", field="report_to", type=click.Choice(["tensorboard", "none"]), default=None,

@@ -182,7 +182,8 @@ class BenchConfig:
                 "--data", self.data, "--dtype", self.dtype, "--seq-len", str(self.seq_len),
                 "--micro-batch", str(self.micro_batch), "--steps", str(self.steps), "--seed", str(self.seed),
                 "--offload-param", self.offload_param, "--offload-optimizer", self.offload_optimizer,
-                "--eval-blocks", "0", "--no-save-model"]
+                "--eval-blocks", "0", "--no-save-model",
+                "--overwrite-output"]  # a session reruns into its own folders (memascend.regress.runner)
         args += ["--from-scratch", self.from_scratch] if self.from_scratch else ["--model", self.model]
         args += ["--activation-checkpointing"] if self.activation_checkpointing else []
         if self.nproc > 1:

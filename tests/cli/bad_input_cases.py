@@ -152,6 +152,9 @@ CASES: tuple[Case, ...] = (
          ("--config", "{tmp}/run.toml", "--deepspeed-config", "{tmp}/ds.json"),
          "run.toml: train.micro_batch 2 disagrees with --deepspeed-config",
          files={"run.toml": b"[train]\nmicro_batch = 2\n", "ds.json": b'{"train_micro_batch_size_per_gpu": 8}\n'}),
+    Case("output-not-empty", "--output holding files (no --overwrite-output, no --resume)", "finetune",
+         ("--output", "{tmp}/full"), "full is not empty (notes.txt): give --overwrite-output",
+         files={"full/notes.txt": b"mine\n"}),
     Case("ds-config-syntax", "--deepspeed-config not JSON", "finetune", ("--deepspeed-config", "{tmp}/ds.json"),
          "ds.json is not valid JSON: line 1", files={"ds.json": b"{oops\n"}),
     # ---- usage errors of the command line itself (click) ----
