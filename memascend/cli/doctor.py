@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from memascend.cli import options
 from memascend.cli.params import SIZE_BYTES
 from memascend.host import DoctorOptions, HostPaths, Status, exit_code, run_checks
-from memascend.host.doctor import builtin_run
+from memascend.host.doctor import builtin_run, run_needs
 from memascend.host.result import format_bytes
+
+if TYPE_CHECKING:
+    from memascend.config import RunConfig
+    from memascend.resolve import ResolvedRun
 
 _STYLE = {Status.PASS: "green", Status.WARN: "yellow", Status.FAIL: "bold red", Status.SKIP: "dim"}
 
@@ -105,21 +111,37 @@ def doctor(
     """Check that this host can run memascend and print the fix for each failure.
 
     Checks: memlock limit vs the bytes the run locks, huge pages, raw partitions, libaio/liburing,
-    the compiled ops, CUDA and the NVIDIA driver, GPUDirect Storage, and the NVMe folder.
-    Exit code 1 when a check the run needs fails, 0 otherwise (warnings do not fail).
+    memascend's and DeepSpeed's compiled ops (as ds_report lists them), CUDA and the NVIDIA driver,
+    GPUDirect Storage, and the NVMe folder. With finetune's model/data/offload/engine flags (or
+    --config) it checks that run: the locked and NVMe bytes its preflight will require, its
+    --nvme-path folder or device. Exit code 1 when a check the run needs fails, 0 otherwise
+    (warnings do not fail).
     """
-    builtin = builtin_run()
+    run = _run_to_check(run_flags)
     nvme_path = run_flags.get("nvme_path")
+    if run is not None and run.cfg.offload.uses_nvme:
+        target = run.cfg.offload.swap_target
+        if target.kind == "folder":
+            nvme_path = target.path
+        elif target.kind == "device" and Path(target.path) not in devices:
+            devices = (*devices, Path(target.path))
+    needs = run.resolved if run is not None else builtin_run()
     doctor_options = DoctorOptions(
-        lock_bytes=builtin.upfront_locked_bytes if lock_bytes is None else lock_bytes,
+        lock_bytes=needs.upfront_locked_bytes if lock_bytes is None else lock_bytes,
         devices=tuple(devices),
         device_user=device_user,
         nvme_path=Path(nvme_path) if nvme_path is not None else None,
-        nvme_bytes=builtin.nvme_bytes_per_rank if nvme_bytes is None else nvme_bytes,
+        nvme_bytes=needs.nvme_bytes_per_rank if nvme_bytes is None else nvme_bytes,
         require_hugepages=require_hugepages,
         require_gpu=require_gpu,
         paths=HostPaths(proc=proc_root, sys=sys_root, etc=etc_root),
     )
+    if run is not None and not as_json:
+        from memascend.cli.outputs import run_name
+
+        click.echo(f"memascend doctor: the run of {run_name(run.cfg)} ({run.cfg.engine}) needs "
+                   f"{format_bytes(doctor_options.lock_bytes)} locked and {format_bytes(doctor_options.nvme_bytes)} "
+                   "on NVMe")
     results = run_checks(doctor_options)
     code = exit_code(results)
     if as_json:
@@ -132,6 +154,24 @@ def doctor(
         failed = [r.name for r in results if r.blocks_run]
         console.print("[bold red]not ready:[/] " + ", ".join(failed) if failed else "[green]ready[/]")
     sys.exit(code)
+
+
+
+@dataclass(frozen=True)
+class _Run:
+    cfg: RunConfig
+    resolved: ResolvedRun
+
+
+def _run_to_check(run_flags: dict) -> _Run | None:
+    """The run finetune's flags describe, or ``None`` when none but ``--nvme-path`` was given (the
+    built-in run's numbers then, :func:`memascend.host.doctor.builtin_run`)."""
+    given = [k for k, v in run_flags.items() if v is not None and k != "nvme_path"]
+    if not given:
+        return None
+    cfg = options.run_config_from_flags(run_flags)
+    options.show_config_notes(cfg)
+    return _Run(cfg, run_needs(cfg))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ def plan(nproc: int, as_json: bool, cap_gib: float | None, **kw) -> None:
     """Predict peak host RSS, locked memory (VmLck) and NVMe space of a fine-tuning run under stock
     DeepSpeed (baseline) and under memascend, and name the biggest consumers. Nothing is run or loaded
     (the model is laid out on the meta device). Takes the same model/data/offload flags as
-    `memascend finetune`. Sizes are GiB; memory is the sum over the host's ranks, except the two
+    `memascend finetune` (a missing --data path is refused, no data is read; --engine picks the engine
+    checked against this host's memory, RAM or a cgroup limit, with a warning when it does not fit). Sizes are GiB; memory is the sum over the host's ranks, except the two
     "needed / rank" rows: the NVMe space and lockable memory finetune requires of each rank before
     it starts.
     """
@@ -34,10 +35,14 @@ def plan(nproc: int, as_json: bool, cap_gib: float | None, **kw) -> None:
         raise UserError(f"--cap-gib must be positive, got {cap_gib}")
     cfg = options.run_config_from_flags(kw)
     options.show_config_notes(cfg)
+    _check_data(cfg.data.source)
     plans = plan_run(cfg, world_size=nproc)
     fits = largest_preset_under_cap(cfg, int(cap_gib * GIB), nproc) if cap_gib else None
+    host = _warn_if_over_host(plans[cfg.engine])
     if as_json:
         doc = {k: p.to_dict() for k, p in plans.items()}
+        doc["host"] = {"memory_bytes": host.limit_bytes, "source": host.source, "engine": cfg.engine,
+                       "fits": plans[cfg.engine].peak_rss_bytes <= host.limit_bytes}
         if fits is not None:
             doc["largest_preset_under_cap"] = {"cap_gib": cap_gib, **{k: v and v[0] for k, v in fits.items()}}
         click.echo(json.dumps(doc, indent=2))
@@ -47,7 +52,7 @@ def plan(nproc: int, as_json: bool, cap_gib: float | None, **kw) -> None:
 
     console = Console()
     base, mine = plans["baseline"], plans["memascend"]
-    t = Table(title=f"memascend plan: {cfg.model.from_scratch and 'from-scratch' or cfg.model.name_or_path}, "
+    t = Table(title=f"memascend plan: {_model_title(cfg)}, "
                     f"{cfg.train.dtype}, {cfg.train.micro_batch} x {cfg.data.seq_len} tokens, {nproc} rank(s)",
               title_justify="left")
     for h in ("", "baseline GiB", "memascend GiB", "memascend / baseline"):
@@ -73,3 +78,48 @@ def plan(nproc: int, as_json: bool, cap_gib: float | None, **kw) -> None:
             what = f"{fit[0]} (planned peak {fit[1] / GIB:.2f} GiB)" if fit else "no preset"
             console.print(f"largest from-scratch preset under {cap_gib:g} GiB, {engine}: {what}")
 
+
+def _model_title(cfg) -> str:
+    """``llama-1b (from scratch, 1.10 B parameters)``, ``llama-tiny (from scratch, 3.2 M parameters)``,
+    or the model's name."""
+    fs = cfg.model.from_scratch
+    if fs is None:
+        return cfg.model.name_or_path
+    from memascend.cli.outputs import run_name
+
+    count = f"{fs.param_numel / 1e9:.2f} B" if fs.param_numel >= 1e9 else f"{fs.param_numel / 1e6:.1f} M"
+    return f"{run_name(cfg)} (from scratch, {count} parameters)"
+
+
+def _check_data(source: str) -> None:
+    """Refuse a ``--data`` path that does not exist, as ``memascend finetune`` would (nothing is read).
+
+    Raises:
+        UserError: a comma-separated part that is neither a built-in corpus, an existing path nor a
+            Hugging Face data set id.
+    """
+    from pathlib import Path
+
+    from memascend.data.readers import BUILTIN_CORPORA
+    from memascend.data.tables import is_hub_id
+    from memascend.errors import UserError
+
+    if source in BUILTIN_CORPORA:
+        return
+    for part in (p.strip() for p in source.split(",") if p.strip()):
+        if not Path(part).expanduser().exists() and not is_hub_id(part):
+            raise UserError(f"data not found: {part} (plan reads no data, but finetune would stop here)")
+
+
+def _warn_if_over_host(engine_plan):
+    """Warn on stderr when the planned peak RSS of the run's engine exceeds this host's memory (RAM or
+    the cgroup limit); returns :class:`memascend.plan.host_fit.HostMemory`."""
+    from memascend.plan.host_fit import host_memory
+    from memascend.units import GIB
+
+    host = host_memory()
+    if engine_plan.peak_rss_bytes > host.limit_bytes:
+        click.echo(f"memascend: warning: the {engine_plan.engine} run plans {engine_plan.peak_rss_bytes / GIB:.2f} GiB "
+                   f"peak RSS, more than this host's {host.limit_bytes / GIB:.2f} GiB ({host.source}): it would "
+                   "be OOM-killed or swap", err=True)
+    return host

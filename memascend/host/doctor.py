@@ -18,7 +18,7 @@ from memascend.host.gpu import check_cuda, check_gds
 from memascend.host.hugepages import check_hugepages
 from memascend.host.libraries import check_library
 from memascend.host.memlock import check_memlock
-from memascend.host.result import CheckResult, HostPaths
+from memascend.host.result import CheckResult, HostPaths, Status
 from memascend.host.storage import check_nvme_path
 from memascend.resolve import ModelShape, ResolvedRun, resolve
 
@@ -46,6 +46,54 @@ def builtin_lock_bytes() -> int:
 def builtin_nvme_bytes() -> int:
     """NVMe space the built-in run requires (``ResolvedRun.nvme_bytes_per_rank`` of its one rank)."""
     return builtin_run().nvme_bytes_per_rank
+
+
+def run_needs(cfg: RunConfig, world_size: int = 1) -> ResolvedRun:
+    """The resolver's view of the run ``cfg`` describes (its NVMe and up-front locked estimates are
+    what ``memascend finetune``'s preflight checks), from the model's meta-device layout.
+
+    Raises:
+        UserError: the model cannot be resolved (as ``memascend finetune``).
+    """
+    from memascend.plan.shapes import model_dims
+
+    dims = model_dims(cfg)
+    return resolve(cfg, ModelShape(dims.total_numel, dims.param_numels, dims.module_param_counts), world_size)
+
+
+def check_deepspeed_ops() -> list[CheckResult]:
+    """DeepSpeed's compiled ops, as ``ds_report`` lists them (one row each).
+
+    Returns:
+        For an op a memascend run loads: PASS when prebuilt or JIT-built already, WARN when the first
+        run would build it (minutes), FAIL when DeepSpeed says it cannot be built here. Other ops:
+        PASS when built, SKIP otherwise (optional).
+    """
+    from memascend.integrations.deepspeed.op_report import deepspeed_ops
+
+    try:
+        ops = deepspeed_ops()
+    except ImportError as exc:
+        return [CheckResult(name="deepspeed ops", status=Status.FAIL, detail=f"deepspeed is not importable: {exc}",
+                            fix="./install.sh")]
+    out = []
+    for op in ops:
+        built = "prebuilt in the wheel" if op.installed else "JIT-built (cached)" if op.cached else ""
+        label = f"deepspeed op {op.name}"
+        if built:
+            out.append(CheckResult(name=label, status=Status.PASS, detail=built, required=op.used_by_run))
+        elif not op.used_by_run:
+            state = "compatible" if op.compatible else "not compatible here"
+            out.append(CheckResult(name=label, status=Status.SKIP, detail=f"not built, {state}; memascend does not "
+                                   "load it", required=False))
+        elif op.compatible:
+            out.append(CheckResult(name=label, status=Status.WARN, detail="not built; the first run builds it",
+                                   fix="python3 -m memascend.integrations.deepspeed.ops_build", required=False))
+        else:
+            out.append(CheckResult(name=label, status=Status.FAIL, detail="DeepSpeed cannot build it here",
+                                   fix="install its build dependencies (libaio-dev for async_io) and run "
+                                   "python3 -m memascend.integrations.deepspeed.ops_build"))
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,7 +127,8 @@ def run_checks(options: DoctorOptions) -> list[CheckResult]:
 
     Returns:
         One result per check: memlock, hugepages, each device, libaio, liburing, aio syscalls
-        (required with an NVMe folder: DeepSpeed's aio swaps there), each op, build locks, cuda,
+        (required with an NVMe folder: DeepSpeed's aio swaps there), each memascend op, each
+        DeepSpeed op (:func:`check_deepspeed_ops`), build locks, cuda,
         gds, and the NVMe folder when given.
     """
     paths = options.paths
@@ -96,6 +145,7 @@ def run_checks(options: DoctorOptions) -> list[CheckResult]:
     results.append(check_library("uring", "liburing.h", required=False))
     results.append(check_aio_syscalls(required=options.nvme_path is not None))
     results += [check_extension(name) for name in op_names()]
+    results += check_deepspeed_ops()
     results.append(check_build_locks())
     results.append(check_cuda(paths, required=options.require_gpu))
     results.append(check_gds(paths))

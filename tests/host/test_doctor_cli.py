@@ -67,3 +67,37 @@ def test_real_host_runs():
     has_aio = ctypes.util.find_library("aio") is not None
     assert (by_name["libaio"].status is not Status.FAIL) == has_aio
     assert exit_code(results) == int(any(r.required and r.status is Status.FAIL for r in results))
+
+
+def test_doctor_checks_the_run_finetune_s_flags_describe(fake_host, tmp_path):
+    """The same model/offload/engine flags as finetune; the locked and NVMe bytes are the resolver's
+    numbers for that run (what finetune's preflight checks), and its --nvme-path folder is checked."""
+    from memascend.config import build_run_config
+    from memascend.host.doctor import run_needs
+    from memascend.host.result import format_bytes
+
+    fake_host.set_limits("unlimited", "unlimited")
+    args = ["--from-scratch", "llama-tiny", "--engine", "baseline", "--nvme-path", str(tmp_path)]
+    result = CliRunner().invoke(doctor, [*_roots(fake_host), "--no-gpu", "--json", *args])
+    assert result.exit_code == 0, result.output
+    by_name = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+    want = run_needs(build_run_config({}, {"model": {"from_scratch": "llama-tiny"}, "engine": "baseline",
+                                           "offload": {"nvme_path": str(tmp_path)}}))
+    assert f"~{format_bytes(want.upfront_locked_bytes)}" in by_name["memlock"]["detail"]
+    assert format_bytes(want.nvme_bytes_per_rank) in by_name[f"nvme path {tmp_path}"]["detail"]
+    bad = CliRunner().invoke(doctor, ["--from-scratch", "llama-tiny", "--save-checkpoint", "x"])
+    assert bad.exit_code == 2 and "No such option" in bad.output
+
+
+def test_doctor_lists_deepspeed_s_ops(fake_host):
+    from memascend.integrations.deepspeed.op_report import RUN_OPS, deepspeed_ops
+
+    fake_host.set_limits("unlimited", "unlimited")
+    result = CliRunner().invoke(doctor, [*_roots(fake_host), "--no-gpu", "--json"])
+    rows = {c["name"]: c for c in json.loads(result.stdout)["checks"] if c["name"].startswith("deepspeed op ")}
+    ops = {op.name: op for op in deepspeed_ops()}
+    assert set(rows) == {f"deepspeed op {n}" for n in ops} and {"async_io", "cpu_adam"} <= set(ops)
+    for name, op in ops.items():
+        row = rows[f"deepspeed op {name}"]
+        assert (row["status"] == "pass") == (op.installed or op.cached)
+        assert row["required"] == (name in RUN_OPS and (op.installed or op.cached or not op.compatible))

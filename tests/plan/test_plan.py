@@ -58,7 +58,7 @@ def test_plan_cli_json_and_bad_input():
     res = CliRunner().invoke(cli, ["plan", "--from-scratch", "llama-tiny", "--seq-len", "64", "--json"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.output)
-    assert set(doc) == {"baseline", "memascend"}
+    assert set(doc) == {"baseline", "memascend", "host"}
     assert doc["baseline"]["peak_locked_bytes"] >= doc["memascend"]["peak_locked_bytes"] > 0
     res2 = CliRunner().invoke(cli, ["plan", "--from-scratch", "llama-tiny", "--nproc", "2", "--json"])
     two = json.loads(res2.output)

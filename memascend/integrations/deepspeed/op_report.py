@@ -1,0 +1,71 @@
+"""DeepSpeed's compiled ops on this host, as ``ds_report`` lists them: for ``memascend doctor``.
+
+Lives behind the seam because it reads DeepSpeed's ``op_builder`` (a DeepSpeed internal). Source:
+DeepSpeed 0.19.8 ``deepspeed/env_report.py`` (``op_report``: ``ALL_OPS``, ``is_compatible``,
+``git_version_info.installed_ops``) and ``OpBuilder.jit_load`` (a JIT-built op lands in
+``$TORCH_EXTENSIONS_DIR/<op>/<op>.so``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+RUN_OPS = ("async_io", "pin_memory", "cpu_adam", "deepspeed_shm_comm")
+"""The ops a memascend run loads (NVMe swapping, the CPU Adam, the CPU shared-memory collectives)."""
+
+
+@dataclass(frozen=True)
+class DeepSpeedOp:
+    """One op of the accelerator's ``op_builder``.
+
+    Attributes:
+        name: DeepSpeed's op name (``async_io``).
+        compatible: whether it can be built here (``OpBuilder.is_compatible``).
+        installed: prebuilt into the DeepSpeed wheel (``DS_BUILD_OPS``).
+        cached: JIT-built already, under ``$TORCH_EXTENSIONS_DIR``.
+        used_by_run: whether a memascend run loads it (:data:`RUN_OPS`).
+    """
+
+    name: str
+    compatible: bool
+    installed: bool
+    cached: bool
+    used_by_run: bool
+
+
+def deepspeed_ops() -> list[DeepSpeedOp]:
+    """Every op the accelerator's ``op_builder`` knows, with its state.
+
+    Uses this environment's build folders (:func:`memascend.ops.build.configure_builds`), where
+    ``install.sh`` built the ops.
+
+    Raises:
+        ImportError: DeepSpeed is not importable.
+    """
+    import contextlib
+    import io
+
+    from memascend.ops.build import configure_builds
+
+    configure_builds()
+    # DeepSpeed prints while it looks for compilers; its compile probe (OpBuilder.has_function) dups
+    # sys.stderr's file descriptor, which a captured stderr (click's test runner) does not have.
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(sys.__stderr__ or sys.stderr):
+        from deepspeed.git_version_info import installed_ops
+        from deepspeed.ops.op_builder.all_ops import ALL_OPS
+
+        jit_root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+        out = []
+        for name, builder in sorted(ALL_OPS.items()):
+            if builder is None or name == "deepspeed_not_implemented":
+                continue
+            try:
+                compatible = bool(builder.is_compatible(verbose=False))
+            except Exception:  # noqa: BLE001 - a builder that cannot even check is not compatible
+                compatible = False
+            cached = any((jit_root / name).glob(f"{name}*.so"))
+            out.append(DeepSpeedOp(name, compatible, bool(installed_ops.get(name)), cached, name in RUN_OPS))
+    return out
