@@ -38,10 +38,14 @@ from memascend.regress.matrix import MATRICES
 @click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
               help="Run each baseline/memascend pair this many times in alternating order (not with --memory-cap); "
               "step time and memory peaks are the medians over the repeats, losses must agree in every repeat")
+@click.option("--replot", "replot_dir", default=None, metavar="DIR",
+              help="Run nothing: draw DIR's PNGs again (timelines with phases shaded, scaling.png) from its "
+              "results.json and the timeline CSVs under DIR/timelines/ or DIR/<config>/<engine>/, with this "
+              "memascend's plot code (e.g. a folder under baselines/)")
 @click.option("--timeout", "timeout_s", type=POSITIVE_FLOAT, default=3600.0, show_default=True,
               help="Seconds after which one training run counts as failed")
 def regress(matrix_name, output_dir, only, memory_cap, update_golden, baselines_dir, profile, nvme_path, resume,
-            repeats, timeout_s) -> None:
+            repeats, replot_dir, timeout_s) -> None:
     """Run every config of a matrix with stock DeepSpeed (baseline) and with memascend, each in its own
     process with the same seed and data, and compare.
 
@@ -69,6 +73,12 @@ def regress(matrix_name, output_dir, only, memory_cap, update_golden, baselines_
     from memascend.regress.matrix import get_matrix
     from memascend.regress.session import RegressOptions, run_regress
 
+    if replot_dir is not None:
+        from memascend.regress.replot import replot
+
+        written = replot(replot_dir)
+        click.echo(f"{replot_dir}: " + (", ".join(written) if written else "nothing to draw"))
+        return
     matrix = get_matrix(matrix_name)
     if matrix.capped_search and memory_cap is None:
         raise click.UsageError(f"--matrix {matrix.name} is a search under a memory cap: give --memory-cap SIZE "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from memascend.regress.compare import ConfigResult, fit_line
@@ -250,30 +251,138 @@ def scaling_fit(results: list[ConfigResult]) -> dict[str, dict] | None:
     return out
 
 
-def plot_scaling(fit: dict[str, dict], out_png: Path, title: str) -> None:
-    """Peak RSS (GiB) against parameters (millions) for both engines, with the fitted lines."""
+@dataclass(frozen=True)
+class ScalingPoint:
+    """One measured model size of one engine on the peak-RSS-against-parameters plot.
+
+    Attributes:
+        engine: ``baseline`` or ``memascend``.
+        param_numel: the model's parameters.
+        peak_rss_bytes: the run's peak host RSS (bytes, summed over ranks); ``None`` for a run the
+            memory cap OOM-killed (drawn at the cap).
+        note: a few words shown next to the point (``sub_group_size 1e8``); empty for none.
+    """
+
+    engine: str
+    param_numel: int
+    peak_rss_bytes: int | None
+    note: str = ""
+
+
+def scaling_points(results: list[ConfigResult]) -> list[ScalingPoint]:
+    """The scaling series of a regress run: every ``scaling`` config's measured peak per engine, and
+    each run a memory cap OOM-killed (``runs.<engine>.cap.outcome``), one point per size and engine."""
+    pts = []
+    for r in results:
+        if not r.config.scaling:
+            continue
+        for engine in ("baseline", "memascend"):
+            m = getattr(r, engine)
+            if m is not None:
+                pts.append(ScalingPoint(engine, m.param_numel, m.peak_rss_bytes))
+            elif ((r.runs.get(engine) or {}).get("cap") or {}).get("outcome") == "oom-killed":
+                pts.append(ScalingPoint(engine, r.config.param_numel or 0, None))
+    return [p for p in pts if p.param_numel]
+
+
+_ENGINE_COLORS = {"baseline": "tab:red", "memascend": "tab:blue"}
+
+
+def scaling_figure(points: list[ScalingPoint], title: str, fit: dict[str, dict] | None = None,
+                   cap_bytes: int | None = None):
+    """Peak host RSS (GiB) against parameters (billions): one marker per measured size and engine,
+    the fitted lines of ``fit`` (:func:`scaling_fit`) over the sizes they were fitted on, the memory
+    cap as a horizontal line and an ``x`` at the cap for each run it OOM-killed. The legend sits
+    outside the axes.
+
+    Returns:
+        The matplotlib ``Figure`` (the caller saves and closes it).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
-    for engine, color in (("baseline", "tab:red"), ("memascend", "tab:blue")):
-        f = fit[engine]
-        xs = [x for x, _ in f["points"]]
-        ax.scatter([x / 1e6 for x in xs], [y / GIB for _, y in f["points"]], color=color, label=engine)
-        lo, hi = min(xs), max(xs)
-        ax.plot([lo / 1e6, hi / 1e6],
-                [(f["bytes_per_param"] * x + f["intercept_bytes"]) / GIB for x in (lo, hi)], "--", color=color,
-                label=f"{engine}: {f['bytes_per_param']:.1f} B/param + {f['intercept_bytes'] / GIB:.2f} GiB")
-    ax.set_xlabel("parameters (millions)")
+    fig, ax = plt.subplots(figsize=(10, 5), dpi=110)
+    for engine, color in _ENGINE_COLORS.items():
+        fitted = [p for p in points if p.engine == engine and p.peak_rss_bytes is not None]
+        if fitted:
+            ax.plot([p.param_numel / 1e9 for p in fitted], [p.peak_rss_bytes / GIB for p in fitted], "o",
+                    color=color, label=f"{'stock (baseline)' if engine == 'baseline' else engine}: measured",
+                    gid=f"scaling:{engine}")
+            for p in fitted:
+                if p.note:
+                    ax.annotate(p.note, (p.param_numel / 1e9, p.peak_rss_bytes / GIB), textcoords="offset points",
+                                xytext=(6, -10), fontsize=7, color=color)
+        f = (fit or {}).get(engine)
+        if f:
+            xs = [x for x, _ in f["points"]]
+            lo, hi = min(xs), max(xs)
+            ax.plot([lo / 1e9, hi / 1e9], [(f["bytes_per_param"] * x + f["intercept_bytes"]) / GIB for x in (lo, hi)],
+                    "--", color=color, lw=1,
+                    label=f"{engine} fit: {f['bytes_per_param']:.1f} B/param + {f['intercept_bytes'] / GIB:.2f} GiB")
+    if cap_bytes:
+        ax.axhline(cap_bytes / GIB, color="black", lw=0.8, ls=":", label=f"memory cap {cap_bytes / GIB:.0f} GiB")
+        for engine, color in _ENGINE_COLORS.items():
+            killed = [p for p in points if p.engine == engine and p.peak_rss_bytes is None]
+            if killed:
+                ax.plot([p.param_numel / 1e9 for p in killed], [cap_bytes / GIB] * len(killed), "x", ms=10, mew=2,
+                        color=color, label=f"{engine}: OOM-killed under the cap", gid=f"oom:{engine}")
+    ax.set_xlabel("parameters (billions)")
     ax.set_ylabel("peak host RSS (GiB)")
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8)
     fig.tight_layout()
-    fig.savefig(out_png)
+    return fig
+
+
+def plot_scaling(points: list[ScalingPoint], out_png: Path, title: str, fit: dict[str, dict] | None = None,
+                 cap_bytes: int | None = None) -> None:
+    """Write :func:`scaling_figure` to ``out_png``."""
+    import matplotlib.pyplot as plt
+
+    fig = scaling_figure(points, title, fit, cap_bytes)
+    fig.savefig(out_png, bbox_inches="tight")
     plt.close(fig)
+
+
+def write_plots(results: list[ConfigResult], out_dir: Path, meta: dict, timelines: dict[str, dict[str, Path]]) -> list[str]:
+    """Write ``timeline-<config>.png`` (both engines' timelines, phases shaded) and ``scaling.png``.
+
+    Each timeline CSV is first copied to ``out_dir/timelines/<config>-<engine>.csv`` (unless it is
+    that file already), so a folder committed under ``baselines/`` can be drawn again
+    (:func:`memascend.regress.replot.replot`).
+
+    Returns:
+        The PNG names written, in the order drawn.
+    """
+    import shutil
+
+    from memascend.telemetry.plot import plot_timelines
+
+    plots = []
+    for name, lines in timelines.items():
+        if not lines:
+            continue
+        kept = {}
+        for engine, csv in lines.items():
+            kept[engine] = out_dir / "timelines" / f"{name}-{engine}.csv"
+            if Path(csv).resolve() != kept[engine].resolve():
+                kept[engine].parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(csv, kept[engine])
+        png = out_dir / f"timeline-{name}.png"
+        plot_timelines(kept, png, title=f"{name}: baseline vs memascend")
+        plots.append(png.name)
+    fit = scaling_fit(results)
+    if fit:
+        cap = meta.get("memory_cap") or {}
+        plot_scaling(scaling_points(results), out_dir / "scaling.png",
+                     f"{meta.get('matrix', '')}: peak host RSS vs model size", fit, cap.get("cap_bytes"))
+        plots.append("scaling.png")
+    return plots
 
 
 def write_outputs(results: list[ConfigResult], out_dir: Path, meta: dict, timelines: dict[str, dict[str, Path]]) -> dict:
@@ -288,19 +397,9 @@ def write_outputs(results: list[ConfigResult], out_dir: Path, meta: dict, timeli
     Returns:
         The JSON document written.
     """
-    from memascend.telemetry.plot import plot_timelines
-
     out_dir.mkdir(parents=True, exist_ok=True)
-    plots = []
-    for name, lines in timelines.items():
-        if lines:
-            png = out_dir / f"timeline-{name}.png"
-            plot_timelines({k: str(v) for k, v in lines.items()}, png, title=f"{name}: baseline vs memascend")
-            plots.append(png.name)
+    plots = write_plots(results, out_dir, meta, timelines)
     fit = scaling_fit(results)
-    if fit:
-        plot_scaling(fit, out_dir / "scaling.png", f"{meta.get('matrix', '')}: peak host RSS vs model size")
-        plots.append("scaling.png")
     cap = meta.get("memory_cap")
     largest = largest_under_cap(results) if cap and meta.get("capped_search") else None
     doc = {**meta, "ok": all(r.ok for r in results), "configs": [r.to_dict() for r in results],

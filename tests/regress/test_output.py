@@ -48,3 +48,26 @@ def test_write_outputs(tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "bytes/param" in md and md.count("\n|") >= len(results) + 1
     assert markdown_table(results).splitlines()[0].startswith("| config |")
+
+
+def test_scaling_plot_has_one_point_per_size_and_the_legend_outside(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from memascend.regress.output import ScalingPoint, scaling_figure, scaling_points
+
+    results = _series_results()
+    points = scaling_points(results)
+    assert sorted((p.engine, p.param_numel) for p in points) == sorted(
+        (e, n * 100_000_000) for e in ("baseline", "memascend") for n in (1, 2, 3))
+    points += [ScalingPoint("memascend", 2_000_000_000, 7 * 2**30, note="single run"),
+               ScalingPoint("baseline", 1_000_000_000, None)]
+    fig = scaling_figure(points, "t", scaling_fit(results), cap_bytes=16 * 2**30)
+    ax = fig.axes[0]
+    by_gid = {line.get_gid(): line for line in ax.get_lines() if line.get_gid()}
+    assert list(by_gid["scaling:memascend"].get_xdata()) == [0.1, 0.2, 0.3, 2.0]
+    assert list(by_gid["scaling:baseline"].get_xdata()) == [0.1, 0.2, 0.3]
+    assert list(by_gid["oom:baseline"].get_xdata()) == [1.0] and list(by_gid["oom:baseline"].get_ydata()) == [16.0]
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    assert not ax.get_legend().get_window_extent(r).overlaps(ax.get_window_extent(r))
+    plt.close(fig)
