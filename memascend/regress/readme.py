@@ -1,0 +1,109 @@
+"""The README's measured numbers, rendered from the committed baselines (never typed by hand).
+
+Every table and number sentence about a measurement in ``README.md`` sits between
+``<!-- generated: NAME -->`` and ``<!-- end generated -->``; :data:`BLOCKS` renders each NAME from
+files under ``baselines/<profile>/`` (regress ``results.json`` and ``report.json`` files, golden
+files, capped-run outcomes, io-bench and store-e2e JSON) and from :func:`memascend.plan.plan_run`.
+
+``python3 -m memascend.regress.readme --write`` rewrites the blocks (and draws the profile's
+``cpu-full/scaling.png`` from every measured size); ``--check`` (the default) exits 1 and names each
+block that differs from what the baselines give (``tests/regress/test_readme.py`` runs it).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from memascend.regress import readme_blocks as rb
+
+REPO = Path(__file__).resolve().parents[2]
+PROFILE = "cpu-2c-24g"
+BEGIN = "<!-- generated: {name} -->"
+END = "<!-- end generated -->"
+_BLOCK_RE = re.compile(r"<!-- generated: ([\w.-]+) -->\n(.*?)" + re.escape(END), re.S)
+
+BLOCKS: dict[str, Callable[[rb.Baselines], str]] = {
+    "ablation-table": rb.ablation_table,
+    "ablation-notes": rb.ablation_notes,
+    "smollm2-repeats": rb.smollm2_repeats,
+    "smoke-table": rb.smoke_table,
+    "smoke-notes": rb.smoke_notes,
+    "cpu-full-table": rb.cpu_full_table,
+    "cpu-full-notes": rb.cpu_full_notes,
+    "llama-1b-plan": rb.llama_1b_plan,
+    "llama-1b-table": rb.llama_1b_table,
+    "llama-1b-notes": rb.llama_1b_notes,
+    "plan-accuracy": rb.plan_accuracy,
+    "scaling-notes": rb.scaling_notes,
+    "capped-table": rb.capped_table,
+    "capped-notes": rb.capped_notes,
+    "io-bench-table": rb.io_bench_table,
+    "io-bench-notes": rb.io_bench_notes,
+    "store-e2e-table": rb.store_e2e_table,
+    "store-e2e-notes": rb.store_e2e_notes,
+}
+"""Block name -> renderer (a function of the profile's baselines, returning markdown)."""
+
+
+def render_all(baselines: rb.Baselines) -> dict[str, str]:
+    """Every block's markdown (each ends with one newline)."""
+    return {name: fn(baselines).rstrip("\n") + "\n" for name, fn in BLOCKS.items()}
+
+
+def readme_blocks(text: str) -> dict[str, str]:
+    """The generated blocks of a README text: name -> content between its markers."""
+    return {m.group(1): m.group(2) for m in _BLOCK_RE.finditer(text)}
+
+
+def rewrite(text: str, rendered: dict[str, str]) -> str:
+    """``text`` with every block's content replaced by ``rendered[name]`` (unknown names kept)."""
+    return _BLOCK_RE.sub(lambda m: BEGIN.format(name=m.group(1)) + "\n" + rendered.get(m.group(1), m.group(2)) + END,
+                         text)
+
+
+def differences(text: str, rendered: dict[str, str]) -> list[str]:
+    """One line per block that is missing from ``text``, unknown to :data:`BLOCKS`, or differs."""
+    found = readme_blocks(text)
+    out = [f"{n}: no <!-- generated: {n} --> block in the README" for n in rendered if n not in found]
+    out += [f"{n}: not a known block (memascend/regress/readme.py BLOCKS)" for n in found if n not in rendered]
+    for name, content in found.items():
+        if name in rendered and content != rendered[name]:
+            old, new = content.splitlines(), rendered[name].splitlines()
+            first = next((i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b), min(len(old), len(new)))
+            out.append(f"{name}: README line {first + 1} of the block differs from the baselines:\n"
+                       f"  README:    {old[first] if first < len(old) else '(missing)'}\n"
+                       f"  baselines: {new[first] if first < len(new) else '(missing)'}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python3 -m memascend.regress.readme [--write | --check] [--readme PATH] [--baselines DIR]``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python3 -m memascend.regress.readme", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--write", action="store_true", help="rewrite the README's generated blocks and scaling.png")
+    ap.add_argument("--check", action="store_true", help="exit 1 when a block differs (the default)")
+    ap.add_argument("--readme", type=Path, default=REPO / "README.md")
+    ap.add_argument("--baselines", type=Path, default=REPO / "baselines" / PROFILE)
+    args = ap.parse_args(argv)
+    baselines = rb.Baselines(args.baselines)
+    rendered = render_all(baselines)
+    text = args.readme.read_text()
+    if args.write:
+        args.readme.write_text(rewrite(text, rendered))
+        png = rb.write_scaling_png(baselines)
+        print(f"{args.readme}: {len(rendered)} generated blocks written; {png}")
+        return 0
+    problems = differences(text, rendered)
+    for p in problems:
+        print(p)
+    if problems:
+        print("README numbers differ from baselines/: run python3 -m memascend.regress.readme --write")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
