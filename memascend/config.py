@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import tomllib
 
-from memascend.errors import UserError
+from memascend.errors import UserError, read_user_text
 from memascend.settings import DS_CONFIG_SECTION, MemAscendSettings, read_ds_config
 from memascend.validate import dotted, validate_config
 
@@ -493,15 +493,7 @@ def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
         UserError: missing/unreadable file, TOML or YAML syntax error, a document or section that is
             not a table, an unknown section.
     """
-    p = Path(path)
-    try:
-        raw = _parse_config_text(p, p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"config file not found: {path}") from None
-    except UnicodeDecodeError as exc:
-        raise UserError(f"config file {path} is not UTF-8 text (byte {exc.start})") from None
-    except OSError as exc:
-        raise UserError(f"cannot read config file {path}: {exc.strerror}") from None
+    raw = _parse_config_text(Path(path), read_user_text(path, "config file"))
     if not isinstance(raw, dict):
         raise UserError(f"config file {path} must hold a table of sections, got {raw!r}")
     for key, value in raw.items():

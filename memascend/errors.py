@@ -17,6 +17,11 @@ exit code   class                      meaning
 ==========  =========================  ====================================================
 """
 
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
 
 class MemascendError(Exception):
     """Base of every error the CLI turns into one line. The message names the thing and the fix."""
@@ -57,3 +62,24 @@ class TrainingError(MemascendError):
     """
 
     exit_code = 5
+
+
+def read_user_text(path: str | os.PathLike, what: str) -> str:
+    """The UTF-8 text of a file the user named (a config file, a DeepSpeed JSON).
+
+    Args:
+        path: the file.
+        what: how messages name it (``"config file"``, ``"DeepSpeed config"``).
+
+    Raises:
+        UserError: the file is missing ("{what} not found: {path}"), not UTF-8 text (the byte
+            offset named) or unreadable (the OS error named).
+    """
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"{what} not found: {path}") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{what} {path} is not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise UserError(f"cannot read {what} {path}: {exc.strerror}") from None

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from memascend.errors import UserError
+from memascend.errors import UserError, read_user_text
 
 DS_CONFIG_SECTION = "memascend"
 """Name of the top-level key of a DeepSpeed config that holds these settings."""
@@ -223,16 +223,11 @@ def read_ds_config(path: str | Path) -> dict[str, Any]:
     def refuse_constant(name: str):
         raise UserError(f"DeepSpeed config {path} holds {name}: every number must be finite")
 
+    text = read_user_text(path, "DeepSpeed config")
     try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"), parse_constant=refuse_constant)
-    except FileNotFoundError:
-        raise UserError(f"DeepSpeed config not found: {path}") from None
+        doc = json.loads(text, parse_constant=refuse_constant)
     except json.JSONDecodeError as exc:
         raise UserError(f"DeepSpeed config {path} is not valid JSON: line {exc.lineno}: {exc.msg}") from None
-    except UnicodeDecodeError as exc:
-        raise UserError(f"DeepSpeed config {path} is not UTF-8 text (byte {exc.start})") from None
-    except OSError as exc:
-        raise UserError(f"cannot read DeepSpeed config {path}: {exc.strerror}") from None
     if not isinstance(doc, dict):
         raise UserError(f"DeepSpeed config {path} must be a JSON object ({{...}}), got a {type(doc).__name__}")
     if not isinstance(doc.get(DS_CONFIG_SECTION, {}), Mapping):
