@@ -4,8 +4,10 @@
 # VARIANT is cpu or cuda (build arguments from images/VARIANT/build.env); TAG defaults to
 # memascend:VARIANT. With a running Docker engine it uses `docker build`; otherwise buildah
 # (chroot isolation). --local-base (cpu only) builds on a Debian bookworm base made here with
-# debootstrap and imported as localhost/debian:bookworm-slim, for hosts without a registry; a
-# local wheelhouse in $PIP_FIND_LINKS (default /opt/wheels when present) is mounted into the build.
+# debootstrap and imported as localhost/debian:bookworm-slim with podman, for hosts without a
+# registry, and always builds with buildah (docker cannot see podman's images); a local wheelhouse in
+# $PIP_FIND_LINKS (default /opt/wheels when present) is mounted into the build.
+# The tools are checked before anything is built: a missing one stops it with one line and exit 2.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 local_base=0
@@ -15,6 +17,35 @@ tag=${2:-memascend:$variant}
 env_file=images/$variant/build.env
 [[ -f $env_file ]] || { echo "build.sh: no variant '$variant' (images/*/build.env)" >&2; exit 2; }
 
+need() {
+  command -v "$1" >/dev/null || { echo "build.sh: needs $1 ($2)" >&2; exit 2; }
+}
+for tool in find sort xargs sha256sum cut; do need "$tool" "coreutils/findutils"; done
+docker_engine=0
+if ((local_base)); then
+  [[ $variant == cpu ]] || { echo "build.sh: --local-base only makes a Debian base (cpu variant)" >&2; exit 2; }
+  need podman "--local-base keeps its base image in podman's storage: apt-get install podman"
+  need buildah "--local-base builds with buildah: apt-get install buildah"
+  if ! podman image exists localhost/debian:bookworm-slim 2>/dev/null; then
+    need debootstrap "--local-base makes its Debian base with it: apt-get install debootstrap"
+    need tar "--local-base imports the debootstrap tree as a tar stream"
+  fi
+elif command -v docker >/dev/null && docker info >/dev/null 2>&1; then
+  docker_engine=1
+else
+  need buildah "no running Docker engine; apt-get install buildah, or start Docker"
+fi
+
+# A failed debootstrap or import must not leave its tree behind in /var/tmp.
+rootfs=
+cleanup() {
+  [[ -n $rootfs && -d $rootfs ]] || return 0
+  # debootstrap mounts proc/sys inside the tree and may leave them mounted when it fails
+  awk -v root="$rootfs/" 'index($2, root) == 1 {print $2}' /proc/mounts | sort -r | xargs -r umount -l || true
+  rm -rf --one-file-system "$rootfs"
+}
+trap cleanup EXIT
+
 declare -A args=()
 while IFS='=' read -r key value; do
   [[ -z $key || $key == \#* ]] && continue
@@ -23,14 +54,14 @@ done <"$env_file"
 
 extra=()
 if ((local_base)); then
-  [[ $variant == cpu ]] || { echo "build.sh: --local-base only makes a Debian base (cpu variant)" >&2; exit 2; }
   base=localhost/debian:bookworm-slim
   if ! podman image exists "$base" 2>/dev/null; then
     rootfs=$(mktemp -d /var/tmp/memascend-rootfs.XXXXXX)
     echo "build.sh: making $base with debootstrap in $rootfs" >&2
     debootstrap --variant=minbase bookworm "$rootfs" http://deb.debian.org/debian >/dev/null
     tar -C "$rootfs" -c . | podman import - "$base" >/dev/null
-    rm -rf "$rootfs"
+    cleanup
+    rootfs=
   fi
   args[BUILD_BASE]=$base
   args[RUNTIME_BASE]=$base
@@ -57,7 +88,7 @@ args[SMOKE_SHA]=$(sha_of images/scripts/smoke.sh)
 build_args=()
 for key in "${!args[@]}"; do build_args+=(--build-arg "$key=${args[$key]}"); done
 
-if command -v docker >/dev/null && docker info >/dev/null 2>&1; then
+if ((docker_engine)); then
   DOCKER_BUILDKIT=1 docker build "${build_args[@]}" -t "$tag" .
 else
   buildah bud --isolation chroot --format docker --layers "${extra[@]}" "${build_args[@]}" -t "$tag" .
