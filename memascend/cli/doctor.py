@@ -13,7 +13,7 @@ import click
 from memascend.cli import options
 from memascend.cli.params import SIZE_BYTES
 from memascend.host import DoctorOptions, HostPaths, Status, exit_code, run_checks
-from memascend.host.doctor import builtin_run, run_needs
+from memascend.host.doctor import builtin_run, run_needs, swap_target_checks
 from memascend.host.result import format_bytes
 
 if TYPE_CHECKING:
@@ -114,23 +114,19 @@ def doctor(
     memascend's and DeepSpeed's compiled ops (as ds_report lists them), CUDA and the NVIDIA driver,
     GPUDirect Storage, and the NVMe folder. With finetune's model/data/offload/engine flags (or
     --config) it checks that run: the locked and NVMe bytes its preflight will require, its
-    --nvme-path folder or device. Exit code 1 when a check the run needs fails, 0 otherwise
-    (warnings do not fail).
+    --nvme-path folder or device. The swap target is --nvme-path, else $MEMASCEND_NVME_PATH, as
+    finetune takes it; a swap folder makes the aio syscall check required. Exit code 1 when a
+    check the run needs fails, 0 otherwise (warnings do not fail).
     """
     run = _run_to_check(run_flags)
-    nvme_path = run_flags.get("nvme_path")
-    if run is not None and run.cfg.offload.uses_nvme:
-        target = run.cfg.offload.swap_target
-        if target.kind == "folder":
-            nvme_path = target.path
-        elif target.kind == "device" and Path(target.path) not in devices:
-            devices = (*devices, Path(target.path))
+    swap = swap_target_checks(run.cfg.offload if run is not None else None, devices, run_flags.get("nvme_path"))
     needs = run.resolved if run is not None else builtin_run()
     doctor_options = DoctorOptions(
         lock_bytes=needs.upfront_locked_bytes if lock_bytes is None else lock_bytes,
-        devices=tuple(devices),
+        devices=swap.devices,
         device_user=device_user,
-        nvme_path=Path(nvme_path) if nvme_path is not None else None,
+        nvme_path=swap.nvme_path,
+        aio_required=swap.aio_required,
         nvme_bytes=needs.nvme_bytes_per_rank if nvme_bytes is None else nvme_bytes,
         require_hugepages=require_hugepages,
         require_gpu=require_gpu,

@@ -6,11 +6,12 @@ provisioned with ``just provision HOST`` passes and an unprovisioned one fails w
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from memascend.config import RunConfig
+from memascend.config import OffloadConfig, RunConfig, SwapTarget, is_block_device
 from memascend.host.aio_syscalls import check_aio_syscalls
 from memascend.host.devices import check_device
 from memascend.host.extensions import check_build_locks, check_extension, op_names
@@ -61,6 +62,58 @@ def run_needs(cfg: RunConfig, world_size: int = 1) -> ResolvedRun:
     return resolve(cfg, ModelShape(dims.total_numel, dims.param_numels, dims.module_param_counts), world_size)
 
 
+@dataclass(frozen=True)
+class SwapChecks:
+    """What doctor checks of a run's swap target.
+
+    Attributes:
+        nvme_path: the swap folder to check (``None``: the run swaps to no folder, or to the
+            built-in run's default folder, which finetune creates).
+        devices: raw partitions to check: the ``--device`` ones plus the run's block-device target.
+        aio_required: whether the run swaps to a folder through DeepSpeed's aio, whose syscalls a
+            seccomp profile may refuse (a raw store does not use it).
+    """
+
+    nvme_path: Path | None
+    devices: tuple[Path, ...]
+    aio_required: bool
+
+
+def swap_target_checks(offload: OffloadConfig | None, devices: Sequence[Path] = (),
+                       nvme_path: str | None = None) -> SwapChecks:
+    """The swap-target checks of a run, classified as ``memascend finetune`` does
+    (:meth:`memascend.config.SwapTarget.of`).
+
+    Args:
+        offload: the run's offload section (its ``nvme_path`` already defaults to
+            ``$MEMASCEND_NVME_PATH``); ``None`` for the built-in run.
+        devices: the ``--device`` partitions given.
+        nvme_path: the built-in run's ``--nvme-path``, else ``$MEMASCEND_NVME_PATH`` is taken, as the
+            run would (ignored with ``offload``).
+
+    Returns:
+        The folder to check and whether the aio syscalls are required when the target is a folder;
+        the block devices among the targets added to ``devices``. The built-in run with neither
+        path nor ``--device`` swaps to its default folder: aio required, no folder check.
+    """
+    devices = tuple(devices)
+    if offload is not None:
+        if not offload.uses_nvme:
+            return SwapChecks(None, devices, False)
+        target = offload.swap_target
+    else:
+        given = nvme_path or os.environ.get("MEMASCEND_NVME_PATH")
+        if not given:
+            return SwapChecks(None, devices, not devices)
+        target = SwapTarget.of(given)
+    if target.kind == "folder":
+        return SwapChecks(Path(target.path), devices, True)
+    for part in target.path.split(","):
+        if is_block_device(part.strip()) and Path(part.strip()) not in devices:
+            devices += (Path(part.strip()),)
+    return SwapChecks(None, devices, False)
+
+
 def check_deepspeed_ops() -> list[CheckResult]:
     """DeepSpeed's compiled ops, as ``ds_report`` lists them (one row each).
 
@@ -105,6 +158,9 @@ class DoctorOptions:
         devices: raw partitions the run will use as its device store.
         device_user: check device access as this user (``None``: the current process).
         nvme_path: offload folder to check (``None``: skip the folder check).
+        aio_required: whether the run swaps through DeepSpeed's aio (a swap folder), so that the
+            aio syscall check fails it; ``None``: when ``nvme_path`` is given
+            (:func:`swap_target_checks` decides for a run).
         nvme_bytes: NVMe space the run requires under ``nvme_path``, or split over ``devices`` (one
             partition per rank; default: :func:`builtin_nvme_bytes`).
         require_hugepages: whether missing huge pages fail the run instead of warning.
@@ -116,6 +172,7 @@ class DoctorOptions:
     devices: tuple[Path, ...] = ()
     device_user: str | None = None
     nvme_path: Path | None = None
+    aio_required: bool | None = None
     nvme_bytes: int = field(default_factory=builtin_nvme_bytes)
     require_hugepages: bool = False
     require_gpu: bool | None = None
@@ -143,7 +200,8 @@ def run_checks(options: DoctorOptions) -> list[CheckResult]:
     ]
     results.append(check_library("aio", "libaio.h", required=True))
     results.append(check_library("uring", "liburing.h", required=False))
-    results.append(check_aio_syscalls(required=options.nvme_path is not None))
+    aio_required = options.nvme_path is not None if options.aio_required is None else options.aio_required
+    results.append(check_aio_syscalls(required=aio_required))
     results += [check_extension(name) for name in op_names()]
     results += check_deepspeed_ops()
     results.append(check_build_locks())
