@@ -24,7 +24,7 @@ finetune *ARGS:
 lint-py:
     {{python}} -m ruff check memascend tests
 
-# Check this host (or container) for a memascend run: memlock, hugepages, raw partitions, libaio/liburing, ops, CUDA, GDS (flags pass through, e.g. --device /dev/nvme0n1p3 --json)
+# Check this host (or container) for a memascend run: memlock, hugepages, raw partitions, libaio/liburing, ops, CUDA, GDS (flags pass through, e.g. --device /dev/nvme1n1p1 --json)
 doctor *ARGS:
     {{python}} -m memascend doctor {{ARGS}}
 
