@@ -23,6 +23,7 @@ def _stand_in_overflow_op(monkeypatch):
 
 
 def _seam_objects():
+    import deepspeed
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.swap_tensor import optimizer_utils
@@ -48,6 +49,7 @@ def _seam_objects():
                                                                   "_swap_in_pinned_gradients"),
         "OptimizerSwapper._writeback_gradients": (optimizer_utils.OptimizerSwapper, "_writeback_gradients"),
         "engine._load_checkpoint": (DeepSpeedEngine, "_load_checkpoint"),
+        "deepspeed.initialize": (deepspeed, "initialize"),
     }
 
 
@@ -56,6 +58,7 @@ def _snapshot():
     return {key: vars(owner).get(name, "<absent>") for key, (owner, name) in _seam_objects().items()}
 
 
+INIT = "deepspeed.initialize"
 ALL_ON = ma_ds.MemAscendSettings(grad_norm_sub_group_numel=10**9)
 
 
@@ -182,7 +185,8 @@ def test_each_flag_patches_only_its_seams():
                                         enable_host_block_cache=False))
     during = _snapshot()
     changed = {k for k in before if during[k] is not before[k]}
-    assert changed == {"partition_parameters.AsyncPartitionedParameterSwapper"}
+    # the sizes that live in DeepSpeed's config are "auto" by default: deepspeed.initialize resolves them
+    assert changed == {"partition_parameters.AsyncPartitionedParameterSwapper", INIT}
     ma_ds.revert()
     ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=False, enable_optimizer_pool=False,
                                         enable_arena_pinning=False, enable_fused_overflow_check=False,
@@ -191,7 +195,7 @@ def test_each_flag_patches_only_its_seams():
                                         enable_host_block_cache=False))
     during = _snapshot()
     assert {k for k in before if during[k] is not before[k]} == {"stage3.__init__", "stage3._post_step",
-                                                                  "stage3.partition_grads"}
+                                                                  "stage3.partition_grads", INIT}
     ma_ds.revert()
     ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=False, enable_optimizer_pool=False,
                                         enable_arena_pinning=False, enable_fused_overflow_check=False,
@@ -199,7 +203,7 @@ def test_each_flag_patches_only_its_seams():
                                         grad_norm_sub_group_numel=1 << 20, fix_unaligned_gradient_io=False, fix_exact_resume=False,
                                         enable_host_block_cache=False))
     during = _snapshot()
-    assert {k for k in before if during[k] is not before[k]} == {"stage3._get_norm_groups"}
+    assert {k for k in before if during[k] is not before[k]} == {"stage3._get_norm_groups", INIT}
     ma_ds.revert()
     ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=False, enable_optimizer_pool=False,
                                         enable_arena_pinning=False, enable_fused_overflow_check=False,
@@ -208,7 +212,7 @@ def test_each_flag_patches_only_its_seams():
                                         enable_host_block_cache=False))
     during = _snapshot()
     assert {k for k in before if during[k] is not before[k]} == {"stage3.__init__", "stage3._post_step",
-                                                                  "stage3.partition_grads", "engine.forward"}
+                                                                  "stage3.partition_grads", "engine.forward", INIT}
     ma_ds.revert()
     # The baseline engine: every optimization off, only the correctness fix on.
     ma_ds.apply(ma_ds.MemAscendSettings.baseline())
@@ -224,7 +228,7 @@ def test_each_flag_patches_only_its_seams():
                                         enable_malloc_policy=False, enable_grad_buffer_release=False,
                                         fix_unaligned_gradient_io=False, fix_exact_resume=False, enable_host_block_cache=True))
     during = _snapshot()
-    assert {k for k in before if during[k] is not before[k]} == {"engine.forward"}  # installs the cache
+    assert {k for k in before if during[k] is not before[k]} == {"engine.forward", INIT}  # installs the cache
     ma_ds.revert()
     assert _snapshot() == before
 

@@ -31,10 +31,14 @@ Three ways in:
 * ``apply(MemAscendSettings(...))`` directly.
 
 Settings that live in DeepSpeed's own config (``optimizer_sub_group_numel`` ->
-``zero_optimization.sub_group_size``, ``param_dram_numel`` -> ``offload_param.max_in_cpu``) are
-written by :func:`prepare_ds_config` (which also resolves ``"auto"`` from the model's parameter
-sizes and records the stock grouping for the gradient norm) or :func:`rewrite_ds_config`; pass its
-result to ``deepspeed.initialize``/``zero.Init`` and apply the settings it returns.
+``zero_optimization.sub_group_size``, ``reduce_bucket_numel`` -> ``reduce_bucket_size``,
+``param_dram_numel`` -> ``offload_param.max_in_cpu``) are written into the config by
+:func:`prepare_ds_config` (which also resolves ``"auto"`` from the model's parameter sizes and
+records the stock grouping for the gradient norm). No extra call is needed: while memascend is
+applied, ``deepspeed.initialize`` runs it on a config with a ``"memascend"`` section (or when the
+applied settings still say ``"auto"``) from the real parameter sizes before DeepSpeed reads the
+config (:mod:`.init_resolve`). A script may still call it (or :func:`rewrite_ds_config`) itself and
+pass the result on.
 
 What each flag patches (DeepSpeed 0.19.8 names):
 
@@ -66,8 +70,10 @@ What each flag patches (DeepSpeed 0.19.8 names):
 * ``fix_exact_resume`` (a correctness fix, on for both engines): ``DeepSpeedEngine._load_checkpoint``
   followed by restoring the ZeRO-3 optimizer state stock skips with the optimizer on NVMe and
   replaying ``DeepSpeedCPUAdam``'s C++ step counter (:mod:`.exact_resume`).
-* ``optimizer_sub_group_numel`` / ``param_dram_numel`` live in DeepSpeed's own config:
-  :func:`prepare_ds_config` (model-dependent ``"auto"``) or :func:`rewrite_ds_config` write them.
+* ``optimizer_sub_group_numel`` / ``reduce_bucket_numel`` / ``param_dram_numel`` (any set) live in
+  DeepSpeed's own config: ``deepspeed.initialize`` (the ``deepspeed`` module's attribute) rewrites
+  the config with :func:`prepare_ds_config` first (:mod:`.init_resolve`), and patches
+  ``_get_norm_groups`` as above when the sub-group size changed.
 """
 
 from __future__ import annotations
@@ -80,6 +86,7 @@ from typing import TYPE_CHECKING, Any
 
 from memascend.errors import UserError
 from memascend.integrations.deepspeed.accounting import swap_buffer_breakdown
+from memascend.integrations.deepspeed.init_resolve import CONFIG_KEYS
 from memascend.integrations.deepspeed.patches import PatchRecord, PatchRegistry
 from memascend.integrations.deepspeed.settings import DS_CONFIG_SECTION, MemAscendSettings, rewrite_ds_config
 from memascend.integrations.deepspeed.sizing import prepare_ds_config
@@ -344,6 +351,24 @@ def _patch_exact_resume(settings: MemAscendSettings) -> None:
     _registry.patch(DeepSpeedEngine, "_load_checkpoint", make_load_checkpoint(DeepSpeedEngine._load_checkpoint))
 
 
+def _patch_initialize(settings: MemAscendSettings) -> None:
+    import deepspeed
+
+    from memascend.integrations.deepspeed.init_resolve import make_initialize
+
+    # DeepSpeed reads the three sizes only here, where the model is at hand (module .init_resolve)
+    _registry.patch(deepspeed, "initialize", make_initialize(deepspeed.initialize, applied_settings, _on_resolved))
+
+
+def _on_resolved(resolved: MemAscendSettings) -> None:
+    """``deepspeed.initialize`` resolved the sizes: clipping keeps stock's norm grouping when the
+    sub-group size changed (the patch :func:`apply` makes for a set ``grad_norm_sub_group_numel``)."""
+    with _lock:
+        patched = any(r.name == "_get_norm_groups" for r in _registry.records())
+        if resolved.grad_norm_sub_group_numel is not None and not patched and _applied is not None:
+            _patch_grad_norm(resolved)
+
+
 def _patch_fused_overflow(settings: MemAscendSettings) -> None:
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as stage3
 
@@ -367,6 +392,7 @@ _FLAG_GROUPS: tuple[tuple[Callable[[MemAscendSettings], bool], Callable[[MemAsce
     (lambda s: s.fix_unaligned_gradient_io, _patch_aligned_io),
     (lambda s: s.fix_exact_resume, _patch_exact_resume),
     (lambda s: s.enable_fused_overflow_check, _patch_fused_overflow),
+    (lambda s: any(getattr(s, key) is not None for key in CONFIG_KEYS), _patch_initialize),
 )
 
 
