@@ -347,7 +347,8 @@ class SwapTarget:
             (:mod:`memascend.integrations.deepspeed.raw_store`): ``device``, one block device;
             ``store_file``, a file ending in ``.store`` (``PATH.rank<N>`` per rank on several
             ranks); ``store_list``, a comma-separated list with one device or ``.store`` file per
-            rank.
+            rank. Targets are per node: N and the list's index are the rank's LOCAL rank
+            (:mod:`memascend.train.store_target`).
     """
 
     path: str
@@ -383,7 +384,8 @@ class OffloadConfig:
     """Optimizer state: ``nvme``, ``cpu`` or ``none``."""
     nvme_path: str = field(default_factory=lambda: os.environ.get("MEMASCEND_NVME_PATH", "./memascend-swap"))
     """Folder on the NVMe device for swap files (a per-run subfolder is created and removed), or
-    raw stores: a block device, a ``*.store`` file, or a comma-separated list with one per rank."""
+    raw stores: a block device, a ``*.store`` file, or a comma-separated list with one per rank of
+    a node (each node's own NVMe, indexed by the local rank)."""
     nvme_overwrite: bool = False
     """Accept a raw-store target that carries a filesystem, a partition table or another owner's
     store (a mounted or held device is always refused)."""

@@ -72,6 +72,10 @@ class _Group(click.Group):
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(package_name="memascend")
+# The deepspeed launcher (`deepspeed --module memascend finetune ...`) puts --local_rank=N before the
+# subcommand; the LOCAL_RANK it also sets is what memascend reads, so the option is taken and dropped.
+@click.option("--local_rank", "--local-rank", "local_rank", type=int, default=None, hidden=True, expose_value=False,
+              help="Ignored (the deepspeed launcher passes it; LOCAL_RANK from the environment is used)")
 def cli() -> None:
     """memascend: SSD-offloaded LLM fine-tuning with far less host memory (DeepSpeed ZeRO-Infinity)."""
 

@@ -182,7 +182,8 @@ OFFLOAD = OptionGroup("offload", (
          "A block device (/dev/nvme0n1p3) or a file ending in .store: memascend's raw store (no filesystem; "
          "a new file is preallocated to the run's estimated size and deleted at exit, an existing file is kept; a "
          "device keeps only the store header). Several ranks on one host: a comma-separated list with one device "
-         "or file per rank, or one .store path that becomes PATH.rank<N> for rank N. "
+         "or file per rank, or one .store path that becomes PATH.rank<N> for rank N. Several hosts: the path names "
+         "each host's own NVMe, and N and the list's index are the rank on its host (LOCAL_RANK). "
          "[default: ./memascend-swap or $MEMASCEND_NVME_PATH]"),
 ))
 

@@ -9,11 +9,77 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class DistInfo:
+    """Where this process runs: its ranks and its node.
+
+    Attributes:
+        rank, world_size: global rank and number of ranks (``RANK``, ``WORLD_SIZE``).
+        local_rank: rank on this node (``LOCAL_RANK``); indexes the node's swap targets.
+        device_type: ``cpu`` (DeepSpeed's CPU accelerator, gloo) or ``cuda`` (nccl).
+        local_world_size: ranks on this node (:func:`local_world_size`).
+        node_rank: this node's index (:func:`node_rank`).
+        hostname: this host's name.
+    """
+
     rank: int
     local_rank: int
     world_size: int
     device_type: str
-    """``cpu`` (DeepSpeed's CPU accelerator, gloo) or ``cuda`` (nccl)."""
+    local_world_size: int = 0
+    """0: not given, taken as ``world_size`` (one node)."""
+    node_rank: int = 0
+    hostname: str = ""
+
+    @property
+    def ranks_on_node(self) -> int:
+        """Ranks on this node (``local_world_size``, or ``world_size`` when not given)."""
+        return self.local_world_size or self.world_size
+
+    def node_record(self) -> dict:
+        """What the report records of this rank's node: ``hostname``, ``node_rank``, ``local_rank``."""
+        return {"hostname": self.hostname or socket.gethostname(), "node_rank": self.node_rank,
+                "local_rank": self.local_rank}
+
+
+def local_world_size(env: dict | None = None) -> int:
+    """Ranks on this node: ``LOCAL_WORLD_SIZE`` (torchrun), ``LOCAL_SIZE`` (the deepspeed launcher),
+    else ``WORLD_SIZE`` (one node), else 1.
+
+    Raises:
+        UserError: a value that is not an integer >= 1.
+    """
+    env = os.environ if env is None else env
+    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "WORLD_SIZE"):
+        if env.get(key):
+            return _positive_int(env, key, minimum=1)
+    return 1
+
+
+def node_rank(env: dict | None = None) -> int:
+    """This node's index: ``GROUP_RANK`` (torchrun), ``CROSS_RANK`` (the deepspeed launcher), else
+    ``RANK // local_world_size`` (ranks are numbered node by node).
+
+    Raises:
+        UserError: a value that is not an integer >= 0.
+    """
+    env = os.environ if env is None else env
+    for key in ("GROUP_RANK", "CROSS_RANK"):
+        if env.get(key):
+            return _positive_int(env, key, minimum=0)
+    rank = _positive_int(env, "RANK", minimum=0) if env.get("RANK") else 0
+    return rank // local_world_size(env)
+
+
+def _positive_int(env, key: str, minimum: int) -> int:
+    from memascend.errors import UserError
+
+    try:
+        value = int(env[key])
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise UserError(f"environment variable {key}={env[key]!r} must be an integer >= {minimum} "
+                        "(set by torchrun or the deepspeed launcher)")
+    return value
 
 
 def free_port() -> int:
@@ -27,7 +93,7 @@ def setup_env() -> DistInfo:
     """Fill in the rendezvous variables of a single-process run and pick the accelerator.
 
     Under torchrun or the ``deepspeed`` launcher RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* are already set
-    and kept. Without CUDA, ``DS_ACCELERATOR=cpu`` is set so DeepSpeed uses its CPU accelerator
+    and kept (on several nodes too: ``LOCAL_RANK`` and the node's rank count index its swap targets). Without CUDA, ``DS_ACCELERATOR=cpu`` is set so DeepSpeed uses its CPU accelerator
     (gloo) instead of probing for mpi4py. DeepSpeed's JIT op builds go to this environment's own
     folder and are guarded against stale build locks (:func:`memascend.ops.build.configure_builds`).
     """
@@ -49,9 +115,9 @@ def setup_env() -> DistInfo:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     else:
         # Share the cores between the ranks on this host instead of oversubscribing them.
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
-    return DistInfo(int(os.environ["RANK"]), local_rank, world, "cuda" if cuda else "cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size()))
+    return DistInfo(int(os.environ["RANK"]), local_rank, world, "cuda" if cuda else "cpu",
+                    local_world_size=local_world_size(), node_rank=node_rank(), hostname=socket.gethostname())
 
 
 def init_process_group() -> None:

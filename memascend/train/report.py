@@ -130,7 +130,8 @@ class ReportInputs:
         skipped_steps: optimizer steps DeepSpeed skipped (``engine.skipped_steps``).
         train_s, wall_s: the training loop's time and the run's wall time.
         summary: the memory sampler's summary (peaks, phase peaks).
-        rank_peaks: every rank's ``{"rank", "peak_rss_bytes", "peak_locked_bytes"}``.
+        rank_peaks: every rank's ``{"rank", "peak_rss_bytes", "peak_locked_bytes", "hostname", "node_rank",
+            "local_rank", "swap_target"}`` (the node it ran on and its swap folder or raw-store target).
         memory_breakdown: :func:`memascend.integrations.deepspeed.accounting.memory_breakdown`.
         io_read_bytes, io_write_bytes: this process's block I/O during the training loop.
         swap_folder_bytes: the swap folder's size after the first step (0 without one).

@@ -253,6 +253,9 @@ def open_raw_store(offload: OffloadConfig, info, need_bytes: int):
     """Create this rank's raw store and route DeepSpeed's swappers to it
     (:func:`memascend.integrations.deepspeed.apply_raw_store`; the seam's ``revert`` closes it).
 
+    The target is this node's (:func:`memascend.train.store_target.resolve_store_target` with the
+    local rank); the store's key folder and checkpoint exports use the global rank.
+
     Args:
         need_bytes: NVMe bytes this rank's run requires (the store file's size comes from it).
 
@@ -264,7 +267,8 @@ def open_raw_store(offload: OffloadConfig, info, need_bytes: int):
     """
     from memascend.integrations import deepspeed as seam
 
-    target = resolve_store_target(offload.nvme_path, info.rank, info.world_size)
+    # --nvme-path names this node's NVMe: its list (or PATH.rank<N>) is indexed by the local rank
+    target = resolve_store_target(offload.nvme_path, info.local_rank, info.ranks_on_node)
     return seam.apply_raw_store(
         target,
         world_rank=info.rank,

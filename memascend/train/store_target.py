@@ -8,7 +8,13 @@
   direct NVMe store (:mod:`memascend.integrations.deepspeed.raw_store`). One target per rank:
   several ranks on a host give a comma-separated list with one device (or file) per rank
   (``/dev/nvme0n1p3,/dev/nvme1n1p3``), or a single ``.store`` file path, which becomes
-  ``PATH.rank<N>`` for rank N (when more than one rank runs).
+  ``PATH.rank<N>`` for rank N (when more than one rank runs on the host).
+
+``--nvme-path`` names the NVMe of the node each rank runs on: on several nodes (torchrun
+``--nnodes``, the deepspeed launcher's hostfile) every node uses the same list for its own ranks,
+indexed by the LOCAL rank (``LOCAL_RANK``; the list has one entry per rank of the node), and a
+``.store`` path becomes ``PATH.rank<local rank>`` on each node. On one node local and global ranks
+are the same.
 """
 
 from __future__ import annotations
@@ -30,36 +36,42 @@ def is_store_target(nvme_path: str) -> bool:
     return SwapTarget.of(nvme_path).is_raw_store
 
 
-def resolve_store_target(nvme_path: str, rank: int, world_size: int) -> Path:
-    """This rank's store target.
+def resolve_store_target(nvme_path: str, local_rank: int, local_world_size: int) -> Path:
+    """This rank's store target on its node.
+
+    Args:
+        nvme_path: ``--nvme-path`` (a device, a ``.store`` path, or a comma-separated list).
+        local_rank: the rank's index on its node (``LOCAL_RANK``; the global rank on one node).
+        local_world_size: ranks on the node (the world size on one node).
 
     Raises:
-        UserError: a list whose length is not the number of ranks, one block device for several
-            ranks, an entry that is neither a block device nor a ``.store`` file path, or a
-            ``.store`` path that is a folder.
+        UserError: a list whose length is not the number of ranks on the node, one block device
+            for several ranks, an entry that is neither a block device nor a ``.store`` file path,
+            or a ``.store`` path that is a folder.
     """
     parts = [p.strip() for p in nvme_path.split(",")]
     if any(not p for p in parts):
         raise UserError(f"--nvme-path has an empty entry: '{nvme_path}'")
     if len(parts) > 1:
-        if len(parts) != world_size:
+        if len(parts) != local_world_size:
             raise UserError(
-                f"--nvme-path lists {len(parts)} stores for {world_size} rank(s): give one device or file per rank"
+                f"--nvme-path lists {len(parts)} stores for {local_world_size} rank(s) on this node: give one "
+                "device or file per rank of the node (each node's list is indexed by its local rank)"
             )
-        chosen = parts[rank]
+        chosen = parts[local_rank]
     else:
         chosen = parts[0]
-        if world_size > 1:
+        if local_world_size > 1:
             if is_block_device(chosen):
                 raise UserError(
-                    f"--nvme-path {chosen} is one block device for {world_size} ranks: give one device "
-                    "per rank as a comma-separated list"
+                    f"--nvme-path {chosen} is one block device for {local_world_size} ranks on this node: give "
+                    "one device per rank of the node as a comma-separated list"
                 )
-            chosen = f"{chosen}.rank{rank}"
+            chosen = f"{chosen}.rank{local_rank}"
     path = Path(chosen).expanduser()
     if is_block_device(str(path)):
         return path
-    if not str(parts[rank if len(parts) > 1 else 0]).endswith(STORE_FILE_SUFFIX):
+    if not str(parts[local_rank if len(parts) > 1 else 0]).endswith(STORE_FILE_SUFFIX):
         raise UserError(
             f"--nvme-path entry {chosen} is neither a block device nor a file ending in {STORE_FILE_SUFFIX}"
         )

@@ -1,0 +1,37 @@
+"""Where a rank runs: its node's rank count and index from the launchers' variables (issue 22)."""
+
+from __future__ import annotations
+
+import pytest
+
+from memascend.errors import UserError
+from memascend.train.dist import DistInfo, local_world_size, node_rank
+
+
+@pytest.mark.parametrize("env, ranks_on_node, node", [
+    ({}, 1, 0),  # no launcher: one process
+    ({"RANK": "1", "WORLD_SIZE": "2"}, 2, 0),  # memascend --nproc 2 / one node without LOCAL_*
+    # torchrun --nnodes 2 --nproc-per-node 2, node 1
+    ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}, 2, 1),
+    # the deepspeed launcher with a two-host hostfile, second host
+    ({"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_SIZE": "2", "CROSS_RANK": "1"}, 2, 1),
+    # a launcher that sets only the local size: ranks numbered node by node
+    ({"RANK": "5", "WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "3"}, 3, 1),
+])
+def test_node_from_the_launchers_variables(env, ranks_on_node, node):
+    assert local_world_size(env) == ranks_on_node and node_rank(env) == node
+
+
+@pytest.mark.parametrize("env", [{"LOCAL_WORLD_SIZE": "0"}, {"LOCAL_SIZE": "two"}, {"GROUP_RANK": "-1"}])
+def test_bad_launcher_variables_are_one_line(env):
+    with pytest.raises(UserError, match="environment variable .* must be an integer"):
+        local_world_size(env), node_rank(env)
+
+
+def test_one_node_defaults_and_the_report_record():
+    info = DistInfo(rank=1, local_rank=1, world_size=2, device_type="cpu")
+    assert info.ranks_on_node == 2  # local == global on one node
+    two_nodes = DistInfo(rank=3, local_rank=1, world_size=4, device_type="cpu", local_world_size=2, node_rank=1,
+                         hostname="node-b")
+    assert two_nodes.ranks_on_node == 2
+    assert two_nodes.node_record() == {"hostname": "node-b", "node_rank": 1, "local_rank": 1}
