@@ -44,7 +44,10 @@ def ds_config(nvme_path: str, memascend: bool) -> dict:
         },
     }
     if memascend:
-        cfg["memascend"] = {}  # every optimization on; the keys are MemAscendSettings' fields
+        # Every optimization on; the keys are MemAscendSettings' fields. Its model-dependent sizes
+        # default to "auto" and are resolved by deepspeed.initialize: do not write "auto" here, the
+        # Trainer (accelerate) refuses every "auto" it does not fill itself.
+        cfg["memascend"] = {}
     return cfg
 
 
