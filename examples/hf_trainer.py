@@ -126,6 +126,12 @@ def main(argv: list[str] | None = None) -> dict:
         per_device_train_batch_size=args.micro_batch, max_steps=args.steps, learning_rate=1e-4,
         lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[], seed=1234,
         dataloader_num_workers=0, disable_tqdm=True)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # zero.Init (the model below) needs the process group; on a CPU host (use_cpu) nothing has
+        # started it yet at this point
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     set_seed(training_args.seed)
     model = _build_model(args)  # after TrainingArguments: transformers builds it under zero.Init
     data = _RandomTokens(args.steps * args.micro_batch * int(os.environ.get("WORLD_SIZE", "1")), args.seq_len,
