@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from memascend.train.dist import free_port
 from tests.conftest import REPO
 
 SCRIPT = REPO / "examples" / "hf_trainer.py"
@@ -89,3 +90,32 @@ def test_smollm2_peak_memory_against_the_same_script_without_the_section(tmp_pat
     assert ma["losses_hex"] == stock["losses_hex"]
     assert ma["peak_rss_kib"] <= 0.40 * stock["peak_rss_kib"]
     assert ma["peak_locked_kib"] <= 0.25 * stock["peak_locked_kib"]
+
+
+def _launch(tmp_path: Path, name: str, torchrun: list[str]) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                           "MASTER_PORT", "THP_MEM_ALLOC_ENABLE")}
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *torchrun, str(SCRIPT),
+                             "--nvme-path", str(tmp_path / f"{name}-nvme"), "--output", str(tmp_path / name),
+                             "--steps", "2"], cwd=tmp_path, env={**env, "PYTHONWARNINGS": "ignore"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _result(proc: subprocess.Popen) -> dict | None:
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-4000:]
+    lines = [ln for ln in out.splitlines() if ln.startswith("HF_TRAINER_RESULT ")]
+    return json.loads(lines[-1].split(" ", 1)[1]) if lines else None
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_simulated_nodes_train_like_two_ranks_on_one(tmp_path):
+    one_node = _result(_launch(tmp_path, "one-node", ["--nproc-per-node", "2"]))
+    port = str(free_port())
+    nodes = [_launch(tmp_path, f"node{n}", ["--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(n),
+                                            "--master-addr", "127.0.0.1", "--master-port", port]) for n in (0, 1)]
+    node0, node1 = (_result(p) for p in nodes)
+    assert node1 is None  # global rank 0 (on node 0) prints the result
+    assert node0["losses_hex"] == one_node["losses_hex"] and len(node0["losses_hex"]) == 2
+    assert node0["sub_group_size"] == one_node["sub_group_size"] < 10_000_000  # sized for two ranks
