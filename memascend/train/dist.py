@@ -50,7 +50,7 @@ def local_world_size(env: dict | None = None) -> int:
     env = os.environ if env is None else env
     for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "WORLD_SIZE"):
         if env.get(key):
-            return _positive_int(env, key, minimum=1)
+            return _int_env(env, key, minimum=1)
     return 1
 
 
@@ -64,12 +64,12 @@ def node_rank(env: dict | None = None) -> int:
     env = os.environ if env is None else env
     for key in ("GROUP_RANK", "CROSS_RANK"):
         if env.get(key):
-            return _positive_int(env, key, minimum=0)
-    rank = _positive_int(env, "RANK", minimum=0) if env.get("RANK") else 0
+            return _int_env(env, key, minimum=0)
+    rank = _int_env(env, "RANK", minimum=0) if env.get("RANK") else 0
     return rank // local_world_size(env)
 
 
-def _positive_int(env, key: str, minimum: int) -> int:
+def _int_env(env, key: str, minimum: int) -> int:
     from memascend.errors import UserError
 
     try:
