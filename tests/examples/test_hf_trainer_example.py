@@ -95,14 +95,18 @@ def test_smollm2_peak_memory_against_the_same_script_without_the_section(tmp_pat
 def _launch(tmp_path: Path, name: str, torchrun: list[str]) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                            "MASTER_PORT", "THP_MEM_ALLOC_ENABLE")}
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *torchrun, str(SCRIPT),
-                             "--nvme-path", str(tmp_path / f"{name}-nvme"), "--output", str(tmp_path / name),
-                             "--steps", "2"], cwd=tmp_path, env={**env, "PYTHONWARNINGS": "ignore"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with (tmp_path / f"{name}.log").open("w") as log:  # a file, not a pipe: nothing blocks on a full pipe
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *torchrun, str(SCRIPT),
+                                 "--nvme-path", str(tmp_path / f"{name}-nvme"), "--output", str(tmp_path / name),
+                                 "--steps", "2"], cwd=tmp_path, env={**env, "PYTHONWARNINGS": "ignore"},
+                                stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc.log_path = tmp_path / f"{name}.log"  # type: ignore[attr-defined]
+    return proc
 
 
 def _result(proc: subprocess.Popen) -> dict | None:
-    out, _ = proc.communicate(timeout=600)
+    proc.wait(timeout=600)
+    out = proc.log_path.read_text()  # type: ignore[attr-defined]
     assert proc.returncode == 0, out[-4000:]
     lines = [ln for ln in out.splitlines() if ln.startswith("HF_TRAINER_RESULT ")]
     return json.loads(lines[-1].split(" ", 1)[1]) if lines else None
