@@ -103,7 +103,10 @@ def setup_env() -> DistInfo:
 
     configure_builds()
 
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
+    # A launcher that sets RANK but no LOCAL_RANK started one node: the local rank is the global one
+    # (it indexes the node's swap targets, as the global rank did before several nodes were supported).
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     cuda = torch.cuda.is_available()

@@ -35,3 +35,24 @@ def test_one_node_defaults_and_the_report_record():
                          hostname="node-b")
     assert two_nodes.ranks_on_node == 2
     assert two_nodes.node_record() == {"hostname": "node-b", "node_rank": 1, "local_rank": 1}
+
+
+def test_setup_env_without_a_local_rank_takes_the_global_one(monkeypatch):
+    import os
+    from unittest import mock
+
+    import torch
+
+    from memascend.train import dist
+
+    monkeypatch.setattr("memascend.ops.build.configure_builds", lambda: None)
+    threads = torch.get_num_threads()
+    with mock.patch.dict(os.environ):  # setup_env writes the environment; all of it is restored
+        for key in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "GROUP_RANK", "CROSS_RANK", "MASTER_PORT"):
+            os.environ.pop(key, None)
+        os.environ.update(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", DS_ACCELERATOR="cpu")
+        try:
+            info = dist.setup_env()
+        finally:
+            torch.set_num_threads(threads)
+    assert (info.rank, info.local_rank, info.ranks_on_node, info.node_rank) == (1, 1, 2, 0)
