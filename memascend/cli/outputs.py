@@ -63,8 +63,11 @@ def fresh_run_dir(cfg: RunConfig, root: Path = RUNS_ROOT, now_s: float | None = 
 
 
 def _entries(folder: Path) -> list[str]:
+    """What ``folder`` holds, leaving out empty folders (nothing in them to lose: a checkpoint folder
+    the user made or mounted for the run)."""
     try:
-        return sorted(p.name for p in folder.iterdir())
+        return sorted(p.name for p in folder.iterdir()
+                      if not (p.is_dir() and not p.is_symlink() and not any(p.iterdir())))
     except FileNotFoundError:
         return []
     except NotADirectoryError:

@@ -77,6 +77,13 @@ def test_a_non_empty_output_is_refused(tmp_path):
     outputs.prepare_explicit_output(tmp_path / "empty", overwrite=False, resume=False)
     with pytest.raises(UserError, match="is a file"):
         outputs.prepare_explicit_output(tmp_path / "notes.txt", overwrite=False, resume=False)
+    # Empty folders hold nothing to lose (a checkpoint folder the user made or mounted for the run).
+    (tmp_path / "prepared" / "checkpoints").mkdir(parents=True)
+    outputs.prepare_explicit_output(tmp_path / "prepared", overwrite=False, resume=False)
+    assert (tmp_path / "prepared" / "checkpoints").is_dir()
+    (tmp_path / "prepared" / "checkpoints" / "x").write_text("x")
+    with pytest.raises(UserError, match=r"is not empty \(checkpoints\)"):
+        outputs.prepare_explicit_output(tmp_path / "prepared", overwrite=False, resume=False)
 
 
 def test_overwrite_removes_only_memascend_s_files(tmp_path):
