@@ -4,12 +4,14 @@ test root, and loop devices standing in for NVMe disks. Everything is undone in 
 from __future__ import annotations
 
 import grp
+import hashlib
 import json
 import os
 import pwd
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from tests.host.loopdev import attach_loop
@@ -61,7 +63,15 @@ class Sandbox:
         self.group_existed = _group_exists(GROUP)
         self.user = "memascend-doctor-test"
         self.user_created = False
+        self.runner_user = "memascend-runner-test"  # made by the runner role; removed in close()
+        self.runner_user_existed = _user_exists(self.runner_user)
+        # The runner's venv must be reachable by its user: not under pytest's 0700 temporary folders.
+        self.runner_root = Path(tempfile.mkdtemp(prefix="memascend-runner-test.", dir="/var/tmp"))
+        self.runner_root.chmod(0o755)
         self.mount_path = root / "mnt" / "hugepages"
+        # Every host has an fstab (ansible.posix.mount creates a missing one, even in check mode).
+        (root / "etc").mkdir(parents=True, exist_ok=True)
+        (root / "etc" / "fstab").touch()
         self.inventory = root / "inventory.yml"
         self.inventory.write_text(
             "memascend:\n  hosts:\n    localhost:\n      ansible_connection: local\n"
@@ -74,7 +84,8 @@ class Sandbox:
         self.loops.append(dev)
         return dev
 
-    def variables(self, disks: list[str], allow_wipe: list[str] = ()) -> Path:
+    def variables(self, disks: list[str], allow_wipe: list[str] = (), extra: dict | None = None) -> Path:
+        """The roles' variables for this sandbox (``extra`` added or overriding), as a file for ``-e @FILE``."""
         r = self.root
         values = {
             "nvme_raw_devices": disks,
@@ -98,15 +109,19 @@ class Sandbox:
             "gpu_runtime_docker_daemon_json": f"{r}/etc/docker/daemon.json",
             "gpu_runtime_restart_engine": False,
         }
+        values.update(extra or {})
         path = r / f"vars-{len(list(r.glob('vars-*.json')))}.json"
         path.write_text(json.dumps(values))
         return path
 
-    def playbook(self, variables: Path, *tags: str) -> subprocess.CompletedProcess[str]:
-        """Run site.yml against the sandbox; returns the finished process (output in stdout)."""
+    def playbook(self, variables: Path, *tags: str, check: bool = False) -> subprocess.CompletedProcess[str]:
+        """Run site.yml against the sandbox (``check``: a dry run, ``--check --diff``, as
+        ``just provision HOST --check`` passes it); returns the finished process (output in stdout)."""
         cmd = ["ansible-playbook", "-i", str(self.inventory), "site.yml", "-e", f"@{variables}"]
         if tags:
             cmd += ["--tags", ",".join(tags)]
+        if check:
+            cmd += ["--check", "--diff"]
         env = {**os.environ, "ANSIBLE_FORCE_COLOR": "0", "ANSIBLE_NOCOLOR": "1"}
         return subprocess.run(cmd, cwd=ANSIBLE_DIR, capture_output=True, text=True, env=env, timeout=600)
 
@@ -139,6 +154,31 @@ class Sandbox:
         cmd = [*drop_cap, *limit, sys.executable, "-m", "memascend", "doctor", "--json", "--no-gpu", *args]
         return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
 
+    def snapshot(self) -> dict[str, object]:
+        """What provisioning changes on this target: per loop disk its signatures (``blkid -p``), the
+        sha256 of its first and last MiB (MBR/GPT and GPT's backup) and whether a partition node
+        exists; the huge page counts in procfs and sysfs; the hugetlbfs mount; the group; every file
+        under the test root's etc/."""
+        disks = {}
+        for dev in self.loops:
+            probe = subprocess.run(["blkid", "-p", "-o", "export", dev], capture_output=True, text=True)
+            with open(dev, "rb") as f:
+                head = hashlib.sha256(f.read(1 << 20)).hexdigest()
+                f.seek(-(1 << 20), os.SEEK_END)
+                tail = hashlib.sha256(f.read(1 << 20)).hexdigest()
+            disks[dev] = (probe.returncode, probe.stdout, head, tail, os.path.exists(dev + "p1"))
+        sysfs = Path("/sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages")
+        etc = self.root / "etc"
+        return {
+            "disks": disks,
+            "nr_hugepages": Path("/proc/sys/vm/nr_hugepages").read_text(),
+            "sysfs_nr_hugepages_2m": sysfs.read_text() if sysfs.exists() else None,
+            "mounted": os.path.ismount(self.mount_path),
+            "mount_path_exists": self.mount_path.exists(),
+            "group": _group_exists(GROUP),
+            "etc_files": sorted(str(p.relative_to(etc)) for p in etc.rglob("*")) if etc.exists() else [],
+        }
+
     def close(self) -> None:
         if os.path.ismount(self.mount_path):
             subprocess.run(["umount", str(self.mount_path)], check=False)
@@ -147,6 +187,9 @@ class Sandbox:
         Path("/proc/sys/vm/nr_hugepages").write_text(self.nr_hugepages_before)
         if self.user_created:
             subprocess.run(["userdel", self.user], check=False)
+        if not self.runner_user_existed and _user_exists(self.runner_user):
+            subprocess.run(["userdel", "--remove", self.runner_user], check=False, capture_output=True)
+        shutil.rmtree(self.runner_root, ignore_errors=True)
         if not self.group_existed and _group_exists(GROUP):
             subprocess.run(["groupdel", GROUP], check=False)
 

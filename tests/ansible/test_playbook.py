@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from sandbox import GID, HUGEPAGES_2M, Sandbox, recap, tools_missing
+from sandbox import GID, HUGEPAGES_2M, REPO, Sandbox, recap, tools_missing
 
 pytestmark = [pytest.mark.root, pytest.mark.nvme, pytest.mark.slow]
 
@@ -34,8 +36,12 @@ def provisioned(tmp_path_factory):
         doctor_args = ["--device", part, "--require-hugepages", "--lock-bytes", "2GiB", "--nvme-bytes", "32MiB"]
         before = box.doctor(*doctor_args)
         variables = box.variables([disk])
+        fresh = box.snapshot()
+        dry = box.playbook(variables, check=True)
+        box.dry_run = (fresh, dry, box.snapshot())
         first = box.playbook(variables)
         second = box.playbook(variables)
+        box.dry_run_after = box.playbook(variables, check=True)
         box.add_group_member()
         limits = Path(json.loads(variables.read_text())["memlock_limits_file"])
         after = box.doctor(*doctor_args, "--user", box.user, limits_file=limits)
@@ -92,6 +98,43 @@ def test_playbook_provisions_and_second_run_changes_nothing(provisioned):
     )
 
 
+def test_check_mode_on_fresh_target_lists_changes_and_changes_nothing(provisioned):
+    """`just provision HOST --check` on a fresh host: exits 0, reports what a real run would change
+    (the partition, the huge page reservation) and leaves disk, procfs/sysfs and files as they were."""
+    box, disk, *_ = provisioned
+    fresh, dry, after = box.dry_run
+    assert dry.returncode == 0, dry.stdout[-4000:] + dry.stderr[-2000:]
+    counts = recap(dry.stdout)
+    assert counts["failed"] == 0 and counts["changed"] > 0, dry.stdout[-4000:]
+    assert after == fresh
+    assert not fresh["disks"][disk][4] and fresh["nr_hugepages"].strip() == "0"
+    tasks = _changed_tasks(dry.stdout)
+    assert f"Create the GPT partition for memascend on {disk}" in tasks, tasks
+    assert "Report the 2 MiB pages a real run would reserve (check mode)" in tasks, tasks
+    assert f"would change: vm.nr_hugepages 0 -> {HUGEPAGES_2M}" in dry.stdout
+    # the disk was classified from the real probes, not refused as 'in use'
+    assert "Refusing" not in dry.stdout
+
+
+def test_check_mode_on_provisioned_target_changes_nothing(provisioned):
+    box, *_ = provisioned
+    run = box.dry_run_after
+    assert run.returncode == 0, run.stdout[-4000:]
+    assert recap(run.stdout)["changed"] == 0, run.stdout[-4000:]
+
+
+def _changed_tasks(output: str) -> list[str]:
+    """Names of the tasks that reported ``changed`` (ansible's default callback: a ``TASK [role : name]``
+    header, then ``changed: [host]`` lines)."""
+    names, task = [], None
+    for line in output.splitlines():
+        if line.startswith("TASK [") or line.startswith("RUNNING HANDLER ["):
+            task = line[line.index("[") + 1 : line.rindex("]")].split(" : ", 1)[-1]
+        elif line.startswith("changed: [") and task is not None:
+            names.append(task)
+    return names
+
+
 def test_doctor_passes_on_provisioned_target(provisioned):
     *_, after = provisioned
     checks = _checks(after)
@@ -132,3 +175,46 @@ def test_disk_with_foreign_partition_is_refused_unless_allowed(provisioned):
         ["blkid", "-p", "-o", "export", disk + "p1"], capture_output=True, text=True
     ).stdout
     assert "PART_ENTRY_NAME=memascend" in label
+
+
+@pytest.fixture(scope="module")
+def runner_host(provisioned):
+    """The provisioned target made a CI runner: `--tags all,runner`, twice."""
+    box, disk, part, *_ = provisioned
+    runner = box.runner_root
+    values = {
+        "runner_user": box.runner_user,
+        "runner_install_packages": False,  # apt is not ours to change here; the toolchain is present
+        "runner_python": sys.executable,
+        "runner_venv": str(runner / "venv"),
+        # memascend itself without its dependencies (torch is GBs): the workflow's `just install` adds them
+        "runner_project_source": str(REPO),
+        "runner_pip_extra_args": ["--no-deps"],
+        "runner_env_file": str(runner / "actions-runner" / ".env"),
+    }
+    variables = box.variables([disk], extra=values)
+    first = box.playbook(variables, "all", "runner")
+    second = box.playbook(variables, "all", "runner")
+    return box, part, runner, first, second
+
+
+def test_runner_role_gives_the_runner_a_venv_and_the_partition(runner_host):
+    box, part, runner, first, second = runner_host
+    assert first.returncode == 0, first.stdout[-4000:]
+    assert second.returncode == 0 and recap(second.stdout)["changed"] == 0, second.stdout[-4000:]
+    groups = subprocess.run(["id", "-nG", box.runner_user], capture_output=True, text=True).stdout.split()
+    assert "memascend" in groups
+    venv = runner / "venv"
+    assert (venv / "bin" / "memascend").exists() and pwd.getpwuid(venv.stat().st_uid).pw_name == box.runner_user
+    env = dict(line.split("=", 1) for line in (runner / "actions-runner" / ".env").read_text().splitlines())
+    assert env == {"MEMASCEND_CI_VENV": str(venv), "MEMASCEND_CI_DEVICE": part}
+    as_runner = ["setpriv", f"--reuid={box.runner_user}", f"--regid={box.runner_user}", "--init-groups"]
+    just = subprocess.run([*as_runner, str(venv / "bin" / "just"), "--version"], capture_output=True, text=True)
+    assert just.returncode == 0 and just.stdout.startswith("just "), just.stderr
+    # the runner user (no root, no capabilities) reads and may write the raw partition through the group
+    read = subprocess.run([*as_runner, "dd", f"if={part}", "of=/dev/null", "bs=4096", "count=1"],
+                          capture_output=True, text=True)
+    assert read.returncode == 0, read.stderr
+    assert subprocess.run([*as_runner, "test", "-w", part]).returncode == 0
+    other = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "test", "-r", part])
+    assert other.returncode != 0  # and a user outside the group cannot
