@@ -142,3 +142,15 @@ def test_regress_image_passes_the_partition_as_device_and_nvme_path(tmp_path):
     (tmp_path / "cpu").mkdir()
     cpu = _just_regress_image(tmp_path / "cpu", device, env={"MEMASCEND_CONTAINER_GPUS": ""})
     assert cpu.returncode == 0 and "--gpus" not in (tmp_path / "cpu" / "argv").read_text().split()
+
+
+def test_every_just_recipe_the_workflow_calls_exists():
+    """A renamed or deleted recipe fails here, not on the GPU runner."""
+    import re
+
+    summary = subprocess.run([_need("just"), "--summary"], cwd=REPO, capture_output=True, text=True,
+                             check=True).stdout.split()
+    scripts = "\n".join(step.get("run", "") for step in _steps().values())
+    called = set(re.findall(r"(?:^|[\s;&|(])just\s+([a-z][a-z0-9-]*)", scripts))
+    assert {"build-image", "regress-image", "test-gpu"} <= called, called
+    assert called <= set(summary), sorted(called - set(summary))
