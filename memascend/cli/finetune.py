@@ -115,8 +115,17 @@ def _print_summary(rep: dict, output_dir: str) -> None:
     t.add_row("held-out loss before -> after", f"{fmt(ev['loss_before'])} -> {fmt(ev['loss_after'])}")
     t.add_row("steps / median s per step", f"{rep['num_steps']} / {fmt(rep['median_step_s'], 2)}")
     t.add_row("median tokens/s", fmt(rep["median_tokens_per_s"], 1))
-    t.add_row("peak RSS", f"{mem['peak_rss_bytes'] / gib:.2f} GiB")
-    t.add_row("peak locked (VmLck)", f"{mem['peak_locked_bytes'] / gib:.2f} GiB")
+    ranks, nodes = mem.get("ranks") or [], mem.get("nodes") or []
+    if len(ranks) <= 1:
+        t.add_row("peak RSS", f"{mem['peak_rss_bytes'] / gib:.2f} GiB")
+        t.add_row("peak locked (VmLck)", f"{mem['peak_locked_bytes'] / gib:.2f} GiB")
+    else:  # say whose peak it is: rank 0's, and per host the sum of its ranks'
+        t.add_row("peak RSS rank 0 / host", f"{mem['peak_rss_bytes'] / gib:.2f} / "
+                  f"{mem['max_node_peak_rss_bytes'] / gib:.2f} GiB")
+        t.add_row("peak locked rank 0 / host", f"{mem['peak_locked_bytes'] / gib:.2f} / "
+                  f"{mem['max_node_peak_locked_bytes'] / gib:.2f} GiB")
+        t.add_row("ranks / hosts", f"{len(ranks)} / {len(nodes)}")
+        t.caption = ("host: the sum of one host's ranks' peaks" + (", the largest host" if len(nodes) > 1 else ""))
     t.add_row("NVMe read / written", f"{rep['nvme']['read_bytes'] / gib:.2f} / {rep['nvme']['write_bytes'] / gib:.2f} GiB")
     t.add_row("outputs", output_dir)
     Console(stderr=True).print(t)

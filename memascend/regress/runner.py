@@ -125,7 +125,7 @@ class RunOutcome:
 
 #: Report entries replaced by their median over the repeats (``memory`` keys are per-run peaks).
 _MEDIAN_MEMORY_KEYS = ("peak_rss_bytes", "peak_locked_bytes", "sum_rank_peak_rss_bytes",
-                       "sum_rank_peak_locked_bytes")
+                       "sum_rank_peak_locked_bytes", "max_node_peak_rss_bytes", "max_node_peak_locked_bytes")
 
 
 def merge_repeat_reports(reports: list[dict]) -> dict:

@@ -285,13 +285,41 @@ def _steps_section(per_step: list[dict], skipped_steps: int) -> dict:
     }
 
 
+def node_peaks(rank_peaks: list[dict]) -> list[dict]:
+    """Per node (host): its ranks and the sums of their peaks, what that host's DRAM must hold.
+
+    Args:
+        rank_peaks: one dict per rank with ``rank``, ``peak_rss_bytes``, ``peak_locked_bytes`` and,
+            where recorded, ``node_rank`` and ``hostname`` (a rank without them counts as node 0).
+
+    Returns:
+        One dict per node, ordered by node rank: ``node_rank``, ``hostname``, ``ranks`` (global ranks),
+        ``sum_rank_peak_rss_bytes``, ``sum_rank_peak_locked_bytes`` (bytes; an upper bound of the
+        host's peak, as the ranks' peaks need not coincide).
+    """
+    nodes: dict[int, dict] = {}
+    for r in rank_peaks:
+        node = nodes.setdefault(int(r.get("node_rank") or 0), {
+            "node_rank": int(r.get("node_rank") or 0), "hostname": r.get("hostname"), "ranks": [],
+            "sum_rank_peak_rss_bytes": 0, "sum_rank_peak_locked_bytes": 0})
+        node["ranks"].append(r["rank"])
+        node["sum_rank_peak_rss_bytes"] += r["peak_rss_bytes"]
+        node["sum_rank_peak_locked_bytes"] += r["peak_locked_bytes"]
+    return [nodes[k] for k in sorted(nodes)]
+
+
 def _memory_section(summary: dict, rank_peaks: list[dict]) -> dict:
+    nodes = node_peaks(rank_peaks)
     return {
         **summary,
         "ranks": rank_peaks,
-        # Ranks on one host add up; the sum of per-rank peaks bounds the host's peak.
+        # Every rank of every node: on one host, the sum bounds the host's peak (ranks add up).
         "sum_rank_peak_rss_bytes": sum(r["peak_rss_bytes"] for r in rank_peaks),
         "sum_rank_peak_locked_bytes": sum(r["peak_locked_bytes"] for r in rank_peaks),
+        # Several hosts: what each host holds, and the largest of them (the DRAM one host needs).
+        "nodes": nodes,
+        "max_node_peak_rss_bytes": max((n["sum_rank_peak_rss_bytes"] for n in nodes), default=0),
+        "max_node_peak_locked_bytes": max((n["sum_rank_peak_locked_bytes"] for n in nodes), default=0),
     }
 
 

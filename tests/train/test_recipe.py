@@ -151,8 +151,9 @@ def test_report_from_fixed_inputs_has_the_old_reports_keys(tmp_path, backend):
         assert is_subsequence(fields or [], now or []), section
     assert ADDED_TRAIN_KEYS <= set(rep["config"]["train"])
     assert [old_step_keys(k) for k in keys(rep["steps"])] == keys(want["steps"])
-    assert list(rep["memory"]) == list(want["memory"])
-    assert rep["memory"]["sum_rank_peak_rss_bytes"] == 1 << 30
+    # memory: the recorded keys, then the per-host ones added for several hosts (issue 22)
+    assert list(rep["memory"]) == [*want["memory"], "nodes", "max_node_peak_rss_bytes", "max_node_peak_locked_bytes"]
+    assert rep["memory"]["sum_rank_peak_rss_bytes"] == 1 << 30 == rep["memory"]["max_node_peak_rss_bytes"]
     assert rep["complete"] is True and rep["status"] == "completed" and rep["num_steps"] == 2
     assert rep["median_step_s"] == 0.5 and rep["median_phase_s"] == record().to_dict()["phase_s"]
     assert rep["nvme"]["backend"] == backend and rep["nvme"]["path"] == _cfg(backend, tmp_path).offload.nvme_path
@@ -241,3 +242,17 @@ def test_cleanup_closes_a_raw_store_the_seam_holds_even_before_the_ledger_knew_i
     monkeypatch.setattr(seam, "active_raw_store", lambda: None)
     Cleanup().run()
     assert calls == ["revert"]
+
+
+def test_peaks_per_host_sum_that_host_s_ranks_and_the_largest_host_is_named():
+    ranks = [{"rank": r, "node_rank": r // 2, "hostname": f"h{r // 2}", "peak_rss_bytes": (r + 1) << 30,
+              "peak_locked_bytes": 1 << 20} for r in range(4)]
+    nodes = report_mod.node_peaks(ranks)
+    assert [(n["node_rank"], n["hostname"], n["ranks"]) for n in nodes] == [(0, "h0", [0, 1]), (1, "h1", [2, 3])]
+    assert [n["sum_rank_peak_rss_bytes"] >> 30 for n in nodes] == [1 + 2, 3 + 4]
+    mem = report_mod._memory_section({"peak_rss_bytes": 1 << 30, "peak_locked_bytes": 1 << 20}, ranks)
+    assert mem["max_node_peak_rss_bytes"] == 7 << 30 and mem["max_node_peak_locked_bytes"] == 2 << 20
+    assert mem["sum_rank_peak_rss_bytes"] == 10 << 30
+    # ranks recorded before nodes were (no node_rank): one host
+    assert [n["ranks"] for n in report_mod.node_peaks([{"rank": 0, "peak_rss_bytes": 1, "peak_locked_bytes": 0},
+                                                       {"rank": 1, "peak_rss_bytes": 2, "peak_locked_bytes": 0}])] == [[0, 1]]
