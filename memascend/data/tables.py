@@ -17,12 +17,12 @@ line is not a row).
 from __future__ import annotations
 
 import csv
-import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from memascend.data.formats import Document, check_columns, row_to_document
 from memascend.errors import UserError
+from memascend.hub_ids import looks_like_repo_id
 
 #: File suffix -> ``datasets`` packaged builder.
 TABLE_BUILDERS = {".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
@@ -30,13 +30,11 @@ TABLE_BUILDERS = {".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow
 #: Files ``save_to_disk`` writes into the folder of a ``Dataset`` or a ``DatasetDict``.
 SAVED_MARKERS = ("state.json", "dataset_dict.json")
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
-
 
 def is_hub_id(name: str) -> bool:
     """Whether ``name`` reads as a Hub repository id ``org/name`` (and not as a data file's path)."""
     known = (".jsonl", ".txt", ".md", *TABLE_BUILDERS)
-    return bool(_HUB_ID.match(name)) and not name.lower().endswith(known)
+    return looks_like_repo_id(name, known)
 
 
 def is_saved_dataset(path: Path) -> bool:

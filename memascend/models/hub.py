@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from memascend.errors import UserError
+from memascend.hub_ids import looks_like_repo_id
 
-HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 DEFAULT_REVISION = "main"
 
 CONFIG_PATTERNS = ("*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja")
@@ -53,7 +52,7 @@ class HubSnapshot:
 
 def is_hub_id(name: str) -> bool:
     """Whether ``name`` reads as a Hub model id ``org/name`` (not a ``.gguf`` file path)."""
-    return bool(HUB_ID.match(name)) and not name.lower().endswith(".gguf")
+    return looks_like_repo_id(name, (".gguf",))
 
 
 def hub_cache_dir() -> Path:
