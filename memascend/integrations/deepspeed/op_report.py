@@ -8,10 +8,8 @@ DeepSpeed 0.19.8 ``deepspeed/env_report.py`` (``op_report``: ``ALL_OPS``, ``is_c
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 RUN_OPS = ("async_io", "pin_memory", "cpu_adam", "deepspeed_shm_comm")
 """The ops a memascend run loads (NVMe swapping, the CPU Adam, the CPU shared-memory collectives)."""
@@ -50,14 +48,13 @@ def deepspeed_ops() -> list[DeepSpeedOp]:
 
     from memascend.ops.build import configure_builds
 
-    configure_builds()
+    jit_root = configure_builds()  # the folder torch's JIT builds of DeepSpeed's ops go to
     # DeepSpeed prints while it looks for compilers; its compile probe (OpBuilder.has_function) dups
     # sys.stderr's file descriptor, which a captured stderr (click's test runner) does not have.
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(sys.__stderr__ or sys.stderr):
         from deepspeed.git_version_info import installed_ops
         from deepspeed.ops.op_builder.all_ops import ALL_OPS
 
-        jit_root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
         out = []
         for name, builder in sorted(ALL_OPS.items()):
             if builder is None or name == "deepspeed_not_implemented":
