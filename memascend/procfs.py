@@ -1,7 +1,9 @@
-"""Which processes hold a file open, read from ``/proc/<pid>/fd`` (what ``fuser`` does).
+"""What memascend reads from ``/proc``: which processes hold a file open (``/proc/<pid>/fd``, what
+``fuser`` does), and this process's own cgroup (``/proc/self/cgroup``).
 
-Used to name the process behind a lock: a run lock on a swap target, a build lock of an op.
-Processes of other users may be invisible without privileges.
+Used to name the process behind a lock (a run lock on a swap target, a build lock of an op;
+processes of other users may be invisible without privileges), and to find the memory limit a run
+is under and where a capped run's cgroup goes.
 """
 
 from __future__ import annotations
@@ -42,3 +44,23 @@ def pids_with_open(path: str | os.PathLike, proc: Path = Path("/proc")) -> list[
         return []
     me = os.getpid()
     return [int(e.name) for e in proc.iterdir() if e.name.isdigit() and int(e.name) != me and has_open(e, target)]
+
+
+def own_cgroup_rel(version: int, proc_root: Path = Path("/proc")) -> str | None:
+    """This process's cgroup, relative to its hierarchy's root, from ``/proc/self/cgroup``: the v2
+    line (``0::/a/b``) or the v1 memory controller's (``5:memory:/a/b``), as ``"a/b"``.
+
+    Returns:
+        ``""`` at the hierarchy's root; ``None`` where there is no such line, the file cannot be
+        read, or the path climbs out (``..``).
+    """
+    try:
+        lines = (proc_root / "self" / "cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, rel = (line.split(":", 2) + ["", ""])[:3]
+        if (controllers == "" if version == 2 else "memory" in controllers.split(",")):
+            rel = rel.strip().strip("/")
+            return None if ".." in rel.split("/") else rel
+    return None

@@ -57,6 +57,7 @@ import psutil
 
 from memascend.errors import UserError
 from memascend.host import systemd_scope
+from memascend.procfs import own_cgroup_rel
 from memascend.units import parse_size_bytes
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -214,19 +215,10 @@ def _cgroup_mounts(root: Path) -> tuple[list[Path], list[Path]]:
 
 
 def _own_group(mount: Path, version: int) -> Path | None:
-    """This process's own cgroup under ``mount`` (from ``/proc/self/cgroup``), where it is a folder
+    """This process's own cgroup under ``mount`` (:func:`own_cgroup_rel`), where it is a folder
     below the mount's root; ``None`` at the root or where it cannot be told."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, rel = (line.split(":", 2) + ["", ""])[:3]
-        if (controllers == "" if version == 2 else "memory" in controllers.split(",")):
-            rel = rel.strip().strip("/")
-            if rel and ".." not in rel.split("/") and (mount / rel).is_dir():
-                return mount / rel
-    return None
+    rel = own_cgroup_rel(version)
+    return mount / rel if rel and (mount / rel).is_dir() else None
 
 
 def _parents(mount: Path, version: int) -> list[Path]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from memascend.procfs import own_cgroup_rel
+
 UNLIMITED_BYTES = 1 << 60
 """cgroup v1 writes "no limit" as a page-rounded 2**63 - 1; anything above this counts as none."""
 
@@ -27,21 +29,12 @@ class HostMemory:
 def _cgroup_limits(proc_root: Path, cgroup_root: Path) -> list[tuple[int, str]]:
     """Memory limits of this process's cgroup and its ancestors (v2 ``memory.max``, v1
     ``memory.limit_in_bytes``), as ``(bytes, file)``."""
-    try:
-        lines = (proc_root / "self" / "cgroup").read_text().splitlines()
-    except OSError:
-        return []
     found = []
-    for line in lines:
-        hierarchy, _, rest = line.partition(":")
-        controllers, _, rel = rest.partition(":")
-        if hierarchy == "0" and not controllers:
-            base, name = cgroup_root, "memory.max"
-        elif "memory" in controllers.split(","):
-            base, name = cgroup_root / "memory", "memory.limit_in_bytes"
-        else:
+    for version, base, name in ((2, cgroup_root, "memory.max"), (1, cgroup_root / "memory", "memory.limit_in_bytes")):
+        rel = own_cgroup_rel(version, proc_root)
+        if rel is None:
             continue
-        folder = base / rel.lstrip("/")
+        folder = base / rel
         while True:
             try:
                 text = (folder / name).read_text().strip()
