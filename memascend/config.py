@@ -267,6 +267,10 @@ class TrainConfig:
     """Training precision: ``bf16`` / ``fp16`` (mixed, with dynamic loss scaling) or ``fp32``."""
     activation_checkpointing: bool = False
     """Recompute activations in the backward pass (Hugging Face gradient checkpointing)."""
+    deterministic: bool = False
+    """Deterministic kernels (:func:`memascend.train.determinism.enable_deterministic_kernels`): on
+    CUDA the same ``--seed`` then gives the same per-step losses run after run (a CPU run already
+    does); some kernels are slower."""
     gradient_clipping: float = 1.0
     """Global gradient-norm clip (0 disables; ``--max-grad-norm``)."""
     save_model: bool = True

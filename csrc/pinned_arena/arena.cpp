@@ -8,10 +8,11 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 #include <stdexcept>
+#include <string>
 
 namespace memascend {
 namespace {
@@ -23,18 +24,24 @@ std::size_t round_up(std::size_t value, std::size_t align) {
 }
 
 // Reads "<key>: <number> kB" (or a bare count) from a /proc file; returns -1 if absent.
+// C stdio, not iostreams: an extension linked with a static libstdc++ (a compiler wrapper adding
+// -static-libstdc++, GCC 13) has iostream locale facets that are never initialised in this shared
+// object, and the first `>>` segfaults (seen on an H200 host, 2026-11-26).
 long long read_proc_field(const char* path, const std::string& key) {
-  std::ifstream in(path);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.compare(0, key.size(), key) == 0 && line.size() > key.size() && line[key.size()] == ':') {
-      std::istringstream rest(line.substr(key.size() + 1));
-      long long value = -1;
-      rest >> value;
-      return value;
+  std::FILE* in = std::fopen(path, "re");
+  if (in == nullptr) return -1;
+  char line[512];
+  long long value = -1;
+  while (std::fgets(line, sizeof line, in) != nullptr) {
+    if (std::strncmp(line, key.c_str(), key.size()) == 0 && line[key.size()] == ':') {
+      char* end = nullptr;
+      const long long parsed = std::strtoll(line + key.size() + 1, &end, 10);
+      if (end != line + key.size() + 1) value = parsed;
+      break;
     }
   }
-  return -1;
+  std::fclose(in);
+  return value;
 }
 
 std::size_t hugepage_size_bytes() {
@@ -44,9 +51,7 @@ std::size_t hugepage_size_bytes() {
 
 std::string format_limit(std::size_t bytes) {
   if (bytes == SIZE_MAX) return "unlimited";
-  std::ostringstream out;
-  out << bytes << " bytes (" << (bytes >> 10) << " KiB)";
-  return out.str();
+  return std::to_string(bytes) + " bytes (" + std::to_string(bytes >> 10) + " KiB)";
 }
 
 }  // namespace
@@ -189,15 +194,13 @@ std::size_t PinnedArena::map_region_locked(std::size_t bytes) {
       const int err = errno;
       munmap(base, bytes);
       const long long vmlck_kib = read_proc_field("/proc/self/status", "VmLck");
-      std::ostringstream msg;
-      msg << "pinned arena: mlock of a " << bytes << "-byte region failed (" << std::strerror(err)
-          << "): the memlock limit (RLIMIT_MEMLOCK, `ulimit -l`) is "
-          << format_limit(memlock_limit_bytes()) << ", the process already has "
-          << (vmlck_kib < 0 ? 0 : vmlck_kib) << " KiB locked, and the arena needs "
-          << counters_.locked_bytes + bytes
-          << " bytes locked in total; raise the memlock limit (limits.conf 'memlock', systemd "
-             "LimitMEMLOCK=, docker --ulimit memlock=-1) or grant CAP_IPC_LOCK";
-      throw std::runtime_error(msg.str());
+      throw std::runtime_error(
+          "pinned arena: mlock of a " + std::to_string(bytes) + "-byte region failed (" + std::strerror(err) +
+          "): the memlock limit (RLIMIT_MEMLOCK, `ulimit -l`) is " + format_limit(memlock_limit_bytes()) +
+          ", the process already has " + std::to_string(vmlck_kib < 0 ? 0 : vmlck_kib) +
+          " KiB locked, and the arena needs " + std::to_string(counters_.locked_bytes + bytes) +
+          " bytes locked in total; raise the memlock limit (limits.conf 'memlock', systemd "
+          "LimitMEMLOCK=, docker --ulimit memlock=-1) or grant CAP_IPC_LOCK");
     }
     locked = true;
   }

@@ -154,6 +154,9 @@ TRAINING = OptionGroup("training", (
          help="Training precision [default: bf16]"),
     flag("--activation-checkpointing/--no-activation-checkpointing", section="train", field="activation_checkpointing",
          default=None, help="Recompute activations in backward [default: off]"),
+    flag("--deterministic/--no-deterministic", section="train", field="deterministic", default=None,
+         help="Deterministic kernels (torch.use_deterministic_algorithms, cuBLAS workspace, cuDNN): on a GPU the "
+         "same --seed gives the same losses run after run; some kernels are slower [default: off]"),
 ))
 
 OPTIMIZER = OptionGroup("optimizer", (

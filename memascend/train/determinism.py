@@ -56,6 +56,35 @@ def seed_training(seed: int, rank: int, world_size: int = 1) -> dict[str, Any]:
             "rng_from_checkpoint": False}
 
 
+CUBLAS_WORKSPACE_CONFIG = ":4096:8"
+"""cuBLAS's workspace setting for reproducible results on CUDA >= 10.2 (PyTorch's reproducibility
+notes): the value ``torch.use_deterministic_algorithms`` asks for."""
+
+
+def enable_deterministic_kernels() -> dict[str, Any]:
+    """Make this process's kernels deterministic (``--deterministic``; HF Trainer's
+    ``full_determinism``, without its ``CUDA_LAUNCH_BLOCKING=1``, which serialises every kernel
+    launch and so would hide the overlap of swap I/O and compute that step times compare).
+
+    Sets ``CUBLAS_WORKSPACE_CONFIG`` (unless the user set it; read when cuBLAS makes its handle, so
+    call this before the first matrix product on the GPU), ``torch.use_deterministic_algorithms(True)``
+    (an op without a deterministic kernel raises ``RuntimeError`` naming it), and cuDNN's
+    ``deterministic`` on, ``benchmark`` off. Process-wide and not undone.
+
+    Returns:
+        What to record in the report: ``{"deterministic_kernels": True, "cublas_workspace_config": str}``.
+    """
+    import os
+
+    import torch
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    return {"deterministic_kernels": True, "cublas_workspace_config": os.environ["CUBLAS_WORKSPACE_CONFIG"]}
+
+
 def capture_rng_state() -> dict[str, Any]:
     """This process's generator states: torch CPU, CUDA (every device, where CUDA is initialised),
     Python ``random`` and numpy. Plain Python objects, tensors and numpy arrays (picklable)."""

@@ -106,6 +106,7 @@ class FinetuneRecipe:
         self.resume_ck = None
         self.layout: dict[str, list[int]] | None = None
         self.client_state: dict | None = None
+        self.deterministic: dict = {}  # enable_deterministic_kernels()'s record under --deterministic
         self.start_step = 0
         self.records: list[StepRecord] = []
         self.ck_saves: list[dict] = []
@@ -277,6 +278,8 @@ class FinetuneRecipe:
 
         cfg = self.cfg
         settings = self.resolved.settings
+        if cfg.train.deterministic:  # before any kernel runs: cuBLAS reads its workspace setting once
+            self.deterministic = determinism.enable_deterministic_kernels()
         self.ledger.revert = seam.revert
         seam.apply(settings)
         self.engine_settings = dataclasses.asdict(settings)
@@ -363,6 +366,7 @@ class FinetuneRecipe:
                                    cfg.train.seed)
         # Every RNG the steps draw from (dropout): seeded with seed + rank, or a checkpoint's states.
         self.seeding = determinism.seed_training(cfg.train.seed, info.rank, info.world_size)
+        self.seeding.update(self.deterministic)
         self.seeding["rng_from_checkpoint"] = determinism.restore_from_client_state(self.client_state, info.rank,
                                                                                     info.world_size)
         io0 = read_proc_io()

@@ -8,7 +8,10 @@ command differed from step 1.
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -87,6 +90,7 @@ def dropout_runs(tmp_path_factory, dropout_model) -> dict[str, dict]:
         "a": _finetune(tmp, "a", dropout_model, "--steps", "4"),
         "b": _finetune(tmp, "b", dropout_model, "--steps", "4"),
         "baseline": _finetune(tmp, "base", dropout_model, "--steps", "4", "--engine", "baseline"),
+        "deterministic": _finetune(tmp, "det", dropout_model, "--steps", "4", "--deterministic"),
         "first": _finetune(tmp, "first", dropout_model, "--steps", "2", "--save-checkpoint", str(tmp / "ck")),
     }
     runs["resumed"] = _finetune(tmp, "resumed", dropout_model, "--steps", "4", "--resume", str(tmp / "ck"))
@@ -103,6 +107,29 @@ def test_dropout_model_trains_bit_identically_twice(dropout_runs):
 def test_dropout_model_baseline_equals_memascend(dropout_runs):
     print(f"\nbaseline {_hex_losses(dropout_runs['baseline'])}")
     assert _hex_losses(dropout_runs["baseline"]) == _hex_losses(dropout_runs["a"])
+
+
+def test_deterministic_kernels_keep_cpu_losses(dropout_runs):
+    """--deterministic turns on torch's deterministic algorithms for the whole run (DeepSpeed's CPU
+    path must have a deterministic kernel for every op it runs, else it raises); on the CPU, whose
+    kernels are deterministic already, the losses are the same bits."""
+    det = dropout_runs["deterministic"]
+    assert det["seeding"]["deterministic_kernels"] is True
+    assert det["seeding"]["cublas_workspace_config"] == ":4096:8"
+    assert "deterministic_kernels" not in dropout_runs["a"]["seeding"]
+    assert _hex_losses(det) == _hex_losses(dropout_runs["a"])
+
+
+def test_enable_deterministic_kernels_keeps_a_user_cublas_setting(tmp_path):
+    code = ("import os, torch\n"
+            "from memascend.train.determinism import enable_deterministic_kernels\n"
+            "rec = enable_deterministic_kernels()\n"
+            "print(rec['cublas_workspace_config'], torch.are_deterministic_algorithms_enabled(),"
+            " torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)\n")
+    env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":16:8"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [":16:8", "True", "True", "False"]
 
 
 def test_dropout_model_resume_is_exact(dropout_runs):
