@@ -65,7 +65,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _single_process_env() -> None:
+def single_process_env() -> None:
     """A run started without a launcher is rank 0 of 1 (DeepSpeed asks for the rendezvous variables)."""
     if "RANK" in os.environ:
         return
@@ -77,7 +77,7 @@ def _single_process_env() -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
-def _build_model(args: argparse.Namespace):
+def build_model(args: argparse.Namespace):
     from transformers import AutoModelForCausalLM
 
     from memascend.config import ModelConfig, parse_from_scratch
@@ -88,7 +88,7 @@ def _build_model(args: argparse.Namespace):
     return AutoModelForCausalLM.from_config(llama_config(parse_from_scratch(args.from_scratch)))
 
 
-class _RandomTokens:
+class RandomTokens:
     """``n`` sequences of ``seq_len`` token ids below ``vocab`` (seeded), labels = inputs."""
 
     def __init__(self, n: int, seq_len: int, vocab: int) -> None:
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
     memascend = not args.no_memascend
     if memascend:
         os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # torch reads it when it loads (enable_torch_thp)
-    _single_process_env()
+    single_process_env()
     import torch
 
     if not torch.cuda.is_available():
@@ -133,8 +133,8 @@ def main(argv: list[str] | None = None) -> dict:
 
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     set_seed(training_args.seed)
-    model = _build_model(args)  # after TrainingArguments: transformers builds it under zero.Init
-    data = _RandomTokens(args.steps * args.micro_batch * int(os.environ.get("WORLD_SIZE", "1")), args.seq_len,
+    model = build_model(args)  # after TrainingArguments: transformers builds it under zero.Init
+    data = RandomTokens(args.steps * args.micro_batch * int(os.environ.get("WORLD_SIZE", "1")), args.seq_len,
                          model.config.vocab_size)
     trainer = Trainer(model=model, args=training_args, train_dataset=data)
     trainer.train()
