@@ -9,7 +9,10 @@ Two kinds of checks, each a :class:`Check` with the measured value, its limit an
   hardware profile (``baselines/<profile>/<matrix>.json``), with :class:`GoldenTolerances`.
 
 Memory is host-wide: with several ranks on one host the per-rank peaks are summed
-(``report["memory"]["sum_rank_peak_*"]``), which bounds the host's peak.
+(``report["memory"]["sum_rank_peak_*"]``), which bounds the host's peak. A configuration of several
+simulated nodes (``BenchConfig.nnodes`` > 1) is compared per node instead: the largest node's sum of
+its ranks' peaks (``report["memory"]["max_node_peak_*"]``), what one host's DRAM must hold; its
+checks and table rows say so.
 """
 
 from __future__ import annotations
@@ -45,8 +48,9 @@ class RunMetrics:
     """The numbers of one engine's run that the checks use (from its ``report.json``).
 
     Attributes:
-        peak_rss_bytes: sum over ranks of each rank's peak RSS.
-        peak_locked_bytes: sum over ranks of each rank's peak VmLck.
+        peak_rss_bytes: sum over ranks of each rank's peak RSS (``per_node``: over the ranks of the
+            node whose sum is largest).
+        peak_locked_bytes: sum over ranks of each rank's peak VmLck (``per_node``: as RSS).
         median_step_s: median step time, first step excluded.
         tokens_per_s: median tokens per second (all ranks).
         nvme_read_bytes / nvme_write_bytes: bytes through the process's I/O counters during training.
@@ -58,6 +62,7 @@ class RunMetrics:
             (``report["median_phase_s"]``; ``None`` for reports that do not time phases).
         median_minor_faults: median page faults per step of rank 0's process
             (``report["median_minor_faults"]``; ``None`` for reports without them).
+        per_node: the memory peaks are the largest node's (``memory.max_node_peak_*``), not every rank's sum.
     """
 
     peak_rss_bytes: int
@@ -72,13 +77,24 @@ class RunMetrics:
     param_dtype: str | None = None
     median_phase_s: dict[str, float] | None = None
     median_minor_faults: float | None = None
+    per_node: bool = False
 
     @classmethod
-    def from_report(cls, report: dict) -> RunMetrics:
+    def from_report(cls, report: dict, per_node: bool = False) -> RunMetrics:
+        """The metrics of one ``report.json``; ``per_node``: memory peaks per node (see the class).
+
+        Raises:
+            KeyError: a field is missing (``per_node`` needs ``memory.max_node_peak_*``).
+        """
         mem = report["memory"]
+        if per_node:
+            rss, locked = int(mem["max_node_peak_rss_bytes"]), int(mem["max_node_peak_locked_bytes"])
+        else:
+            rss = int(mem.get("sum_rank_peak_rss_bytes") or mem["peak_rss_bytes"])
+            locked = int(mem.get("sum_rank_peak_locked_bytes") or mem["peak_locked_bytes"])
         return cls(
-            peak_rss_bytes=int(mem.get("sum_rank_peak_rss_bytes") or mem["peak_rss_bytes"]),
-            peak_locked_bytes=int(mem.get("sum_rank_peak_locked_bytes") or mem["peak_locked_bytes"]),
+            peak_rss_bytes=rss,
+            peak_locked_bytes=locked,
             median_step_s=float(report["median_step_s"]),
             tokens_per_s=float(report.get("median_tokens_per_s") or 0.0),
             nvme_read_bytes=int(report.get("nvme", {}).get("read_bytes") or 0),
@@ -89,6 +105,7 @@ class RunMetrics:
             param_dtype=report["model"].get("param_dtype"),
             median_phase_s=report.get("median_phase_s"),
             median_minor_faults=report.get("median_minor_faults"),
+            per_node=per_node,
         )
 
 
@@ -114,9 +131,16 @@ def check_losses(base: tuple[float, ...], mine: tuple[float, ...], th: Threshold
     return Check("losses", True, worst, th.loss_rtol, f"{len(base)} steps equal ({how})")
 
 
+def memory_scope(cfg: BenchConfig) -> str:
+    """How a configuration's memory is compared, for labels: ``""`` (every rank on the one host) or
+    ``"per node (largest of N)"`` for ``cfg.nnodes`` = N > 1 simulated nodes."""
+    return f"per node (largest of {cfg.nnodes})" if cfg.nnodes > 1 else ""
+
+
 def compare_pair(cfg: BenchConfig, base: RunMetrics, mine: RunMetrics) -> list[Check]:
-    """The same-run checks of one configuration against its thresholds."""
+    """The same-run checks of one configuration against its thresholds (memory as :func:`memory_scope`)."""
     th = cfg.thresholds
+    scope = f" {memory_scope(cfg)}".rstrip()
     out = [check_losses(base.losses, mine.losses, th)]
     if base.param_dtype and mine.param_dtype:
         same = base.param_dtype == mine.param_dtype
@@ -125,12 +149,12 @@ def compare_pair(cfg: BenchConfig, base: RunMetrics, mine: RunMetrics) -> list[C
                          + ("" if same else ": the engines must train in the same precision")))
     rss = _ratio(mine.peak_rss_bytes, base.peak_rss_bytes)
     out.append(Check("peak_rss_ratio", rss <= th.max_peak_rss_ratio, rss, th.max_peak_rss_ratio,
-                     f"peak RSS {mine.peak_rss_bytes / GIB:.2f} / {base.peak_rss_bytes / GIB:.2f} GiB = {rss:.3f} "
+                     f"peak RSS{scope} {mine.peak_rss_bytes / GIB:.2f} / {base.peak_rss_bytes / GIB:.2f} GiB = {rss:.3f} "
                      f"(limit {th.max_peak_rss_ratio:.2f})"))
     if th.max_peak_locked_ratio is not None:
         lck = _ratio(mine.peak_locked_bytes, base.peak_locked_bytes)
         out.append(Check("peak_locked_ratio", lck <= th.max_peak_locked_ratio, lck, th.max_peak_locked_ratio,
-                         f"locked {mine.peak_locked_bytes / GIB:.2f} / {base.peak_locked_bytes / GIB:.2f} GiB = "
+                         f"locked{scope} {mine.peak_locked_bytes / GIB:.2f} / {base.peak_locked_bytes / GIB:.2f} GiB = "
                          f"{lck:.3f} (limit {th.max_peak_locked_ratio:.2f})"))
     st = _ratio(mine.median_step_s, base.median_step_s)
     limit = th.max_step_time_ratio + th.step_time_noise
@@ -168,8 +192,11 @@ class GoldenTolerances:
 
 def golden_entry(base: RunMetrics, mine: RunMetrics, cpu_isa: str | None = None) -> dict:
     """What is recorded for one configuration in a golden file; ``cpu_isa``
-    (:func:`memascend.regress.golden.cpu_isa`) is the kernel level the losses were computed with."""
+    (:func:`memascend.regress.golden.cpu_isa`) is the kernel level the losses were computed with;
+    ``memory_per_node`` is recorded (true) only where the peaks are per node (``RunMetrics.per_node``)."""
+    extra = {"memory_per_node": True} if mine.per_node else {}
     return {
+        **extra,
         "cpu_isa": cpu_isa,
         "memascend": {"peak_rss_bytes": mine.peak_rss_bytes, "peak_locked_bytes": mine.peak_locked_bytes,
                       "median_step_s": mine.median_step_s, "losses": list(mine.losses)},
@@ -295,8 +322,9 @@ def evaluate(cfg: BenchConfig, base_report: dict | None, mine_report: dict | Non
             compared, and the result is one ``memory_cap`` check.
     """
     res = ConfigResult(cfg, errors=list(errors or []))
-    res.baseline = RunMetrics.from_report(base_report) if base_report is not None else None
-    res.memascend = RunMetrics.from_report(mine_report) if mine_report is not None else None
+    per_node = cfg.nnodes > 1
+    res.baseline = RunMetrics.from_report(base_report, per_node) if base_report is not None else None
+    res.memascend = RunMetrics.from_report(mine_report, per_node) if mine_report is not None else None
     if stopped:
         completed = {e for e, rep in (("baseline", base_report), ("memascend", mine_report)) if rep is not None}
         res.checks.append(check_memory_cap(stopped, completed))

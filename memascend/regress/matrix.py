@@ -99,7 +99,12 @@ class BenchConfig:
         seq_len: tokens per sequence.
         micro_batch: sequences per micro-batch per rank.
         steps: optimizer steps (at least 3: the first is excluded from step-time medians).
-        nproc: ranks on this host.
+        nproc: ranks on this host (with ``nnodes`` > 1: on each simulated node).
+        nnodes: simulated nodes on this host. 1: one launch (``--nproc`` for several ranks). > 1: one
+            launcher per node (``torchrun --nnodes N --node-rank K`` on 127.0.0.1, see
+            :func:`memascend.regress.runner.node_commands`), each node ``nproc`` ranks, its own swap
+            folder (:meth:`node_nvme_path`) and the shared ``--output``; memory is compared per node
+            (the largest node's sum of its ranks' peaks, ``report["memory"]["max_node_peak_*"]``).
         offload_param / offload_optimizer: ``nvme``, ``cpu`` or ``none``.
         activation_checkpointing: recompute activations in backward.
         deterministic: ``--deterministic`` for both engines (CUDA rows: stock's own losses differ
@@ -126,6 +131,7 @@ class BenchConfig:
     micro_batch: int = 4
     steps: int = 4
     nproc: int = 1
+    nnodes: int = 1
     offload_param: str = "nvme"
     offload_optimizer: str = "nvme"
     activation_checkpointing: bool = False
@@ -141,8 +147,8 @@ class BenchConfig:
             raise ValueError(f"{self.name}: steps must be >= 3 (first step is excluded from medians)")
         if self.dtype not in ("bf16", "fp16", "fp32"):
             raise ValueError(f"{self.name}: unknown dtype {self.dtype}")
-        if min(self.seq_len, self.micro_batch, self.nproc) < 1:
-            raise ValueError(f"{self.name}: seq_len, micro_batch and nproc must be >= 1")
+        if min(self.seq_len, self.micro_batch, self.nproc, self.nnodes) < 1:
+            raise ValueError(f"{self.name}: seq_len, micro_batch, nproc and nnodes must be >= 1")
         if self.memascend_settings:
             from memascend.integrations.deepspeed.settings import MemAscendSettings
 
@@ -180,7 +186,10 @@ class BenchConfig:
             path.write_text(json.dumps(self.deepspeed_json(engine), indent=2) + "\n")
 
     def finetune_args(self, *, engine: str, output_dir: str, nvme_path: str) -> list[str]:
-        """Arguments after ``memascend finetune`` for one engine (identical except ``--engine``)."""
+        """Arguments after ``memascend finetune`` for one engine (identical except ``--engine``).
+
+        With ``nnodes`` > 1 there is no ``--nproc`` (each node's launcher starts its ranks) and
+        ``nvme_path`` is the node's own (:meth:`node_nvme_path`)."""
         args = ["--engine", engine, "--output", output_dir, "--nvme-path", nvme_path,
                 "--data", self.data, "--dtype", self.dtype, "--seq-len", str(self.seq_len),
                 "--micro-batch", str(self.micro_batch), "--steps", str(self.steps), "--seed", str(self.seed),
@@ -190,12 +199,23 @@ class BenchConfig:
         args += ["--from-scratch", self.from_scratch] if self.from_scratch else ["--model", self.model]
         args += ["--activation-checkpointing"] if self.activation_checkpointing else []
         args += ["--deterministic"] if self.deterministic else []
-        if self.nproc > 1:
+        if self.nproc > 1 and self.nnodes == 1:
             args += ["--nproc", str(self.nproc)]
         ds_json = self.deepspeed_json_path(engine, output_dir)
         if ds_json is not None:
             args += ["--deepspeed-config", str(ds_json)]
         return args
+
+    def node_nvme_path(self, nvme_path: str, node: int) -> str:
+        """Node ``node``'s swap folder: ``<nvme_path>/node<node>`` with ``nnodes`` > 1 (each simulated
+        node has its own NVMe), ``nvme_path`` itself with one node.
+
+        Raises:
+            ValueError: ``node`` is not in ``[0, nnodes)``.
+        """
+        if not 0 <= node < self.nnodes:
+            raise ValueError(f"{self.name}: node {node} of {self.nnodes}")
+        return nvme_path if self.nnodes == 1 else str(Path(nvme_path) / f"node{node}")
 
     @property
     def param_numel(self) -> int | None:
@@ -280,6 +300,10 @@ def _cpu_full() -> Matrix:
         BenchConfig(name="smollm2-shakespeare-bf16-256x4", thresholds=SMOLLM2_THRESHOLDS),
         BenchConfig(name="smollm2-shakespeare-fp32-256x4", dtype="fp32", thresholds=SMOLLM2_THRESHOLDS),
         BenchConfig(name="smollm2-chitchat-bf16-256x4-r2", data="chitchat", nproc=2, thresholds=SMOLLM2_THRESHOLDS),
+        # Two simulated nodes of one rank each (issue 22), the smoke shape: memory per node, losses
+        # bit-for-bit equal to stock's under the same two launchers.
+        BenchConfig(name="smollm2-shakespeare-2nodes-r1", nnodes=2, seq_len=128, micro_batch=2, steps=3,
+                    thresholds=SMOKE_THRESHOLDS),
     ]
     # The scaling series: one shape (1 x 256 tokens, activation checkpointing), model size varies.
     for preset, th in (("llama-tiny", SMALL_MODEL_THRESHOLDS), ("llama-0.1b", SMOLLM2_THRESHOLDS), ("llama-0.3b", SMOLLM2_THRESHOLDS),
@@ -305,8 +329,8 @@ def _cpu_full() -> Matrix:
                                    thresholds=SMOLLM2_THRESHOLDS))
     return Matrix(
         name="cpu-full",
-        description="scaling story on the CPU: SmolLM2-135M (bf16, fp32, 2 ranks) and from-scratch Llama "
-                    "0.1B-3B, sequence lengths 256-4096; several hours on a 2-core CPU",
+        description="scaling story on the CPU: SmolLM2-135M (bf16, fp32, 2 ranks, 2 simulated nodes) and "
+                    "from-scratch Llama 0.1B-3B, sequence lengths 256-4096; several hours on a 2-core CPU",
         configs=tuple(configs),
     )
 

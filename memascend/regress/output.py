@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from memascend.regress.compare import ConfigResult, fit_line
+from memascend.regress.compare import ConfigResult, fit_line, memory_scope
 from memascend.units import GIB
 
 
@@ -17,8 +17,15 @@ def _fmt_ratio(res: ConfigResult, name: str) -> str:
     return f"{c.measured:.3f}{'' if c.ok else ' FAIL'}"
 
 
+def config_label(r: ConfigResult) -> str:
+    """The config cell of a table row: the name, with ``[memory per node (largest of N)]`` for a
+    configuration of several simulated nodes (its memory columns are per node)."""
+    scope = memory_scope(r.config)
+    return f"{r.config.name} [memory {scope}]" if scope else r.config.name
+
+
 def table_rows(results: list[ConfigResult]) -> list[list[str]]:
-    """Rows of the summary table (one per configuration), as strings."""
+    """Rows of the summary table (one per configuration), as strings (config cell: :func:`config_label`)."""
     rows = []
     for r in results:
         b, m = r.baseline, r.memascend
@@ -27,7 +34,7 @@ def table_rows(results: list[ConfigResult]) -> list[list[str]]:
         golden = "-" if not any(c.name.startswith("golden.") for c in r.checks) else (
             "ok" if not golden_bad else "FAIL: " + ", ".join(n.removeprefix("golden.") for n in golden_bad))
         rows.append([
-            r.config.name,
+            config_label(r),
             f"{b.peak_rss_bytes / GIB:.2f}" if b else "-",
             f"{m.peak_rss_bytes / GIB:.2f}" if m else "-",
             _fmt_ratio(r, "peak_rss_ratio"),
@@ -422,6 +429,11 @@ def write_outputs(results: list[ConfigResult], out_dir: Path, meta: dict, timeli
                _md(CAP_HEADERS, cap_rows(results)), ""]
     md += (["## memascend / baseline", ""] if cap else []) + [
         "Ratios are memascend / baseline measured in the same run.", "", markdown_table(results)]
+    if any(r.config.nnodes > 1 for r in results):
+        md += ["Memory of a row marked `[memory per node (largest of N)]` (N simulated nodes on this host, "
+               "one launcher each) is per node: the sum of one node's ranks' peaks, the largest node's "
+               "(report.json `memory.max_node_peak_*`), what one host's DRAM must hold. The other rows "
+               "sum every rank of the one host.", ""]
     phases = phase_rows(results)
     if phases:
         md += ["", "## Where the step time goes", "",

@@ -5,6 +5,10 @@ state, page-locked memory and imported patches cannot leak into the other), with
 data, shapes and offload targets; only ``--engine`` differs. Runs are strictly sequential: never
 two training processes at once (memory peaks would add up and step times would interfere).
 
+A configuration of several simulated nodes (``BenchConfig.nnodes`` > 1) runs as one launcher per
+node, started together on this host (:func:`node_commands`): one run of several processes, the
+pair still one engine after the other.
+
 With a memory cap every run is started by :func:`memascend.host.memcap.run_capped` in a fresh
 memory cgroup with that hard limit (its outcome, ``<engine>.cap.json`` next to the run's log, says
 whether it fit or was OOM-killed and its cgroup peak). A capped search (:func:`run_matrix` with
@@ -19,11 +23,13 @@ memascend first, ...) so that a drift of the machine's load hits both engines al
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -34,6 +40,7 @@ from pathlib import Path
 
 import psutil
 
+from memascend.errors import UserError
 from memascend.host.memcap import CappedResult, run_capped
 from memascend.regress.matrix import BenchConfig
 
@@ -170,9 +177,88 @@ def merge_repeat_reports(reports: list[dict]) -> dict:
 
 
 def finetune_command(cfg: BenchConfig, engine: str, output_dir: Path, nvme_path: Path) -> list[str]:
-    """The exact command line of one run (also written to the results for reruns)."""
+    """The exact command line of one run of a one-node configuration (see :func:`node_commands`
+    for ``cfg.nnodes`` > 1)."""
     return [sys.executable, "-m", "memascend", "finetune",
             *cfg.finetune_args(engine=engine, output_dir=str(output_dir), nvme_path=str(nvme_path))]
+
+
+def node_commands(cfg: BenchConfig, engine: str, output_dir: Path, nvme_path: Path,
+                  master_port: int | str) -> list[list[str]]:
+    """One launcher command per simulated node of ``cfg`` (``cfg.nnodes`` of them), started together.
+
+    Node ``k`` runs ``python -m memascend.train.launch`` (torchrun) with ``--nnodes N
+    --nproc-per-node cfg.nproc --node-rank k``, rendezvous at ``127.0.0.1:master_port``, then ``-m
+    memascend finetune`` with the same arguments on every node except ``--nvme-path``, the node's own
+    swap folder (:meth:`BenchConfig.node_nvme_path`); every node writes to ``output_dir`` (global
+    rank 0, on node 0, writes the report).
+    """
+    return [[sys.executable, "-m", "memascend.train.launch", f"--nnodes={cfg.nnodes}",
+             f"--nproc-per-node={cfg.nproc}", f"--node-rank={node}", "--master-addr=127.0.0.1",
+             f"--master-port={master_port}", "-m", "memascend", "finetune",
+             *cfg.finetune_args(engine=engine, output_dir=str(output_dir),
+                                nvme_path=cfg.node_nvme_path(str(nvme_path), node))]
+            for node in range(cfg.nnodes)]
+
+
+def command_line(cfg: BenchConfig, engine: str, output_dir: Path, nvme_path: Path) -> str:
+    """The shell line that reruns one engine's run (written to the results): the finetune command,
+    or with several nodes each node's launcher in the background (``... & ... & wait``), the port
+    left to ``$MASTER_PORT`` (the runner picks a free one per run)."""
+    if cfg.nnodes == 1:
+        return " ".join(finetune_command(cfg, engine, output_dir, nvme_path))
+    cmds = node_commands(cfg, engine, output_dir, nvme_path, "$MASTER_PORT")
+    return " & ".join(" ".join(c) for c in cmds) + " & wait"
+
+
+#: Set by a launcher for its ranks: the node launchers of a multi-node run must not inherit them.
+_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "CROSS_RANK",
+                 "MASTER_ADDR", "MASTER_PORT")
+
+
+def run_nodes(cmds: list[list[str]], log_paths: list[Path], env: dict, timeout_s: float,
+              grace_s: float = 10.0) -> tuple[int | None, int | None]:
+    """Start every node's command at once (``cmds[k]`` writing to ``log_paths[k]``) and wait for all.
+
+    A node that fails fails the run: the other nodes (which would wait for it in a collective) are
+    stopped (SIGTERM to each node's process group, SIGKILL after ``grace_s`` seconds).
+
+    Returns:
+        ``(status, failed node)``: ``(0, None)`` when every node exited 0; the first failing node's
+        exit status and index (in the order they ended); ``(None, None)`` when ``timeout_s`` seconds
+        passed first (every node is then killed).
+    """
+    procs = []
+    try:
+        for cmd, log_path in zip(cmds, log_paths, strict=True):
+            with open(log_path, "a") as log:  # the child keeps its own descriptor
+                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                              start_new_session=True))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = next((k for k, c in enumerate(codes) if c not in (None, 0)), None)
+            if failed is not None:
+                return codes[failed], failed
+            if all(c == 0 for c in codes):
+                return 0, None
+            if time.monotonic() > deadline:
+                return None, None
+            time.sleep(0.2)
+    finally:
+        _stop_all(procs, grace_s)
+
+
+def _stop_all(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM, then SIGKILL after ``grace_s``, to the process group of each node still running."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        live = [p for p in procs if p.poll() is None]
+        for p in live:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, sig)
+        deadline = time.monotonic() + grace_s
+        while any(p.poll() is None for p in live) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
 
 def run_one(cfg: BenchConfig, engine: str, out_root: Path, nvme_path: Path, timeout_s: float,
@@ -185,7 +271,15 @@ def run_one(cfg: BenchConfig, engine: str, out_root: Path, nvme_path: Path, time
     With ``resume``, an earlier run into the same folder is taken instead of running again: its
     ``report.json`` (uncapped), or under a cap the ``.cap.json`` of a run with the same cap that
     completed or was stopped by the cap.
+
+    With ``cfg.nnodes`` > 1 every node's launcher runs at once (:func:`node_commands`,
+    :func:`run_nodes`): node 0 logs to ``<engine>.log``, node ``k`` to ``<engine>.node<k>.log``, and
+    any node failing fails the run (its log's last lines are copied into ``<engine>.log``).
+
+    Raises:
+        UserError: ``memory_cap`` with ``cfg.nnodes`` > 1 (see :func:`check_memory_cap_nodes`).
     """
+    check_memory_cap_nodes([cfg], memory_cap)
     out_dir = out_root / cfg.name / f"{engine}{tag}"
     log_path = out_root / cfg.name / f"{engine}{tag}.log"
     cap_path = out_root / cfg.name / f"{engine}{tag}.cap.json"
@@ -197,31 +291,68 @@ def run_one(cfg: BenchConfig, engine: str, out_root: Path, nvme_path: Path, time
     stale = out_dir / "report.json"
     stale.unlink(missing_ok=True)  # a report left from an earlier run must not pass for this one
     cap_path.unlink(missing_ok=True)
-    cmd = finetune_command(cfg, engine, out_dir, nvme_path)
     cfg.write_deepspeed_json(engine, str(out_dir))
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
-    swap_before = _swap_dirs(nvme_path)
+    swap_paths = [Path(cfg.node_nvme_path(str(nvme_path), node)) for node in range(cfg.nnodes)]
+    swap_before = {p: _swap_dirs(p) for p in swap_paths}
     t0 = time.monotonic()
     cap = None
     with open(log_path, "w") as log:
-        log.write("$ " + " ".join(cmd) + "\n")
-        log.flush()
-        if memory_cap is not None:
-            cap = run_capped(cmd, memory_cap, timeout_s=timeout_s, stdout=log, stderr=subprocess.STDOUT, env=env)
-            rc = cap.returncode
-            log.write(f"\nmemascend regress: {cap.verdict} ({cap.mechanism})\n")
-            cap_path.write_text(json.dumps(cap.to_dict(), indent=2) + "\n")
+        if cfg.nnodes > 1:
+            rc = _run_simulated_nodes(cfg, engine, out_dir, nvme_path, log, env, timeout_s)
         else:
-            try:
-                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    timeout=timeout_s, check=False).returncode
-            except subprocess.TimeoutExpired:
-                rc = None
-                log.write(f"\nmemascend regress: timed out after {timeout_s:.0f} s\n")
-        for leftover in _remove_leftover_swap(nvme_path, swap_before):
+            rc, cap = _run_single(finetune_command(cfg, engine, out_dir, nvme_path), log, env, timeout_s,
+                                  memory_cap, cap_path)
+        for leftover in (p for path in swap_paths for p in _remove_leftover_swap(path, swap_before[path])):
             log.write(f"memascend regress: removed the swap folder {leftover} the killed run left behind\n")
     return RunOutcome(engine, rc, out_dir, log_path, time.monotonic() - t0, cap)
+
+
+def _run_single(cmd: list[str], log, env: dict, timeout_s: float, memory_cap: int | None,
+                cap_path: Path) -> tuple[int | None, CappedResult | None]:
+    """One process (under ``memory_cap`` where given, its outcome written to ``cap_path``), output to
+    ``log``: its exit status (``None``: timed out) and the cap's outcome."""
+    log.write("$ " + " ".join(cmd) + "\n")
+    log.flush()
+    if memory_cap is not None:
+        cap = run_capped(cmd, memory_cap, timeout_s=timeout_s, stdout=log, stderr=subprocess.STDOUT, env=env)
+        log.write(f"\nmemascend regress: {cap.verdict} ({cap.mechanism})\n")
+        cap_path.write_text(json.dumps(cap.to_dict(), indent=2) + "\n")
+        return cap.returncode, cap
+    try:
+        return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout_s,
+                              check=False).returncode, None
+    except subprocess.TimeoutExpired:
+        log.write(f"\nmemascend regress: timed out after {timeout_s:.0f} s\n")
+        return None, None
+
+
+def _run_simulated_nodes(cfg: BenchConfig, engine: str, out_dir: Path, nvme_path: Path, log, env: dict,
+                         timeout_s: float) -> int | None:
+    """Every node of ``cfg`` at once (:func:`run_nodes`); node 0 writes to ``log``, node ``k`` to
+    ``<log>.node<k>.log`` beside it. Returns :func:`run_nodes`'s status."""
+    from memascend.train.dist import free_port
+
+    env = {k: v for k, v in env.items() if k not in _LAUNCHER_ENV}
+    cmds = node_commands(cfg, engine, out_dir, nvme_path, free_port())
+    main_log = Path(log.name)
+    logs = [main_log] + [main_log.with_name(f"{main_log.stem}.node{k}.log") for k in range(1, cfg.nnodes)]
+    for node, cmd in enumerate(cmds):
+        Path(cfg.node_nvme_path(str(nvme_path), node)).mkdir(parents=True, exist_ok=True)
+        log.write(f"$ [node {node}] " + " ".join(cmd) + "\n")
+    for extra in logs[1:]:
+        extra.write_text("")
+    log.flush()
+    rc, failed = run_nodes(cmds, logs, env, timeout_s)
+    log.seek(0, os.SEEK_END)  # node 0 appended to the same file
+    if rc is None:
+        log.write(f"\nmemascend regress: timed out after {timeout_s:.0f} s (every node stopped)\n")
+    elif failed is not None:
+        tail = "\n".join(logs[failed].read_text(errors="replace").strip().splitlines()[-5:])
+        log.write(f"\nmemascend regress: node {failed} failed (exit {rc}), the other nodes were stopped; "
+                  f"last lines of {logs[failed].name}:\n{tail}\n")
+    return rc
 
 
 def _swap_dirs(nvme_path: Path) -> set[str]:
@@ -289,6 +420,19 @@ def run_pair(cfg: BenchConfig, out_root: Path, nvme_path: Path, timeout_s: float
     return {e: replace(runs[e][0], repeats=tuple(runs[e][1:])) for e in ENGINES}
 
 
+def check_memory_cap_nodes(configs: Iterable[BenchConfig], memory_cap: int | None) -> None:
+    """Refuse ``--memory-cap`` for simulated multi-node configurations (a cap confines one process
+    tree; several node launchers are several).
+
+    Raises:
+        UserError: ``memory_cap`` is set and a configuration has ``nnodes`` > 1.
+    """
+    multi = [c.name for c in configs if c.nnodes > 1]
+    if memory_cap is not None and multi:
+        raise UserError(f"--memory-cap does not apply to configs with several simulated nodes ({', '.join(multi)}): "
+                        "leave them out with --only")
+
+
 def run_matrix(configs: Iterable[BenchConfig], out_root: Path, nvme_path: Path, timeout_s: float = 3600.0,
                on_event: Callable[[str], None] | None = None, resume: bool = False, memory_cap: int | None = None,
                search: bool = False, repeats: int = 1) -> dict[str, dict[str, RunOutcome]]:
@@ -299,7 +443,12 @@ def run_matrix(configs: Iterable[BenchConfig], out_root: Path, nvme_path: Path, 
         search: a largest-model search: ``configs`` are in ascending size, and an engine whose run
             does not complete (stopped by the cap, or failed) is not run on the configs after it.
         repeats: runs of each pair (see :func:`run_pair`).
+
+    Raises:
+        UserError: ``memory_cap`` with a configuration of several simulated nodes.
     """
+    configs = tuple(configs)
+    check_memory_cap_nodes(configs, memory_cap)
     results: dict[str, dict[str, RunOutcome]] = {}
     stopped: dict[str, str] = {}
     for cfg in configs:

@@ -57,7 +57,7 @@ def _cap_meta(console, memory_cap_bytes: int | None) -> dict | None:
 def _results(configs: list[BenchConfig], outcomes: dict, golden: dict, tol: GoldenTolerances, swap: Path,
              update_golden: bool) -> tuple[list[ConfigResult], dict, dict]:
     """Evaluate every pair: its checks, the commands that reproduce it, its runs' outcomes."""
-    from memascend.regress.runner import finetune_command
+    from memascend.regress.runner import command_line
 
     results, timelines, commands = [], {}, {}
     for cfg in configs:
@@ -69,7 +69,7 @@ def _results(configs: list[BenchConfig], outcomes: dict, golden: dict, tol: Gold
                    if r is not None and not r.get("repeats", {}).get("losses_equal", True)]
         res = evaluate(cfg, reports["baseline"], reports["memascend"],
                        None if update_golden else golden.get(cfg.name), tol, errors, stopped, gold.cpu_isa())
-        res.commands = {e: " ".join(finetune_command(cfg, e, o.output_dir, swap)) for e, o in pair.items()}
+        res.commands = {e: command_line(cfg, e, o.output_dir, swap) for e, o in pair.items()}
         res.runs = {e: {"status": o.status, "outcome": o.describe(), "wall_s": o.wall_s,
                         "cap": o.cap.to_dict() if o.cap else None,
                         "repeats": (reports[e] or {}).get("repeats")} for e, o in pair.items()}

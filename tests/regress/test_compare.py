@@ -158,3 +158,41 @@ def test_step_time_detail_shows_page_faults_when_both_reports_count_them(good_pa
     assert detail.endswith("; page faults/step 480,000 / 120,000")
     mine["median_minor_faults"] = None  # a report from before they were counted
     assert "page faults" not in evaluate(CFG, base, mine, golden=None, tol=TOL).check("step_time_ratio").detail
+
+
+def _two_node_report(rss_gib: tuple[float, float], locked_gib: tuple[float, float]) -> dict:
+    """A report of two nodes of one rank each: every rank's sum and the largest node's differ."""
+    rep = make_report(rss_gib=sum(rss_gib), locked_gib=sum(locked_gib), step_s=5.0, losses=LOSSES, ranks=2)
+    ranks = [{"rank": n, "node_rank": n, "peak_rss_bytes": int(r * 2**30), "peak_locked_bytes": int(lk * 2**30)}
+             for n, (r, lk) in enumerate(zip(rss_gib, locked_gib, strict=True))]
+    nodes = [{"node_rank": r["rank"], "ranks": [r["rank"]], "sum_rank_peak_rss_bytes": r["peak_rss_bytes"],
+              "sum_rank_peak_locked_bytes": r["peak_locked_bytes"]} for r in ranks]
+    rep["memory"].update(ranks=ranks, nodes=nodes,
+                         sum_rank_peak_rss_bytes=sum(r["peak_rss_bytes"] for r in ranks),
+                         sum_rank_peak_locked_bytes=sum(r["peak_locked_bytes"] for r in ranks),
+                         max_node_peak_rss_bytes=max(n["sum_rank_peak_rss_bytes"] for n in nodes),
+                         max_node_peak_locked_bytes=max(n["sum_rank_peak_locked_bytes"] for n in nodes))
+    return rep
+
+
+def test_simulated_nodes_compare_memory_per_node_and_say_so():
+    """Two-node config: the ratios use the largest node's peaks (not both nodes' sum), the checks and
+    the golden entry say so; a one-node config of the same reports keeps every rank's sum."""
+    cfg = MATRICES["cpu-full"].select("smollm2-shakespeare-2nodes-r1")[0]
+    # baseline nodes 3.0 + 3.0 GiB, memascend 1.8 + 0.6 GiB: per node 1.8 / 3.0 = 0.6 fails the row's
+    # 0.50, every rank summed (2.4 / 6.0 = 0.4) would pass
+    base, mine = _two_node_report((3.0, 3.0), (1.0, 1.0)), _two_node_report((1.8, 0.6), (0.1, 0.2))
+    res = evaluate(cfg, base, mine, golden=None, tol=TOL)
+    assert cfg.thresholds.max_peak_rss_ratio == 0.50
+    assert res.memascend.per_node and res.memascend.peak_rss_bytes == int(1.8 * 2**30)
+    assert res.check("peak_rss_ratio").measured == pytest.approx(0.6, rel=1e-6)
+    assert _failed(res) == {"peak_rss_ratio"}
+    assert res.check("peak_locked_ratio").measured == pytest.approx(0.2 / 1.0, rel=1e-6)
+    assert "per node (largest of 2)" in res.check("peak_rss_ratio").detail
+    assert "per node (largest of 2)" in res.check("peak_locked_ratio").detail
+    assert golden_entry(res.baseline, res.memascend)["memory_per_node"] is True
+    one_node = evaluate(CFG, base, mine, golden=None, tol=TOL)
+    assert not one_node.memascend.per_node and one_node.memascend.peak_rss_bytes == int(1.8 * 2**30) + int(0.6 * 2**30)
+    assert one_node.check("peak_rss_ratio").measured == pytest.approx(0.4, rel=1e-6)
+    assert "per node" not in one_node.check("peak_rss_ratio").detail
+    assert "memory_per_node" not in golden_entry(one_node.baseline, one_node.memascend)

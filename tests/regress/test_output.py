@@ -71,3 +71,25 @@ def test_scaling_plot_has_one_point_per_size_and_the_legend_outside(tmp_path):
     r = fig.canvas.get_renderer()
     assert not ax.get_legend().get_window_extent(r).overlaps(ax.get_window_extent(r))
     plt.close(fig)
+
+
+def test_simulated_nodes_rows_are_labelled_per_node(tmp_path):
+    from test_compare import _two_node_report
+
+    from memascend.regress.output import table_rows
+
+    two = get_matrix("cpu-full").select("smollm2-shakespeare-2nodes-r1")[0]
+    one = get_matrix("smoke").select("smollm2-shakespeare-r1")[0]
+    base, mine = _two_node_report((3.0, 3.0), (1.0, 1.0)), _two_node_report((1.2, 0.6), (0.1, 0.2))
+    results = [evaluate(two, base, mine, golden=None, tol=GoldenTolerances()),
+               evaluate(one, base, mine, golden=None, tol=GoldenTolerances())]
+    rows = table_rows(results)
+    assert rows[0][0] == "smollm2-shakespeare-2nodes-r1 [memory per node (largest of 2)]"
+    assert rows[0][1:3] == ["3.00", "1.20"]  # the largest node's peaks
+    assert rows[1][0] == "smollm2-shakespeare-r1" and rows[1][1:3] == ["6.00", "1.80"]
+    write_outputs(results, tmp_path, {"matrix": "cpu-full", "profile": "t"}, timelines={})
+    md = (tmp_path / "results.md").read_text()
+    assert "| smollm2-shakespeare-2nodes-r1 [memory per node (largest of 2)] |" in md
+    assert "`memory.max_node_peak_*`" in md
+    write_outputs(results[1:], tmp_path, {"matrix": "smoke", "profile": "t"}, timelines={})
+    assert "per node" not in (tmp_path / "results.md").read_text()
