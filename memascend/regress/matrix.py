@@ -27,8 +27,9 @@ class Thresholds:
     """Limits of memascend/baseline ratios measured in the same run.
 
     Attributes:
-        max_peak_rss_ratio: memascend peak host RSS / baseline peak host RSS (sum over ranks).
-        max_peak_locked_ratio: memascend peak locked (VmLck) / baseline's (sum over ranks);
+        max_peak_rss_ratio: memascend peak host RSS / baseline peak host RSS (sum over ranks; with
+            ``BenchConfig.nnodes`` > 1 over the ranks of the largest node).
+        max_peak_locked_ratio: memascend peak locked (VmLck) / baseline's (summed as RSS);
             ``None``: not checked (e.g. a baseline that locks nothing).
         max_step_time_ratio: memascend median steady step time / baseline's.
         step_time_noise: absolute allowance added to ``max_step_time_ratio`` for a noisy host.
