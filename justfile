@@ -33,6 +33,20 @@ provision host *ARGS:
     cd ansible && inv=inventory.yml && [[ -f $inv ]] || inv=inventory.example.yml; \
     ansible-playbook -i "$inv" site.yml -e memascend_target={{host}} {{ARGS}}
 
+# memascend doctor on every host of GROUP (ansible/doctor.yml; inventory as provision's): one table per host, exit 1 when any host is not ready or unreachable; each host checks its own partitions (its nvme_raw_devices), host vars doctor_command/doctor_args/doctor_user; extra ansible-playbook flags pass through
+doctor-group group *ARGS:
+    #!/usr/bin/env bash
+    set -uo pipefail
+    results=$(mktemp -d -t memascend-doctor.XXXXXX) || exit 2
+    trap 'rm -rf "$results"' EXIT
+    inv=ansible/inventory.yml; [[ -f $inv ]] || inv=ansible/inventory.example.yml
+    (cd ansible && ansible-playbook -i "../$inv" doctor.yml -e memascend_target={{group}} -e doctor_results_dir="$results" {{ARGS}})
+    played=$?
+    {{python}} -m memascend.cli.doctor_group "$results"
+    printed=$?
+    (( printed != 0 )) && exit "$printed"
+    exit "$played"
+
 # Build the container image: VARIANT cpu or cuda (docker, else buildah); --local-base builds the cpu image from a debootstrap base (needs debootstrap, podman and buildah; no registry)
 build-image variant="cpu" *ARGS:
     ./images/build.sh {{ARGS}} {{variant}}

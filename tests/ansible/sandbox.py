@@ -86,7 +86,15 @@ class Sandbox:
 
     def variables(self, disks: list[str], allow_wipe: list[str] = (), extra: dict | None = None) -> Path:
         """The roles' variables for this sandbox (``extra`` added or overriding), as a file for ``-e @FILE``."""
-        r = self.root
+        path = self.root / f"vars-{len(list(self.root.glob('vars-*.json')))}.json"
+        path.write_text(json.dumps(self.host_values(disks, allow_wipe, extra)))
+        return path
+
+    def host_values(self, disks: list[str], allow_wipe: list[str] = (), extra: dict | None = None,
+                    root: Path | None = None) -> dict[str, object]:
+        """The roles' variables of one target whose files all lie under ``root`` (default: the test
+        root; a folder of it for each "host" of a group, see :meth:`host_root`)."""
+        r = self.root if root is None else root
         values = {
             "nvme_raw_devices": disks,
             "nvme_raw_allow_wipe": list(allow_wipe),
@@ -94,7 +102,7 @@ class Sandbox:
             "nvme_raw_udev_reload": False,  # no udevd in this sandbox; the role also sets the node's group
             "hugepages_count_2m": HUGEPAGES_2M,
             "hugepages_sysctl_file": f"{r}/etc/sysctl.d/80-memascend-hugepages.conf",
-            "hugepages_mount_path": str(self.mount_path),
+            "hugepages_mount_path": str(r / "mnt" / "hugepages"),
             "hugepages_fstab": f"{r}/etc/fstab",
             "hugepages_grub_dropin_dir": f"{r}/etc/default/grub.d",
             "hugepages_count_1g": 1,
@@ -110,14 +118,33 @@ class Sandbox:
             "gpu_runtime_restart_engine": False,
         }
         values.update(extra or {})
-        path = r / f"vars-{len(list(r.glob('vars-*.json')))}.json"
-        path.write_text(json.dumps(values))
+        return values
+
+    def host_root(self, name: str) -> Path:
+        """The folder under the test root that one "host" of a group writes its files to."""
+        root = self.root / name
+        (root / "etc").mkdir(parents=True, exist_ok=True)
+        (root / "etc" / "fstab").touch()
+        return root
+
+    def group_inventory(self, group: str, hosts: dict[str, dict[str, object]]) -> Path:
+        """An inventory with ``group`` of several "hosts", all this machine (``ansible_connection:
+        local``), each with its own variables (host vars, as an operator's host_vars hold a host's
+        disks); returns its path for ``-i``."""
+        local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
+        path = self.root / f"inventory-{group}.yml"
+        path.write_text(json.dumps({group: {"hosts": {name: {**local, **v} for name, v in hosts.items()}}}))
         return path
 
-    def playbook(self, variables: Path, *tags: str, check: bool = False) -> subprocess.CompletedProcess[str]:
+    def playbook(self, variables: Path | None, *tags: str, check: bool = False, inventory: Path | None = None,
+                 args: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
         """Run site.yml against the sandbox (``check``: a dry run, ``--check --diff``, as
-        ``just provision HOST --check`` passes it); returns the finished process (output in stdout)."""
-        cmd = ["ansible-playbook", "-i", str(self.inventory), "site.yml", "-e", f"@{variables}"]
+        ``just provision HOST --check`` passes it; ``inventory``: another than the one-host one,
+        ``variables`` then ``None`` when the hosts carry theirs; ``args``: more ansible-playbook
+        flags); returns the finished process (output in stdout)."""
+        cmd = ["ansible-playbook", "-i", str(inventory or self.inventory), "site.yml", *args]
+        if variables is not None:
+            cmd += ["-e", f"@{variables}"]
         if tags:
             cmd += ["--tags", ",".join(tags)]
         if check:
@@ -154,6 +181,26 @@ class Sandbox:
         cmd = [*drop_cap, *limit, sys.executable, "-m", "memascend", "doctor", "--json", "--no-gpu", *args]
         return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
 
+    def run_as(self, user: str, argv: list[str], env: dict[str, str], cwd: Path,
+               timeout_s: float) -> subprocess.CompletedProcess[str]:
+        """Run ``argv`` as ``user`` (its own groups, no capabilities) with exactly ``env``.
+
+        This machine's Python lives under root's home (0700), which a real runner's does not: the
+        command then runs in a private mount namespace whose ``/root`` is a 0711 tmpfs with root's
+        entries bound back, so the user may pass through it; the host's ``/root`` is left as it is.
+        """
+        drop = ["setpriv", f"--reuid={user}", f"--regid={user}", "--init-groups", "env", "-i",
+                *(f"{k}={v}" for k, v in env.items()), *argv]
+        if not (Path(sys.executable).resolve().is_relative_to("/root") and os.stat("/root").st_mode & 0o001 == 0):
+            return subprocess.run(drop, cwd=cwd, capture_output=True, text=True, timeout=timeout_s)
+        traversable_root = (
+            'set -e; keep=$(mktemp -d); mount --bind /root "$keep"; mount -t tmpfs -o mode=0711 tmpfs /root; '
+            'for e in "$keep"/.[!.]* "$keep"/*; do [ -e "$e" ] || continue; n=/root/${e##*/}; '
+            'if [ -d "$e" ]; then mkdir "$n"; else touch "$n"; fi; mount --bind "$e" "$n"; done; exec "$@"'
+        )
+        cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", traversable_root, "sh", *drop]
+        return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout_s)
+
     def snapshot(self) -> dict[str, object]:
         """What provisioning changes on this target: per loop disk its signatures (``blkid -p``), the
         sha256 of its first and last MiB (MBR/GPT and GPT's backup) and whether a partition node
@@ -180,10 +227,14 @@ class Sandbox:
         }
 
     def close(self) -> None:
-        if os.path.ismount(self.mount_path):
-            subprocess.run(["umount", str(self.mount_path)], check=False)
+        mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()]
+        for mount in reversed(mounts):  # the hugetlbfs mounts of every "host" under the test root
+            if Path(mount).is_relative_to(self.root):
+                subprocess.run(["umount", mount], check=False)
         for dev in self.loops:
             subprocess.run(["losetup", "--detach", dev], check=False)
+        for image in self.root.glob("*.img"):  # sparse, but a run may have filled GiBs of one
+            image.unlink()
         Path("/proc/sys/vm/nr_hugepages").write_text(self.nr_hugepages_before)
         if self.user_created:
             subprocess.run(["userdel", self.user], check=False)
@@ -194,9 +245,9 @@ class Sandbox:
             subprocess.run(["groupdel", GROUP], check=False)
 
 
-def recap(output: str) -> dict[str, int]:
-    """The PLAY RECAP counters of the single host, e.g. ``{"ok": 35, "changed": 0, "failed": 0, ...}``."""
-    line = next(line for line in output.splitlines() if line.startswith("localhost") and "ok=" in line)
+def recap(output: str, host: str = "localhost") -> dict[str, int]:
+    """The PLAY RECAP counters of ``host``, e.g. ``{"ok": 35, "changed": 0, "failed": 0, ...}``."""
+    line = next(line for line in output.splitlines() if line.split(" ", 1)[0] == host and "ok=" in line)
     return {k: int(v) for k, v in (field.split("=") for field in line.split(":", 1)[1].split())}
 
 

@@ -42,9 +42,10 @@ def test_ansible_lint_clean():
     assert "Profile 'production' was required, and it passed" in run.stdout + run.stderr
 
 
-def test_playbook_syntax():
+@pytest.mark.parametrize("playbook", ["site.yml", "doctor.yml"])
+def test_playbook_syntax(playbook):
     run = subprocess.run(
-        [_need("ansible-playbook"), "--syntax-check", "-i", "inventory.example.yml", "site.yml"],
+        [_need("ansible-playbook"), "--syntax-check", "-i", "inventory.example.yml", playbook],
         cwd=REPO / "ansible",
         capture_output=True,
         text=True,
