@@ -4,12 +4,19 @@ with memascend as a drop-in: a ``"memascend"`` section in the DeepSpeed config a
 
     python3 examples/hf_trainer.py --nvme-path ./memascend-swap --steps 3
     python3 examples/hf_trainer.py --nvme-path ./memascend-swap --steps 3 --no-memascend   # stock DeepSpeed
+    python3 examples/hf_trainer.py --nvme-path ./memascend-swap --steps 3 --baseline       # stock + fixes
     torchrun --nproc-per-node 2 examples/hf_trainer.py --nvme-path ./memascend-swap        # two ranks
 
 The model is a from-scratch Llama preset of memascend (``--from-scratch llama-tiny``, random weights)
 or the built-in SmolLM2-135M (``--model smollm2-135m``), in bf16; the data are random token ids
 (seeded), so the run needs no download. On a host without a GPU the Trainer needs ``use_cpu=True``
 (DeepSpeed's CPU accelerator and gloo); the script sets it when CUDA is unavailable.
+
+On two or more ranks, compare against ``--baseline`` rather than ``--no-memascend``: stock DeepSpeed
+0.19.8 with the optimizer on NVMe silently loses the O_DIRECT reads of gradient fragments that sit
+at unaligned host addresses (SmolLM2-135M on two ranks: the losses part from step 2 on), which
+memascend fixes in both its engines (``fix_unaligned_gradient_io``); ``--baseline`` is stock DeepSpeed
+with only that fix, as ``memascend finetune --engine baseline``.
 
 The last line on stdout is ``HF_TRAINER_RESULT {json}`` with the per-step training losses (as
 ``float.hex`` strings too, for a bit-exact comparison), the DeepSpeed sizes the engine ran with and
@@ -61,7 +68,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--no-memascend", action="store_true", help="stock DeepSpeed: no section, no apply")
+    engine = parser.add_mutually_exclusive_group()
+    engine.add_argument("--no-memascend", action="store_true", help="stock DeepSpeed: no section, no apply")
+    engine.add_argument("--baseline", action="store_true",
+                        help="no section; only memascend's correctness fixes applied (as memascend finetune "
+                             "--engine baseline): stock DeepSpeed 0.19.8 loses unaligned gradient reads on two "
+                             "ranks and trains on other numbers")
     return parser.parse_args(argv)
 
 
@@ -105,7 +117,7 @@ class RandomTokens:
 
 def main(argv: list[str] | None = None) -> dict:
     args = _parse_args(argv)
-    memascend = not args.no_memascend
+    memascend = not (args.no_memascend or args.baseline)
     if memascend:
         os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # torch reads it when it loads (enable_torch_thp)
     single_process_env()
@@ -121,6 +133,11 @@ def main(argv: list[str] | None = None) -> dict:
         import memascend.integrations.deepspeed as ma_ds
 
         ma_ds.apply_from_config(cfg)  # before the model is built; deepspeed.initialize sizes the rest
+    elif args.baseline:
+        import memascend.integrations.deepspeed as ma_ds
+        from memascend.settings import MemAscendSettings
+
+        ma_ds.apply(MemAscendSettings.baseline())  # every optimization off, the correctness fixes on
     training_args = TrainingArguments(
         output_dir=args.output, deepspeed=cfg, bf16=True, use_cpu=not torch.cuda.is_available(),
         per_device_train_batch_size=args.micro_batch, max_steps=args.steps, learning_rate=1e-4,
@@ -140,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
     trainer.train()
     losses = [float(e["loss"]) for e in trainer.state.log_history if "loss" in e]
     zero = trainer.model_wrapped._config.zero_config
-    result = {"memascend": memascend, "losses": losses, "losses_hex": [x.hex() for x in losses],
+    result = {"memascend": memascend, "baseline": args.baseline, "losses": losses, "losses_hex": [x.hex() for x in losses],
               "sub_group_size": int(zero.sub_group_size), "reduce_bucket_size": int(zero.reduce_bucket_size),
               "max_in_cpu": int(zero.offload_param.max_in_cpu)}
     if int(os.environ.get("RANK", "0")) == 0:

@@ -1,71 +1,35 @@
 """examples/hf_trainer.py: HF Trainer with a "memascend" DeepSpeed section trains to the same losses as
-without it, and (``-m slow``, SmolLM2-135M 4 x 256) with far less host memory.
+without it, and (``-m slow``, SmolLM2-135M 4 x 256) with far less host memory; under two simulated
+nodes (``-m slow``: two torchrun invocations, one rank and one swap folder each) too.
 
-Each run is its own process; this test reads the child's peak RSS (``VmHWM``) and the highest locked
-memory (``VmLck``, polled) from ``/proc/<pid>/status`` while it runs.
+Each run is its own process (tree); ``tests/examples/launch.py`` reads each process's peak RSS
+(``VmHWM``) and highest locked memory (``VmLck``, polled) from ``/proc/<pid>/status`` while it runs.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from memascend.train.dist import free_port
-from tests.conftest import REPO
+from tests.examples.launch import EXAMPLES, result_line, run_example, run_measured
 
-SCRIPT = REPO / "examples" / "hf_trainer.py"
-
-
-def _status_kib(pid: int) -> dict[str, int]:
-    out = {}
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key in ("VmHWM", "VmLck"):
-                out[key] = int(value.split()[0])
-    except (FileNotFoundError, ProcessLookupError, ValueError):
-        pass
-    return out
+SCRIPT = EXAMPLES / "hf_trainer.py"
+MARKER = "HF_TRAINER_RESULT"
 
 
-def run_example(tmp_path: Path, name: str, *extra: str, timeout_s: float = 600) -> dict:
-    """Run the example in a fresh process; its HF_TRAINER_RESULT plus ``peak_rss_kib``/``peak_locked_kib``."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "THP_MEM_ALLOC_ENABLE")}
-    log = tmp_path / f"{name}.log"
-    with log.open("w") as sink:
-        proc = subprocess.Popen([sys.executable, str(SCRIPT), "--nvme-path", str(tmp_path / f"{name}-swap"),
-                                 "--output", str(tmp_path / name), *extra],
-                                cwd=tmp_path, env={**env, "PYTHONWARNINGS": "ignore"}, stdout=sink,
-                                stderr=subprocess.STDOUT, text=True)
-        peak = {"VmHWM": 0, "VmLck": 0}
-        deadline = time.monotonic() + timeout_s
-        while proc.poll() is None and time.monotonic() < deadline:
-            for key, value in _status_kib(proc.pid).items():
-                peak[key] = max(peak[key], value)
-            time.sleep(0.005)
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-    text = log.read_text()
-    lines = [ln for ln in text.splitlines() if ln.startswith("HF_TRAINER_RESULT ")]
-    assert proc.returncode == 0 and lines, text[-4000:]
-    return {**json.loads(lines[-1].split(" ", 1)[1]), "peak_rss_kib": peak["VmHWM"],
-            "peak_locked_kib": peak["VmLck"], "stderr_warnings": [ln for ln in text.splitlines()
-                                                                   if ln.startswith("memascend: warning")]}
+def _run(tmp_path: Path, name: str, *extra: str, timeout_s: float = 900) -> dict:
+    return run_example(SCRIPT.name, MARKER, tmp_path, name, "--output", str(tmp_path / name), *extra,
+                       timeout_s=timeout_s)
 
 
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hf-trainer")
-    return {"stock": run_example(tmp, "stock", "--steps", "3", "--no-memascend"),
-            "memascend": run_example(tmp, "memascend", "--steps", "3")}
+    return {"stock": _run(tmp, "stock", "--steps", "3", "--no-memascend"),
+            "memascend": _run(tmp, "memascend", "--steps", "3")}
 
 
 def test_losses_equal_with_and_without_the_section(tiny_pair):
@@ -83,8 +47,8 @@ def test_the_section_alone_resolves_the_sizes(tiny_pair):
 @pytest.mark.slow
 def test_smollm2_peak_memory_against_the_same_script_without_the_section(tmp_path):
     args = ("--model", "smollm2-135m", "--micro-batch", "4", "--seq-len", "256", "--steps", "3")
-    stock = run_example(tmp_path, "stock", *args, "--no-memascend", timeout_s=1800)
-    ma = run_example(tmp_path, "memascend", *args, timeout_s=1800)
+    stock = _run(tmp_path, "stock", *args, "--no-memascend", timeout_s=1800)
+    ma = _run(tmp_path, "memascend", *args, timeout_s=1800)
     print(f"peak RSS {ma['peak_rss_kib']} / {stock['peak_rss_kib']} KiB, "
           f"locked {ma['peak_locked_kib']} / {stock['peak_locked_kib']} KiB")
     assert ma["losses_hex"] == stock["losses_hex"]
@@ -92,34 +56,49 @@ def test_smollm2_peak_memory_against_the_same_script_without_the_section(tmp_pat
     assert ma["peak_locked_kib"] <= 0.25 * stock["peak_locked_kib"]
 
 
-def _launch(tmp_path: Path, name: str, torchrun: list[str]) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                           "MASTER_PORT", "THP_MEM_ALLOC_ENABLE")}
-    with (tmp_path / f"{name}.log").open("w") as log:  # a file, not a pipe: nothing blocks on a full pipe
-        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *torchrun, str(SCRIPT),
-                                 "--nvme-path", str(tmp_path / f"{name}-nvme"), "--output", str(tmp_path / name),
-                                 "--steps", "2"], cwd=tmp_path, env={**env, "PYTHONWARNINGS": "ignore"},
-                                stdout=log, stderr=subprocess.STDOUT, text=True)
-    proc.log_path = tmp_path / f"{name}.log"  # type: ignore[attr-defined]
-    return proc
+def _torchrun(tmp_path: Path, name: str, launcher: list[str], *extra: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *launcher, str(SCRIPT),
+            "--nvme-path", str(tmp_path / f"{name}-nvme"), "--output", str(tmp_path / name), *extra]
 
 
-def _result(proc: subprocess.Popen) -> dict | None:
-    proc.wait(timeout=600)
-    out = proc.log_path.read_text()  # type: ignore[attr-defined]
-    assert proc.returncode == 0, out[-4000:]
-    lines = [ln for ln in out.splitlines() if ln.startswith("HF_TRAINER_RESULT ")]
-    return json.loads(lines[-1].split(" ", 1)[1]) if lines else None
+def run_nodes(tmp_path: Path, name: str, *extra: str, nodes: int = 2) -> list[dict]:
+    """The example on ``nodes`` simulated nodes: one torchrun invocation per node (``--nnodes``,
+    ``--node-rank``, 127.0.0.1), one rank and its own swap folder each; per node its run (as
+    :func:`run_measured`) and ``result`` (global rank 0's, on node 0; ``None`` elsewhere)."""
+    port = str(free_port())
+    commands = [_torchrun(tmp_path, f"{name}-node{n}", ["--nnodes", str(nodes), "--nproc-per-node", "1",
+                                                        "--node-rank", str(n), "--master-addr", "127.0.0.1",
+                                                        "--master-port", port], *extra) for n in range(nodes)]
+    runs = run_measured(commands, tmp_path, [tmp_path / f"{name}-node{n}.log" for n in range(nodes)])
+    for run in runs:
+        assert run["returncode"] == 0, run["log"][-4000:]
+        run["result"] = result_line(run["log"], MARKER)
+    return runs
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_two_simulated_nodes_train_like_two_ranks_on_one(tmp_path):
-    one_node = _result(_launch(tmp_path, "one-node", ["--nproc-per-node", "2"]))
-    port = str(free_port())
-    nodes = [_launch(tmp_path, f"node{n}", ["--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(n),
-                                            "--master-addr", "127.0.0.1", "--master-port", port]) for n in (0, 1)]
-    node0, node1 = (_result(p) for p in nodes)
+    one = run_measured([_torchrun(tmp_path, "one-node", ["--nproc-per-node", "2"], "--steps", "2")], tmp_path,
+                       [tmp_path / "one-node.log"])[0]
+    assert one["returncode"] == 0, one["log"][-4000:]
+    one_node = result_line(one["log"], MARKER)
+    node0, node1 = (run["result"] for run in run_nodes(tmp_path, "ma", "--steps", "2"))
     assert node1 is None  # global rank 0 (on node 0) prints the result
     assert node0["losses_hex"] == one_node["losses_hex"] and len(node0["losses_hex"]) == 2
     assert node0["sub_group_size"] == one_node["sub_group_size"] < 10_000_000  # sized for two ranks
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_simulated_nodes_with_the_section_match_the_baseline_with_less_memory_per_node(tmp_path):
+    args = ("--model", "smollm2-135m", "--micro-batch", "4", "--seq-len", "256", "--steps", "2")
+    stock = run_nodes(tmp_path, "baseline", *args, "--baseline")  # stock DeepSpeed's two-rank defect fixed
+    ma = run_nodes(tmp_path, "ma", *args)
+    stock_rss, ma_rss = (max(run["peak_rss_kib"] for run in runs) for runs in (stock, ma))
+    stock_lck, ma_lck = (max(run["peak_locked_kib"] for run in runs) for runs in (stock, ma))
+    print(f"max over nodes: peak RSS {ma_rss} / {stock_rss} KiB, locked {ma_lck} / {stock_lck} KiB")
+    assert ma[0]["result"]["memascend"] and not stock[0]["result"]["memascend"] and stock[0]["result"]["baseline"]
+    assert ma[0]["result"]["losses_hex"] == stock[0]["result"]["losses_hex"]
+    assert len(ma[0]["result"]["losses_hex"]) == 2
+    assert ma_rss <= 0.60 * stock_rss and ma_lck <= 0.25 * stock_lck
