@@ -34,7 +34,7 @@ from memascend.resolve import resolve
 from memascend.telemetry import MemorySampler, read_proc_io
 from memascend.telemetry.tensorboard import check_tensorboard
 from memascend.train import checkpoints as ckpt
-from memascend.train import console, determinism, schedule
+from memascend.train import ckpt_hosts, console, determinism, schedule
 from memascend.train import dist as dist_setup
 from memascend.train import report as report_mod
 from memascend.train.preflight import check_aio_for_swap_folder, check_memlock_for_run, check_stock_param_dram
@@ -220,9 +220,10 @@ class FinetuneRecipe:
         periodic_on = train.checkpoint_every is not None or train.checkpoint_every_minutes is not None
         if train.resume is not None or train.save_checkpoint is not None or periodic_on:
             self.layout = ckpt.meta_param_layout(self.src, self.cfg.model)
+        ckpt_hosts.check_shared_folders(train, self.out_dir, info, self.run_id)  # several hosts: one folder
         if train.resume is None:
             return
-        self.resume_ck = ckpt.resolve_resume(train.resume, self.out_dir)
+        self.resume_ck = ckpt_hosts.resolve_resume_everywhere(train.resume, self.out_dir, info)
         if self.resume_ck is not None:
             ckpt.check_compatible(self.resume_ck, param_shapes=self.layout, dtype=train.dtype,
                                   world_size=info.world_size)

@@ -1,6 +1,8 @@
 """Two "nodes" on this host (two torchrun invocations, ``--nnodes 2 --node-rank 0/1`` on 127.0.0.1),
 each with its own swap target, train to the losses of the same two ranks started on one node
-(``--nproc 2``). Slow: three two-rank runs."""
+(``--nproc 2``), and a save on both nodes then a resume on both nodes reproduces the uninterrupted
+two-node run (the checkpoint folder shared by the nodes, as an NFS mount would be; each node's
+swap state node-local). Slow: two-rank runs of a few minutes each."""
 
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ import pytest
 
 from memascend.train.dist import free_port
 
-RUN = ["--from-scratch", "llama-tiny", "--steps", "2", "--seq-len", "32", "--micro-batch", "1", "--eval-blocks", "2",
-       "--no-save-model"]
+BASE = ["--from-scratch", "llama-tiny", "--seq-len", "32", "--micro-batch", "1", "--eval-blocks", "2",
+        "--no-save-model"]
+RUN = [*BASE, "--steps", "2"]
 
 
 def _env() -> dict:
@@ -29,24 +32,46 @@ def _losses(out) -> list[str]:
     return [float(s["loss"]).hex() for s in json.loads((out / "report.json").read_text())["steps"]]
 
 
-def _two_nodes(tmp_path, nvme_of_node) -> tuple[dict, list]:
-    """Start node 0 and node 1 (one rank each); node 0's rank 0 writes the report."""
+def _step_losses(out) -> dict[int, str]:
+    return {s["step"]: float(s["loss"]).hex() for s in json.loads((out / "report.json").read_text())["steps"]}
+
+
+def _two_nodes(tmp_path, nvme_of_node, args=RUN, out_name="out", node_args=lambda node: [],
+               check=True) -> tuple[dict | None, list]:
+    """Start node 0 and node 1 (one rank each, each its own ``--output``, ``node_args(node)`` added);
+    node 0's rank 0 writes the report into ``tmp_path/out_name``. ``check=False``: return
+    ``(None, [(exit code, log) per node])`` instead of asserting success."""
     port = free_port()
     procs = []
     for node in (0, 1):
-        out = tmp_path / ("out" if node == 0 else "out-node1")
+        out = tmp_path / (out_name if node == 0 else f"{out_name}-node1")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-               "-m", "memascend", "finetune", *RUN, "--output", str(out), "--nvme-path", nvme_of_node(node)]
-        with (tmp_path / f"node{node}.log").open("w") as log:  # a file: a full pipe would block the node
+               "-m", "memascend", "finetune", *args, "--output", str(out), "--nvme-path", nvme_of_node(node),
+               *node_args(node)]
+        with (tmp_path / f"{out_name}-node{node}.log").open("w") as log:  # a file: a full pipe would block the node
             procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=log, stderr=subprocess.STDOUT,
                                           text=True))
     logs = []
     for node, p in enumerate(procs):
         p.wait(timeout=900)
-        logs.append((tmp_path / f"node{node}.log").read_text())
+        logs.append((tmp_path / f"{out_name}-node{node}.log").read_text())
+        if not check:
+            logs[-1] = (p.returncode, logs[-1])
+            continue
         assert p.returncode == 0, logs[-1][-4000:]
-    return json.loads((tmp_path / "out" / "report.json").read_text()), logs
+    if not check:
+        return None, logs
+    return json.loads((tmp_path / out_name / "report.json").read_text()), logs
+
+
+def _node_nvme(tmp_path, target: str, tag: str = ""):
+    """``nvme_of_node(node)``: each node's own NVMe, a folder or a ``.store`` file in it."""
+    def nvme_of_node(node: int) -> str:
+        folder = tmp_path / f"nvme{tag}-node{node}"
+        folder.mkdir(exist_ok=True)
+        return str(folder / "s.store") if target == "store" else str(folder)
+    return nvme_of_node
 
 
 @pytest.fixture(scope="module")
@@ -63,12 +88,7 @@ def one_node_losses(tmp_path_factory):
 @pytest.mark.distributed
 @pytest.mark.parametrize("target", ["folder", "store"])
 def test_two_nodes_train_like_one(tmp_path, one_node_losses, target):
-    def nvme_of_node(node: int) -> str:
-        folder = tmp_path / f"nvme-node{node}"  # each node's own NVMe
-        folder.mkdir(exist_ok=True)
-        return str(folder / "s.store") if target == "store" else str(folder)
-
-    rep, _ = _two_nodes(tmp_path, nvme_of_node)
+    rep, _ = _two_nodes(tmp_path, _node_nvme(tmp_path, target))
     assert _losses(tmp_path / "out") == one_node_losses
     ranks = rep["memory"]["ranks"]
     assert [(r["rank"], r["node_rank"], r["local_rank"]) for r in ranks] == [(0, 0, 0), (1, 1, 0)]
@@ -77,3 +97,54 @@ def test_two_nodes_train_like_one(tmp_path, one_node_losses, target):
     if target == "store":
         assert [r["target"] for r in rep["nvme"]["store_ranks"]] == [
             str(tmp_path / f"nvme-node{n}" / "s.store") for n in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def two_node_four_steps(tmp_path_factory) -> dict[int, str]:
+    """Per-step losses (float hex) of the uninterrupted 4-step two-node run (a swap folder per node)."""
+    tmp = tmp_path_factory.mktemp("two-node-straight")
+    _two_nodes(tmp, _node_nvme(tmp, "folder"), args=[*BASE, "--steps", "4"])
+    return _step_losses(tmp / "out")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("target", ["folder", "store"])
+def test_two_nodes_save_and_resume_exact(tmp_path, two_node_four_steps, target):
+    """Both nodes save 2 steps into one shared folder (each rank exports its own node-local swap
+    state there, by global rank), then both resume to 4 steps from it: the uninterrupted losses."""
+    ck = tmp_path / "shared-ck"  # on one host a shared folder, as NFS would be across hosts
+    nvme = _node_nvme(tmp_path, target)
+    _two_nodes(tmp_path, nvme, args=[*BASE, "--steps", "2", "--save-checkpoint", str(ck)], out_name="first")
+    tag = ck / "global_step2"
+    assert (ck / "latest").read_text().strip() == "global_step2"
+    assert (tag / "memascend_checkpoint.json").is_file()
+    if target == "store":  # each rank's store export, by global rank
+        assert sorted(p.name for p in (tag / "memascend_store").iterdir()) == ["rank00", "rank01"]
+    else:  # DeepSpeed's copy of each rank's swap folder
+        assert sorted(p.name for p in (tag / "offloaded_tensors").iterdir()) == ["rank00", "rank01"]
+    rep, _ = _two_nodes(tmp_path, nvme, args=[*BASE, "--steps", "4", "--resume", str(ck)], out_name="resumed")
+    assert rep["checkpoint"]["start_step"] == 2
+    got = {**_step_losses(tmp_path / "first"), **_step_losses(tmp_path / "resumed")}
+    assert sorted(_step_losses(tmp_path / "resumed")) == [3, 4]
+    assert got == two_node_four_steps
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_node_local_checkpoint_folders_are_refused_before_training(tmp_path):
+    """Each node naming its own --save-checkpoint folder would leave a checkpoint without the other
+    node's files: both nodes stop before the first step with the same one line, exit 2."""
+    _, results = _two_nodes(tmp_path, _node_nvme(tmp_path, "folder"), args=RUN, check=False,
+                            node_args=lambda node: ["--save-checkpoint", str(tmp_path / f"ck-node{node}")])
+    lines = []
+    for code, log in results:
+        # the rank exits 2 with one line; torchrun then prints its own ChildFailedError traceback
+        assert code != 0 and "failed (exitcode: 2)" in log, log[-3000:]
+        ours = log[:log.index("failed (exitcode: 2)")]
+        errs = [ln for ln in ours.splitlines() if "memascend: error:" in ln]
+        assert len(errs) == 1 and "Traceback" not in ours, log[-3000:]
+        lines.append(errs[0][errs[0].index("memascend: error:"):])
+    assert lines[0] == lines[1]
+    assert f"names {tmp_path / 'ck-node0'}" in lines[0] and "storage every host reaches" in lines[0]
+    assert not (tmp_path / "ck-node0").exists() and not (tmp_path / "ck-node1").exists()
