@@ -87,6 +87,9 @@ class FromScratchConfig:
     """MLP width; ``None`` means ``8/3 * hidden_size`` rounded up to a multiple of 256."""
     max_position_embeddings: int = 8192
     """Longest sequence the model accepts, in tokens."""
+    tie_word_embeddings: bool = True
+    """Whether the output projection (``lm_head``) shares the input embedding's weight (SmolLM2);
+    ``False`` gives it its own ``vocab_size x hidden_size`` weight, as most production LLMs have."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_heads", "vocab_size", "max_position_embeddings"):
@@ -112,13 +115,17 @@ class FromScratchConfig:
 
     @property
     def param_numel(self) -> int:
-        """Parameter count with tied input/output embeddings (as the built-in model)."""
+        """Parameter count (elements): tied input/output embeddings counted once, an untied
+        ``lm_head`` (``vocab_size x hidden_size``) on top."""
         h, kv_dim = self.hidden_size, self.kv_heads * (self.hidden_size // self.num_heads)
         per_layer = 2 * h * h + 2 * h * kv_dim + 3 * h * self.mlp_size + 2 * h
-        return self.vocab_size * h + self.num_layers * per_layer + h
+        embeddings = (1 if self.tie_word_embeddings else 2) * self.vocab_size * h
+        return embeddings + self.num_layers * per_layer + h
 
 
-# Presets for scaling runs (parameter counts with the 49,152-token vocabulary, tied embeddings).
+# Presets for scaling runs (the llama-* up to 3b: 49,152-token vocabulary, tied embeddings). llama-7b
+# and llama-70b have the shapes of Llama-2-7B/70B (32,000-token vocabulary, untied lm_head): for
+# `memascend plan`; training them needs a tokenizer of at most 32,000 ids (a Llama-2 model folder).
 FROM_SCRATCH_PRESETS: dict[str, FromScratchConfig] = {
     "llama-tiny": FromScratchConfig(hidden_size=64, num_layers=2, num_heads=4, vocab_size=49152),
     "llama-0.1b": FromScratchConfig(hidden_size=576, num_layers=24, num_heads=9, num_kv_heads=3),
@@ -127,14 +134,38 @@ FROM_SCRATCH_PRESETS: dict[str, FromScratchConfig] = {
     "llama-1b": FromScratchConfig(hidden_size=2048, num_layers=20, num_heads=32, num_kv_heads=8),
     "llama-2b": FromScratchConfig(hidden_size=2304, num_layers=32, num_heads=18, num_kv_heads=6),
     "llama-3b": FromScratchConfig(hidden_size=3072, num_layers=26, num_heads=24, num_kv_heads=8),
+    "llama-7b": FromScratchConfig(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32,
+                                  intermediate_size=11008, vocab_size=32000, max_position_embeddings=4096,
+                                  tie_word_embeddings=False),
+    "llama-70b": FromScratchConfig(hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+                                   intermediate_size=28672, vocab_size=32000, max_position_embeddings=4096,
+                                   tie_word_embeddings=False),
 }
+
+
+_FROM_SCRATCH_BOOL_KEYS = frozenset({"tie_word_embeddings"})
+
+
+def _parse_bool(key: str, value: str) -> bool:
+    """``true``/``false`` (also ``1``/``0``, ``yes``/``no``; any case) of a ``--from-scratch`` key.
+
+    Raises:
+        UserError: any other value.
+    """
+    word = value.strip().lower()
+    if word in ("true", "1", "yes"):
+        return True
+    if word in ("false", "0", "no"):
+        return False
+    raise UserError(f"--from-scratch: value of '{key}' must be true or false, got '{value}'")
 
 
 def parse_from_scratch(spec: str) -> FromScratchConfig:
     """Parse ``--from-scratch``: a preset name, ``key=value,...`` or a TOML/JSON file.
 
     Keys: ``hidden`` (or ``hidden_size``), ``layers``, ``heads``, ``kv_heads``, ``vocab``,
-    ``intermediate``, ``max_positions``.
+    ``intermediate``, ``max_positions`` (integers) and ``tie_word_embeddings`` (``true``/``false``;
+    default true).
 
     Raises:
         UserError: unknown preset/key or invalid sizes.
@@ -173,6 +204,9 @@ def parse_from_scratch(spec: str) -> FromScratchConfig:
             key, sep, value = item.partition("=")
             if not sep:
                 raise UserError(f"--from-scratch: expected key=value, got '{item}'")
+            if key.strip() in _FROM_SCRATCH_BOOL_KEYS:
+                raw[key.strip()] = _parse_bool(key.strip(), value)
+                continue
             try:
                 raw[key.strip()] = int(float(value))
             except (ValueError, OverflowError):  # OverflowError: inf

@@ -102,6 +102,36 @@ def test_from_scratch_specs():
         parse_from_scratch("hidden=64")
 
 
+def test_from_scratch_untied_embeddings(tmp_path):
+    """``tie_word_embeddings`` (default true): key=value, TOML and JSON; the untied count adds lm_head."""
+    tied = parse_from_scratch("hidden=64,layers=2,heads=4")
+    untied = parse_from_scratch("hidden=64,layers=2,heads=4,tie_word_embeddings=false")
+    assert tied.tie_word_embeddings and not untied.tie_word_embeddings
+    assert untied.param_numel - tied.param_numel == 49152 * 64
+    assert parse_from_scratch("hidden=64,layers=2,heads=4,tie_word_embeddings=TRUE") == tied
+    toml = tmp_path / "m.toml"
+    toml.write_text("hidden = 64\nlayers = 2\nheads = 4\ntie_word_embeddings = false\n")
+    jsn = tmp_path / "m.json"
+    jsn.write_text('{"hidden": 64, "layers": 2, "heads": 4, "tie_word_embeddings": false}')
+    assert parse_from_scratch(str(toml)) == parse_from_scratch(str(jsn)) == untied
+    with pytest.raises(UserError, match="tie_word_embeddings' must be true or false, got 'maybe'"):
+        parse_from_scratch("hidden=64,layers=2,heads=4,tie_word_embeddings=maybe")
+    jsn.write_text('{"hidden": 64, "layers": 2, "heads": 4, "tie_word_embeddings": 0}')
+    with pytest.raises(UserError, match="tie_word_embeddings"):
+        parse_from_scratch(str(jsn))
+    assert all(p.tie_word_embeddings for n, p in FROM_SCRATCH_PRESETS.items() if n not in ("llama-7b", "llama-70b"))
+
+
+def test_llama2_shaped_presets():
+    """llama-7b / llama-70b have Llama-2-7B/70B's shapes and parameter counts (untied lm_head)."""
+    seven, seventy = FROM_SCRATCH_PRESETS["llama-7b"], FROM_SCRATCH_PRESETS["llama-70b"]
+    assert (seven.hidden_size, seven.num_layers, seven.num_heads, seven.kv_heads, seven.mlp_size,
+            seven.vocab_size, seven.tie_word_embeddings) == (4096, 32, 32, 32, 11008, 32000, False)
+    assert (seventy.hidden_size, seventy.num_layers, seventy.num_heads, seventy.kv_heads, seventy.mlp_size,
+            seventy.vocab_size, seventy.tie_word_embeddings) == (8192, 80, 64, 8, 28672, 32000, False)
+    assert (seven.param_numel, seventy.param_numel) == (6_738_415_616, 68_976_648_192)
+
+
 @pytest.mark.parametrize("name", sorted(FROM_SCRATCH_PRESETS))
 def test_param_numel_matches_transformers(name):
     """The closed-form parameter count (used for NVMe space estimates) matches the real model."""

@@ -16,7 +16,10 @@ from memascend.cli.params import POSITIVE_FLOAT
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of a table")
 @click.option("--cap-gib", type=POSITIVE_FLOAT, default=None,
               help="Also name the largest from-scratch preset each engine fits under this host-memory cap (GiB)")
-def plan(nproc: int, as_json: bool, cap_gib: float | None, **kw) -> None:
+@click.option("--scaling", is_flag=True,
+              help="Also plan every from-scratch preset, llama-tiny to the Llama-2-7B/70B shapes (llama-7b, "
+                   "llama-70b), with this run's other settings: host peak RSS, locked memory and NVMe space")
+def plan(nproc: int, as_json: bool, cap_gib: float | None, scaling: bool, **kw) -> None:
     """Predict peak host RSS, locked memory (VmLck) and NVMe space of a fine-tuning run under stock
     DeepSpeed (baseline) and under memascend, and name the biggest consumers. Nothing is run or loaded
     (the model is laid out on the meta device). Takes the same model/data/offload flags as
@@ -26,7 +29,7 @@ def plan(nproc: int, as_json: bool, cap_gib: float | None, **kw) -> None:
     it starts.
     """
     from memascend.errors import UserError
-    from memascend.plan import largest_preset_under_cap, plan_run
+    from memascend.plan import largest_preset_under_cap, plan_presets, plan_run
     from memascend.units import GIB
 
     if nproc < 1:
@@ -37,7 +40,8 @@ def plan(nproc: int, as_json: bool, cap_gib: float | None, **kw) -> None:
     options.show_config_notes(cfg)
     _check_data(cfg.data.source)
     plans = plan_run(cfg, world_size=nproc)
-    fits = largest_preset_under_cap(cfg, int(cap_gib * GIB), nproc) if cap_gib else None
+    rows = plan_presets(cfg, nproc) if scaling or cap_gib else None
+    fits = largest_preset_under_cap(cfg, int(cap_gib * GIB), nproc, rows) if cap_gib else None
     host = _warn_if_over_host(plans[cfg.engine])
     if as_json:
         doc = {k: p.to_dict() for k, p in plans.items()}
@@ -45,6 +49,10 @@ def plan(nproc: int, as_json: bool, cap_gib: float | None, **kw) -> None:
                        "fits": plans[cfg.engine].peak_rss_bytes <= host.limit_bytes}
         if fits is not None:
             doc["largest_preset_under_cap"] = {"cap_gib": cap_gib, **{k: v and v[0] for k, v in fits.items()}}
+        if scaling:
+            doc["scaling"] = [{"preset": name, "param_numel": numel,
+                               **{k: {key: p.to_dict()[key] for key in _SCALING_KEYS} for k, p in plans_.items()}}
+                              for name, numel, plans_ in rows]
         click.echo(json.dumps(doc, indent=2))
         return
     from rich.console import Console
@@ -73,10 +81,38 @@ def plan(nproc: int, as_json: bool, cap_gib: float | None, **kw) -> None:
         for comp in p.components:
             c.add_row(comp.name, f"{comp.bytes / GIB:.2f}", "yes" if comp.locked else "", comp.phase, comp.source)
         console.print(c)
+    if scaling:
+        console.print(_scaling_table(rows, cfg, nproc))
     if fits is not None:
         for engine, fit in fits.items():
             what = f"{fit[0]} (planned peak {fit[1] / GIB:.2f} GiB)" if fit else "no preset"
             console.print(f"largest from-scratch preset under {cap_gib:g} GiB, {engine}: {what}")
+
+
+_SCALING_KEYS = ("peak_rss_bytes", "peak_locked_bytes", "nvme_bytes")
+
+
+def _scaling_table(rows, cfg, nproc: int):
+    """The ``--scaling`` table: one row per preset (:func:`memascend.plan.plan_presets`), GiB."""
+    from rich.table import Table
+
+    from memascend.units import GIB
+
+    t = Table(title=f"scaling: from-scratch presets, {cfg.train.dtype}, {cfg.train.micro_batch} x "
+                    f"{cfg.data.seq_len} tokens, {nproc} rank(s) (GiB)", title_justify="left")
+    for h in ("preset", "params", "RSS stock", "RSS memascend", "locked stock", "locked memascend", "NVMe"):
+        t.add_column(h, justify="left" if h == "preset" else "right", no_wrap=h in ("preset", "params"))
+    for name, numel, plans in rows:
+        base, mine = plans["baseline"], plans["memascend"]
+        t.add_row(name, _count(numel), *(f"{v / GIB:.2f}" for v in (
+            base.peak_rss_bytes, mine.peak_rss_bytes, base.peak_locked_bytes, mine.peak_locked_bytes,
+            mine.nvme_bytes)))
+    return t
+
+
+def _count(numel: int) -> str:
+    """``1.10 B`` or ``3.2 M``."""
+    return f"{numel / 1e9:.2f} B" if numel >= 1e9 else f"{numel / 1e6:.1f} M"
 
 
 def _model_title(cfg) -> str:
@@ -87,8 +123,7 @@ def _model_title(cfg) -> str:
         return cfg.model.name_or_path
     from memascend.cli.outputs import run_name
 
-    count = f"{fs.param_numel / 1e9:.2f} B" if fs.param_numel >= 1e9 else f"{fs.param_numel / 1e6:.1f} M"
-    return f"{run_name(cfg)} (from scratch, {count} parameters)"
+    return f"{run_name(cfg)} (from scratch, {_count(fs.param_numel)} parameters)"
 
 
 def _check_data(source: str) -> None:

@@ -258,7 +258,8 @@ def max_positions(src: ModelSource, from_scratch: FromScratchConfig | None) -> i
 
 
 def llama_config(fs: FromScratchConfig):
-    """A ``transformers.LlamaConfig`` for a from-scratch model (tied embeddings, like SmolLM2)."""
+    """A ``transformers.LlamaConfig`` for a from-scratch model (embeddings tied, like SmolLM2, unless
+    ``fs.tie_word_embeddings`` is false: then ``lm_head`` has its own weight)."""
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -269,7 +270,7 @@ def llama_config(fs: FromScratchConfig):
         num_attention_heads=fs.num_heads,
         num_key_value_heads=fs.kv_heads,
         max_position_embeddings=fs.max_position_embeddings,
-        tie_word_embeddings=True,
+        tie_word_embeddings=fs.tie_word_embeddings,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=2,

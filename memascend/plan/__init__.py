@@ -12,9 +12,10 @@ from memascend.plan.model import (
            largest_preset_under_cap,
            plan_engine,
            plan_for_report,
+           plan_presets,
            plan_run,
 )
 from memascend.plan.shapes import ModelDims, activation_parts, model_dims
 
 __all__ = ["Component", "EnginePlan", "ModelDims", "activation_parts", "largest_preset_under_cap", "model_dims",
-           "plan_engine", "plan_for_report", "plan_run"]
+           "plan_engine", "plan_for_report", "plan_presets", "plan_run"]

@@ -198,7 +198,8 @@ def _add_forward_backward(add, dims: ModelDims, cfg: RunConfig, e: int, w: int, 
     what = "fp32 logits at the start of backward" if saved_kept else \
         "activations (saved tensors, fp32 logits at the start of backward)"
     add(what, transient, False, src, "backward")
-    add("vocabulary projection weight gradient (held to the tied embedding's)", dims.vocab_size * dims.hidden_size * e,
+    held = "held to the tied embedding's" if dims.tied_embeddings else "untied lm_head"
+    add(f"vocabulary projection weight gradient ({held})", dims.vocab_size * dims.hidden_size * e,
         False, "autograd, lm_head backward", "backward")
     if w > 1:
         # Each rank all-gathers every parameter in full (one rank aliases its partition instead:
@@ -418,21 +419,38 @@ def plan_for_report(report: dict) -> EnginePlan:
                     user_ds_config=report.get("user_deepspeed_config"))[report["engine"]]
 
 
-def largest_preset_under_cap(cfg: RunConfig, cap_bytes: int, world_size: int = 1) -> dict[str, tuple[str, int] | None]:
+def plan_presets(cfg: RunConfig, world_size: int = 1) -> list[tuple[str, int, dict[str, EnginePlan]]]:
+    """Plan every from-scratch preset (``memascend.config.FROM_SCRATCH_PRESETS``, llama-tiny to the
+    Llama-2-70B shape) with everything else as in ``cfg``; nothing is built (meta-device layouts).
+
+    Returns:
+        ``[(preset name, parameter count, {"baseline": EnginePlan, "memascend": EnginePlan})]``,
+        smallest model first.
+    """
+    from memascend.config import FROM_SCRATCH_PRESETS
+
+    rows = []
+    for name, preset in sorted(FROM_SCRATCH_PRESETS.items(), key=lambda kv: kv[1].param_numel):
+        sized = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, from_scratch=preset))
+        rows.append((name, preset.param_numel, plan_run(sized, world_size)))
+    return rows
+
+
+def largest_preset_under_cap(cfg: RunConfig, cap_bytes: int, world_size: int = 1,
+                             rows: list[tuple[str, int, dict[str, EnginePlan]]] | None = None,
+                             ) -> dict[str, tuple[str, int] | None]:
     """The largest from-scratch preset (``memascend.config.FROM_SCRATCH_PRESETS``) whose planned peak
     host RSS fits under ``cap_bytes``, per engine, with everything else as in ``cfg``.
+
+    Args:
+        rows: :func:`plan_presets` of ``cfg`` where already computed (planned again otherwise).
 
     Returns:
         ``{engine: (preset name, planned peak bytes) or None}``.
     """
-    import dataclasses
-
-    from memascend.config import FROM_SCRATCH_PRESETS
-
     best: dict[str, tuple[str, int] | None] = {"baseline": None, "memascend": None}
-    for name, preset in sorted(FROM_SCRATCH_PRESETS.items(), key=lambda kv: kv[1].param_numel):
-        sized = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, from_scratch=preset))
-        for engine, p in plan_run(sized, world_size).items():
+    for name, _, plans in rows if rows is not None else plan_presets(cfg, world_size):
+        for engine, p in plans.items():
             if p.peak_rss_bytes <= cap_bytes:
                 best[engine] = (name, p.peak_rss_bytes)
     return best

@@ -25,6 +25,8 @@ class ModelDims:
         intermediate_size: MLP width (``None``: ``4 * hidden_size``).
         kv_size: width of the key (and of the value) projection, ``num_key_value_heads * head_dim``
             (``None``: ``hidden_size``, no grouped-query attention).
+        tied_embeddings: whether the output projection shares the input embedding's weight
+            (``False``: ``lm_head`` is its own parameter, registered last).
     """
 
     total_numel: int
@@ -36,6 +38,7 @@ class ModelDims:
     vocab_size: int
     intermediate_size: int | None = None
     kv_size: int | None = None
+    tied_embeddings: bool = True
     extra: dict = field(default_factory=dict)
 
 
@@ -58,12 +61,14 @@ def model_dims(cfg: RunConfig) -> ModelDims:
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(hf_cfg)
     shape = model_shape(meta)
+    out, inp = meta.get_output_embeddings(), meta.get_input_embeddings()
+    tied = out is None or inp is None or out.weight is inp.weight
     h, heads = hf_cfg.hidden_size, hf_cfg.num_attention_heads
     head_dim = getattr(hf_cfg, "head_dim", None) or h // heads
     kv_heads = getattr(hf_cfg, "num_key_value_heads", None) or heads
     return ModelDims(shape.total_numel, shape.param_numels, shape.module_param_counts, h,
                      hf_cfg.num_hidden_layers, heads, hf_cfg.vocab_size,
-                     getattr(hf_cfg, "intermediate_size", None), kv_heads * head_dim)
+                     getattr(hf_cfg, "intermediate_size", None), kv_heads * head_dim, tied)
 
 
 def live_window_partitions(dims: ModelDims, world_size: int, checkpointing: bool, reuse_numel: int,
@@ -77,7 +82,8 @@ def live_window_partitions(dims: ModelDims, world_size: int, checkpointing: bool
     projection plus ``k - 1`` later layers two times (forward, backward) or three (with
     activation checkpointing's recompute). A partition with a DRAM copy (among the first
     ``dram_numel`` elements, ``offload_param.max_in_cpu``) or under the swappable size is not in
-    the pool. Measured on llama-1b (max_in_cpu 0, checkpointing, 1 x 256 tokens): the embedding and
+    the pool. With untied embeddings the projection is ``lm_head`` (registered last), and the input
+    embedding, used again only at the end of backward, is released. Measured on llama-1b (max_in_cpu 0, checkpointing, 1 x 256 tokens): the embedding and
     6 layers, 742 MB (report ``memory_breakdown.locked.param_pool_classes``).
 
     Returns:
@@ -85,8 +91,9 @@ def live_window_partitions(dims: ModelDims, world_size: int, checkpointing: bool
     """
     numels = list(dims.param_numels)
     n_layers = max(1, dims.num_layers)
-    per_layer = (len(numels) - 2) // n_layers  # Llama: embedding, layers, final norm (lm_head tied)
-    if per_layer < 1 or 2 + per_layer * n_layers != len(numels):
+    outside = 2 if dims.tied_embeddings else 3  # Llama: embedding, layers, final norm (, lm_head untied)
+    per_layer = (len(numels) - outside) // n_layers
+    if per_layer < 1 or outside + per_layer * n_layers != len(numels):
         return []
     vocab = dims.vocab_size * dims.hidden_size
     layer_numel = sum(numels[1:1 + per_layer])
@@ -96,7 +103,8 @@ def live_window_partitions(dims: ModelDims, world_size: int, checkpointing: bool
         kept += 1
     parts = [math.ceil(n / world_size) for n in numels]
     offsets = [0, *itertools.accumulate(parts)]  # where each partition starts in the DRAM-copy order
-    window = [0] + list(range(1 + (n_layers - kept) * per_layer, 1 + n_layers * per_layer))
+    projection = 0 if dims.tied_embeddings else len(numels) - 1
+    window = [projection] + list(range(1 + (n_layers - kept) * per_layer, 1 + n_layers * per_layer))
     return [parts[i] for i in window if offsets[i] >= dram_numel and parts[i] * elem_bytes >= MIN_SWAPPABLE_BYTES]
 
 

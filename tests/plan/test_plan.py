@@ -94,7 +94,54 @@ def test_largest_preset_under_cap():
     assert fits["baseline"] is None
     assert fits["memascend"][0] == "llama-tiny"
     big = largest_preset_under_cap(cfg, 1 << 50)
-    assert big["baseline"][0] == big["memascend"][0] == "llama-3b"
+    assert big["baseline"][0] == big["memascend"][0] == "llama-70b"
+
+
+def test_plan_cli_scaling_reaches_the_llama2_shapes_without_building_them():
+    """``--scaling`` plans every preset up to the Llama-2-70B shape on the meta device: host peak RSS,
+    locked memory and NVMe bytes per engine, growing with the model; nothing of that size is built."""
+    import resource
+
+    before_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    res = CliRunner().invoke(cli, ["plan", "--from-scratch", "llama-70b", "--micro-batch", "1", "--seq-len", "256",
+                                   "--activation-checkpointing", "--scaling", "--json"])
+    assert res.exit_code == 0, res.output
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before_kib
+    assert grown_kib < 1 << 20  # < 1 GiB: a 69 B-parameter model would be 128 GiB in bf16
+    doc = json.loads(res.stdout)  # stderr: the warning that 70B does not fit this host
+    rows = {r["preset"]: r for r in doc["scaling"]}
+    assert list(rows)[-2:] == ["llama-7b", "llama-70b"]
+    assert rows["llama-70b"]["param_numel"] == 68_976_648_192
+    # NVMe: 16-bit params + fp32 master, two moments and gradient (stock and memascend alike)
+    assert rows["llama-70b"]["memascend"]["nvme_bytes"] == doc["memascend"]["nvme_bytes"]
+    assert rows["llama-70b"]["memascend"]["nvme_bytes"] >= 18 * 68_976_648_192
+    for engine in ("baseline", "memascend"):
+        peaks = [r[engine]["peak_rss_bytes"] for r in doc["scaling"]]
+        assert peaks == sorted(peaks) and all(r[engine]["peak_locked_bytes"] > 0 for r in doc["scaling"])
+        assert rows["llama-70b"][engine]["peak_rss_bytes"] == doc[engine]["peak_rss_bytes"]
+    assert rows["llama-7b"]["memascend"]["peak_rss_bytes"] < rows["llama-7b"]["baseline"]["peak_rss_bytes"]
+    table = CliRunner().invoke(cli, ["plan", "--from-scratch", "llama-tiny", "--seq-len", "64", "--scaling"])
+    assert table.exit_code == 0 and "scaling: from-scratch presets" in table.output and "llama-70b" in table.output
+
+
+def test_untied_embeddings_keep_lm_head_not_the_embedding_in_the_live_window():
+    """With an untied lm_head the projection kept live at the turn to backward is lm_head (registered
+    last); the input embedding is released. Tied models keep the embedding (index 0)."""
+    from memascend.config import build_run_config
+    from memascend.plan import model_dims
+    from memascend.plan.shapes import live_window_partitions
+
+    spec = "hidden=576,layers=24,heads=9,kv_heads=3"
+    dims = {tie: model_dims(build_run_config({}, {"model": {"from_scratch": f"{spec},tie_word_embeddings={tie}"}}))
+            for tie in ("true", "false")}
+    assert dims["true"].tied_embeddings and not dims["false"].tied_embeddings
+    vocab = 49152 * 576
+    assert dims["false"].total_numel - dims["true"].total_numel == vocab
+    assert dims["false"].param_numels[0] == dims["false"].param_numels[-1] == vocab
+    for tie, d in dims.items():
+        live = live_window_partitions(d, 1, True, 1_000_000_000, 0, 2)
+        assert live and live[0] == vocab and live.count(vocab) == 1, tie
+        assert live[1:] == live_window_partitions(dims["true"], 1, True, 1_000_000_000, 0, 2)[1:]
 
 
 def test_reduce_bucket_matches_the_recorded_touched_pages_and_is_capped():
