@@ -1,6 +1,7 @@
 """examples/accelerate_finetune.py: accelerate's own loop with a "memascend" DeepSpeed section runs
 with the model-dependent sizes resolved; (``-m slow``, SmolLM2-135M 4 x 256) it trains to the same
-per-step losses as the same script without the section, with far less host memory.
+per-step losses as the same script without the section, with far less host memory; (``-m slow``)
+``accelerate launch`` on two simulated nodes trains like ``torchrun`` with two ranks on one.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import sys
 
 import pytest
 
-from tests.examples.launch import EXAMPLES, clean_env, run_example
+from memascend.train.dist import free_port
+from tests.examples.launch import EXAMPLES, clean_env, result_line, run_example, run_measured
 
 SCRIPT = EXAMPLES / "accelerate_finetune.py"
 MARKER = "ACCELERATE_RESULT"
@@ -56,3 +58,24 @@ def test_smollm2_peak_memory_against_the_same_script_without_the_section(tmp_pat
     assert ma["losses_hex"] == stock["losses_hex"] and len(ma["losses_hex"]) == 3
     assert ma["peak_rss_kib"] <= 0.40 * stock["peak_rss_kib"]
     assert ma["peak_locked_kib"] <= 0.25 * stock["peak_locked_kib"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_accelerate_launch_on_two_simulated_nodes_trains_like_two_ranks_on_one(tmp_path):
+    args = ("--steps", "2")
+    one = run_measured([[sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(SCRIPT),
+                         "--nvme-path", str(tmp_path / "one-swap"), *args]], tmp_path, [tmp_path / "one.log"])[0]
+    port = str(free_port())
+    nodes = run_measured([[sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed",
+                           "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(n),
+                           "--main_process_ip", "127.0.0.1", "--main_process_port", port,
+                           "--deepspeed_multinode_launcher", "standard", str(SCRIPT),
+                           "--nvme-path", str(tmp_path / f"node{n}-swap"), *args] for n in (0, 1)],
+                         tmp_path, [tmp_path / f"node{n}.log" for n in (0, 1)])
+    for run in (one, *nodes):
+        assert run["returncode"] == 0, run["log"][-4000:]
+    one_node, node0, node1 = (result_line(run["log"], MARKER) for run in (one, *nodes))
+    assert node1 is None  # global rank 0 (on node 0) prints the result
+    assert node0["losses_hex"] == one_node["losses_hex"] and len(node0["losses_hex"]) == 2
+    assert node0["sub_group_size"] == one_node["sub_group_size"] < 10_000_000  # sized for two ranks
