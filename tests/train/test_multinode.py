@@ -148,3 +148,53 @@ def test_node_local_checkpoint_folders_are_refused_before_training(tmp_path):
     assert lines[0] == lines[1]
     assert f"names {tmp_path / 'ck-node0'}" in lines[0] and "storage every host reaches" in lines[0]
     assert not (tmp_path / "ck-node0").exists() and not (tmp_path / "ck-node1").exists()
+
+
+def _deepspeed_launcher(tmp_path, hostfile: str, runs: list[tuple[list[str], str, str]]) -> list[str]:
+    """The deepspeed launcher (``python -m deepspeed.launcher.runner``, what the ``deepspeed`` script
+    runs) with ``hostfile``, once per ``(launcher options, --output, --nvme-path)`` in ``runs``, all at
+    once; returns their logs. No ssh or pdsh is needed: one host in the hostfile takes the local path
+    (``--no_ssh_check --master_addr``), and ``--no_ssh --node_rank R`` starts one node of several."""
+    (tmp_path / "hostfile").write_text(hostfile)
+    port = str(free_port())
+    procs = []
+    for i, (opts, out, nvme) in enumerate(runs):
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(tmp_path / "hostfile"), *opts,
+               "--master_addr", "127.0.0.1", "--master_port", port, "--module", "memascend", "finetune", *RUN,
+               "--output", str(tmp_path / out), "--nvme-path", nvme]
+        with (tmp_path / f"ds{i}.log").open("w") as log:
+            procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=log, stderr=subprocess.STDOUT))
+    logs = []
+    for i, p in enumerate(procs):
+        p.wait(timeout=900)
+        logs.append((tmp_path / f"ds{i}.log").read_text())
+        assert p.returncode == 0, logs[-1][-4000:]
+    return logs
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_deepspeed_launcher_with_a_localhost_hostfile(tmp_path, one_node_losses):
+    # `deepspeed --hostfile H` checks ssh to the first host and asks it for its address (`ssh H hostname -I`)
+    # unless --no_ssh_check and --master_addr are given; with one host it then starts the ranks locally
+    logs = _deepspeed_launcher(tmp_path, "localhost slots=2\n", [(["--no_ssh_check"], "out", str(tmp_path / "swap"))])
+    assert "--local_rank=1" in logs[0]  # the launcher's own argument before the subcommand was taken
+    assert _losses(tmp_path / "out") == one_node_losses
+    ranks = json.loads((tmp_path / "out" / "report.json").read_text())["memory"]["ranks"]
+    assert [(r["rank"], r["node_rank"], r["local_rank"]) for r in ranks] == [(0, 0, 0), (1, 0, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_deepspeed_launcher_two_nodes_without_ssh(tmp_path, one_node_losses):
+    # a two-host hostfile; `--no_ssh --node_rank R` on each host (here both on this one), a .store per host
+    for node in (0, 1):
+        (tmp_path / f"nvme-node{node}").mkdir()
+    _deepspeed_launcher(tmp_path, "localhost slots=1\n127.0.0.1 slots=1\n", [
+        (["--no_ssh", "--node_rank", str(node)], "out" if node == 0 else "out-node1",
+         str(tmp_path / f"nvme-node{node}" / "s.store")) for node in (0, 1)])
+    assert _losses(tmp_path / "out") == one_node_losses
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert [(r["rank"], r["node_rank"], r["local_rank"]) for r in rep["memory"]["ranks"]] == [(0, 0, 0), (1, 1, 0)]
+    assert [r["target"] for r in rep["nvme"]["store_ranks"]] == [
+        str(tmp_path / f"nvme-node{n}" / "s.store") for n in (0, 1)]
