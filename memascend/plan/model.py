@@ -170,9 +170,25 @@ def _aligned(numel: int, elem_bytes: int) -> int:
     return -(-numel // per) * per
 
 
-def _sub_group_numel(ds_cfg: dict, partition_numel: int) -> int:
-    sub = int(ds_cfg.get("zero_optimization", {}).get("sub_group_size", DS_DEFAULT_SUB_GROUP_NUMEL))
-    return min(partition_numel, sub)
+def _sub_group_numel(ds_cfg: dict, param_numels: tuple[int, ...], world_size: int, partition_numel: int) -> int:
+    """Elements per rank of the largest optimizer sub-group, what the optimizer swap buffers, the
+    step's fp32 gradient and the write-back buffer are sized by.
+
+    Grouped as DeepSpeed 0.19.8's ``_create_fp16_sub_groups``: the partitions in registration order,
+    a group closed once it holds at least ``sub_group_size`` elements (or at the last parameter), so
+    a group exceeds the size by up to its last partition; a model no larger than the size is one
+    group. Without a parameter layout: the smaller of the size and the partition.
+    """
+    size = int(ds_cfg.get("zero_optimization", {}).get("sub_group_size", DS_DEFAULT_SUB_GROUP_NUMEL))
+    parts = [math.ceil(n / world_size) for n in param_numels]
+    if not parts or size >= sum(parts):
+        return min(partition_numel, size)
+    largest = current = 0
+    for n in parts:
+        current += n
+        if current >= size:
+            largest, current = max(largest, current), 0
+    return max(largest, current)
 
 
 def _add_forward_backward(add, dims: ModelDims, cfg: RunConfig, e: int, w: int, trimmed: bool) -> None:
@@ -349,7 +365,7 @@ def plan_engine(cfg: RunConfig, dims: ModelDims, run: ResolvedRun, world_size: i
     z = run.ds_config.get("zero_optimization", {})
     op, oo = z.get("offload_param", {}), z.get("offload_optimizer", {})
     part = math.ceil(dims.total_numel / w)
-    sub = _sub_group_numel(run.ds_config, part)
+    sub = _sub_group_numel(run.ds_config, dims.param_numels, w, part)
     comps: list[Component] = []
 
     def add(name: str, per_rank_bytes: float, locked: bool, source: str, phase: str = "resident") -> None:
