@@ -540,11 +540,7 @@ class FinetuneRecipe:
         rank_peaks = [None] * ws
         # which node and swap target each rank used (several nodes: each has its own NVMe)
         node = self.info.node_record()
-        target = str(self.raw_store.target) if self.raw_store is not None else (
-            str(self.swap_dir) if self.swap_dir is not None else None)
-        tdist.all_gather_object(rank_peaks, {"rank": self.info.rank,
-                                             **{k: summary[k] for k in ("peak_rss_bytes", "peak_locked_bytes")},
-                                             **node, "swap_target": target})
+        tdist.all_gather_object(rank_peaks, report_mod.rank_record(self.info, summary, self.raw_store, self.swap_dir))
         store_ranks = None
         if self.raw_store is not None:  # every rank has its own store: gather each one's report
             store_ranks = [None] * ws

@@ -8,11 +8,13 @@ bytes, all times in seconds.
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import metadata
+from typing import Any
 
 import psutil
 
@@ -130,8 +132,8 @@ class ReportInputs:
         skipped_steps: optimizer steps DeepSpeed skipped (``engine.skipped_steps``).
         train_s, wall_s: the training loop's time and the run's wall time.
         summary: the memory sampler's summary (peaks, phase peaks).
-        rank_peaks: every rank's ``{"rank", "peak_rss_bytes", "peak_locked_bytes", "hostname", "node_rank",
-            "local_rank", "swap_target"}`` (the node it ran on and its swap folder or raw-store target).
+        rank_peaks: every rank's :func:`rank_record` (the node it ran on and its swap folder or
+            raw-store target).
         memory_breakdown: :func:`memascend.integrations.deepspeed.accounting.memory_breakdown`.
         io_read_bytes, io_write_bytes: this process's block I/O during the training loop.
         swap_folder_bytes: the swap folder's size after the first step (0 without one).
@@ -285,6 +287,29 @@ def _steps_section(per_step: list[dict], skipped_steps: int) -> dict:
     }
 
 
+def rank_record(info: Any, summary: dict, raw_store: Any = None, swap_dir: str | os.PathLike | None = None) -> dict:
+    """One rank's entry of ``memory.ranks``: where it ran and what it swapped to.
+
+    Args:
+        info: the rank's :class:`~memascend.train.dist.DistInfo`.
+        summary: its memory sampler's summary (``peak_rss_bytes``, ``peak_locked_bytes``, bytes).
+        raw_store: its raw store (``target``: the file or device, ``is_block_device``), or ``None``.
+        swap_dir: its private swap folder (no raw store), or ``None`` (nothing on NVMe).
+
+    Returns:
+        ``rank``, ``peak_rss_bytes``, ``peak_locked_bytes`` (bytes), ``hostname``, ``node_rank``,
+        ``local_rank``, ``swap_target`` (absolute path as that host sees it, ``None`` without one) and
+        ``swap_kind`` (``folder``, ``store_file``, ``block_device`` or ``None``).
+    """
+    if raw_store is not None:
+        target, kind = raw_store.target, "block_device" if raw_store.is_block_device else "store_file"
+    else:
+        target, kind = swap_dir, None if swap_dir is None else "folder"
+    return {"rank": info.rank, "peak_rss_bytes": summary["peak_rss_bytes"],
+            "peak_locked_bytes": summary["peak_locked_bytes"], **info.node_record(),
+            "swap_target": None if target is None else os.path.abspath(target), "swap_kind": kind}
+
+
 def node_peaks(rank_peaks: list[dict]) -> list[dict]:
     """Per node (host): its ranks and the sums of their peaks, what that host's DRAM must hold.
 
@@ -294,15 +319,17 @@ def node_peaks(rank_peaks: list[dict]) -> list[dict]:
 
     Returns:
         One dict per node, ordered by node rank: ``node_rank``, ``hostname``, ``ranks`` (global ranks),
-        ``sum_rank_peak_rss_bytes``, ``sum_rank_peak_locked_bytes`` (bytes; an upper bound of the
-        host's peak, as the ranks' peaks need not coincide).
+        ``swap_targets`` (each of those ranks' ``swap_target``, in the same order; ``None`` where not
+        recorded), ``sum_rank_peak_rss_bytes``, ``sum_rank_peak_locked_bytes`` (bytes; an upper bound
+        of the host's peak, as the ranks' peaks need not coincide).
     """
     nodes: dict[int, dict] = {}
     for r in rank_peaks:
         node = nodes.setdefault(int(r.get("node_rank") or 0), {
             "node_rank": int(r.get("node_rank") or 0), "hostname": r.get("hostname"), "ranks": [],
-            "sum_rank_peak_rss_bytes": 0, "sum_rank_peak_locked_bytes": 0})
+            "swap_targets": [], "sum_rank_peak_rss_bytes": 0, "sum_rank_peak_locked_bytes": 0})
         node["ranks"].append(r["rank"])
+        node["swap_targets"].append(r.get("swap_target"))
         node["sum_rank_peak_rss_bytes"] += r["peak_rss_bytes"]
         node["sum_rank_peak_locked_bytes"] += r["peak_locked_bytes"]
     return [nodes[k] for k in sorted(nodes)]

@@ -94,6 +94,9 @@ def test_two_nodes_train_like_one(tmp_path, one_node_losses, target):
     assert [(r["rank"], r["node_rank"], r["local_rank"]) for r in ranks] == [(0, 0, 0), (1, 1, 0)]
     # one rank per node: the .store path itself on each node, indexed by the local rank (no .rank1)
     assert [str(tmp_path / f"nvme-node{n}") in r["swap_target"] for n, r in enumerate(ranks)] == [True, True]
+    assert [r["swap_kind"] for r in ranks] == ["store_file" if target == "store" else "folder"] * 2
+    assert [(n["hostname"], n["swap_targets"]) for n in rep["memory"]["nodes"]] == [
+        (r["hostname"], [r["swap_target"]]) for r in ranks]
     if target == "store":
         assert [r["target"] for r in rep["nvme"]["store_ranks"]] == [
             str(tmp_path / f"nvme-node{n}" / "s.store") for n in (0, 1)]
