@@ -37,15 +37,15 @@ def _step_losses(out) -> dict[int, str]:
 
 
 def _two_nodes(tmp_path, nvme_of_node, args=RUN, out_name="out", node_args=lambda node: [],
-               check=True) -> tuple[dict | None, list]:
-    """Start node 0 and node 1 (one rank each, each its own ``--output``, ``node_args(node)`` added);
+               check=True, per_node: int = 1) -> tuple[dict | None, list]:
+    """Start node 0 and node 1 (``per_node`` ranks each, each its own ``--output``, ``node_args(node)`` added);
     node 0's rank 0 writes the report into ``tmp_path/out_name``. ``check=False``: return
     ``(None, [(exit code, log) per node])`` instead of asserting success."""
     port = free_port()
     procs = []
     for node in (0, 1):
         out = tmp_path / (out_name if node == 0 else f"{out_name}-node1")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(per_node),
                "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
                "-m", "memascend", "finetune", *args, "--output", str(out), "--nvme-path", nvme_of_node(node),
                *node_args(node)]
@@ -201,3 +201,26 @@ def test_deepspeed_launcher_two_nodes_without_ssh(tmp_path, one_node_losses):
     assert [(r["rank"], r["node_rank"], r["local_rank"]) for r in rep["memory"]["ranks"]] == [(0, 0, 0), (1, 1, 0)]
     assert [r["target"] for r in rep["nvme"]["store_ranks"]] == [
         str(tmp_path / f"nvme-node{n}" / "s.store") for n in (0, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_nodes_two_ranks_each_save_and_resume_exact(tmp_path):
+    """Two ranks per node, a `.store` path per node (``PATH.rank<local rank>`` on each node, so both
+    nodes have ``s.store.rank0`` and ``s.store.rank1``): the exports in the shared checkpoint are by
+    GLOBAL rank (rank00..rank03), and a resume on both nodes reproduces the uninterrupted run."""
+    nvme = _node_nvme(tmp_path, "store")
+    rep, _ = _two_nodes(tmp_path, nvme, args=[*BASE, "--steps", "4"], out_name="straight", per_node=2)
+    assert [(r["rank"], r["node_rank"], r["local_rank"]) for r in rep["memory"]["ranks"]] == [
+        (0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
+    assert [r["swap_target"] for r in rep["memory"]["ranks"]] == [
+        str(tmp_path / f"nvme-node{n}" / f"s.store.rank{lr}") for n in (0, 1) for lr in (0, 1)]
+    ck = tmp_path / "shared-ck"
+    _two_nodes(tmp_path, nvme, args=[*BASE, "--steps", "2", "--save-checkpoint", str(ck)], out_name="first",
+               per_node=2)
+    assert sorted(p.name for p in (ck / "global_step2" / "memascend_store").iterdir()) == [
+        "rank00", "rank01", "rank02", "rank03"]
+    _two_nodes(tmp_path, nvme, args=[*BASE, "--steps", "4", "--resume", str(ck)], out_name="resumed", per_node=2)
+    got = {**_step_losses(tmp_path / "first"), **_step_losses(tmp_path / "resumed")}
+    assert sorted(_step_losses(tmp_path / "resumed")) == [3, 4]
+    assert got == _step_losses(tmp_path / "straight")
