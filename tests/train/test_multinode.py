@@ -37,14 +37,15 @@ def _step_losses(out) -> dict[int, str]:
 
 
 def _two_nodes(tmp_path, nvme_of_node, args=RUN, out_name="out", node_args=lambda node: [],
-               check=True, per_node: int = 1) -> tuple[dict | None, list]:
-    """Start node 0 and node 1 (``per_node`` ranks each, each its own ``--output``, ``node_args(node)`` added);
+               check=True, per_node: int = 1, shared_output: bool = False) -> tuple[dict | None, list]:
+    """Start node 0 and node 1 (``per_node`` ranks each, each its own ``--output`` unless
+    ``shared_output``, ``node_args(node)`` added);
     node 0's rank 0 writes the report into ``tmp_path/out_name``. ``check=False``: return
     ``(None, [(exit code, log) per node])`` instead of asserting success."""
     port = free_port()
     procs = []
     for node in (0, 1):
-        out = tmp_path / (out_name if node == 0 else f"{out_name}-node1")
+        out = tmp_path / (out_name if node == 0 or shared_output else f"{out_name}-node1")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(per_node),
                "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
                "-m", "memascend", "finetune", *args, "--output", str(out), "--nvme-path", nvme_of_node(node),
@@ -224,3 +225,17 @@ def test_two_nodes_two_ranks_each_save_and_resume_exact(tmp_path):
     got = {**_step_losses(tmp_path / "first"), **_step_losses(tmp_path / "resumed")}
     assert sorted(_step_losses(tmp_path / "resumed")) == [3, 4]
     assert got == _step_losses(tmp_path / "straight")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_nodes_periodic_checkpoints_and_resume_auto_in_a_shared_output(tmp_path, two_node_four_steps):
+    """Both nodes name one --output (shared storage): periodic checkpoints go to OUTPUT/checkpoints,
+    and --resume auto on both nodes continues from the newest one, exactly."""
+    nvme = _node_nvme(tmp_path, "folder")
+    _two_nodes(tmp_path, nvme, args=[*BASE, "--steps", "2", "--checkpoint-every", "1"], shared_output=True)
+    first = _step_losses(tmp_path / "out")
+    assert (tmp_path / "out" / "checkpoints" / "latest").read_text().strip() == "global_step2"
+    rep, _ = _two_nodes(tmp_path, nvme, args=[*BASE, "--steps", "4", "--resume", "auto"], shared_output=True)
+    assert rep["checkpoint"]["start_step"] == 2
+    assert {**first, **_step_losses(tmp_path / "out")} == two_node_four_steps
