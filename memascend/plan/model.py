@@ -11,7 +11,9 @@ Locked (VmLck; aio ``new_cpu_locked_tensor``, exact size):
   * parameter write-back buffer: only when the partition exceeds ``max_in_cpu``
     (``reserve_partitioned_swap_space``, sized from full ``ds_numel`` of the largest sub-group);
   * optimizer swapper: ``offload_optimizer.buffer_count`` fp32 buffers of the largest sub-group
-    (``OptimizerSwapper.__init__`` -> ``SwapBufferManager``).
+    (``OptimizerSwapper.__init__`` -> ``SwapBufferManager``), sub-groups closed as DeepSpeed closes them;
+  * in the step, the bounce slab of ``fix_unaligned_gradient_io`` for gradient fragments off the swap
+    device's direct-I/O alignment (an untied ``lm_head`` behind the final norm: its whole size).
 Unlocked:
   * fp16 flat param memory: ``min(partition, max_in_cpu)`` elements (``_create_param_groups_fp16_flat_cpu_memory``);
   * ``grad_partitions_flat_buffer``: the whole gradient partition in the gradient-accumulation dtype;
@@ -170,25 +172,73 @@ def _aligned(numel: int, elem_bytes: int) -> int:
     return -(-numel // per) * per
 
 
-def _sub_group_numel(ds_cfg: dict, param_numels: tuple[int, ...], world_size: int, partition_numel: int) -> int:
-    """Elements per rank of the largest optimizer sub-group, what the optimizer swap buffers, the
-    step's fp32 gradient and the write-back buffer are sized by.
+def _sub_groups(ds_cfg: dict, param_numels: tuple[int, ...], world_size: int) -> list[list[int]]:
+    """The optimizer sub-groups, each as its parameters' partition sizes (elements per rank).
 
     Grouped as DeepSpeed 0.19.8's ``_create_fp16_sub_groups``: the partitions in registration order,
     a group closed once it holds at least ``sub_group_size`` elements (or at the last parameter), so
     a group exceeds the size by up to its last partition; a model no larger than the size is one
-    group. Without a parameter layout: the smaller of the size and the partition.
+    group.
     """
     size = int(ds_cfg.get("zero_optimization", {}).get("sub_group_size", DS_DEFAULT_SUB_GROUP_NUMEL))
     parts = [math.ceil(n / world_size) for n in param_numels]
-    if not parts or size >= sum(parts):
-        return min(partition_numel, size)
-    largest = current = 0
+    if size >= sum(parts):
+        return [parts] if parts else []
+    groups: list[list[int]] = [[]]
     for n in parts:
-        current += n
-        if current >= size:
-            largest, current = max(largest, current), 0
-    return max(largest, current)
+        groups[-1].append(n)
+        if sum(groups[-1]) >= size:
+            groups.append([])
+    return [g for g in groups if g]
+
+
+def _sub_group_numel(ds_cfg: dict, param_numels: tuple[int, ...], world_size: int, partition_numel: int) -> int:
+    """Elements per rank of the largest optimizer sub-group (:func:`_sub_groups`), what the
+    optimizer swap buffers, the step's fp32 gradient and the write-back buffer are sized by. Without
+    a parameter layout: the smaller of ``sub_group_size`` and the partition."""
+    groups = _sub_groups(ds_cfg, param_numels, world_size)
+    if len(groups) > 1:
+        return max(sum(g) for g in groups)
+    size = int(ds_cfg.get("zero_optimization", {}).get("sub_group_size", DS_DEFAULT_SUB_GROUP_NUMEL))
+    return min(partition_numel, size)
+
+
+def _swap_align_bytes(nvme_path: str) -> int:
+    """Direct-I/O alignment of the (first) swap target, read from the nearest existing folder above
+    it (a swap folder that does not exist yet sits on its parent's device)."""
+    from pathlib import Path
+
+    from memascend.integrations.deepspeed.aligned_io import direct_io_align_bytes
+
+    path = Path(nvme_path.split(",")[0].strip()).expanduser().absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return direct_io_align_bytes(path)
+
+
+def _bounce_slab_numel(groups: list[list[int]], align_bytes: int) -> int:
+    """fp32 elements of the largest page-locked bounce slab ``fix_unaligned_gradient_io`` takes in
+    the optimizer step (:mod:`memascend.integrations.deepspeed.aligned_io`): each gradient fragment
+    whose offset in its sub-group's buffer is not on ``align_bytes`` is read through the slab, in
+    rounds of at most ``BOUNCE_BUDGET_BYTES`` (or one fragment, if larger), each fragment padded to
+    ``DIRECT_IO_ALIGN_BYTES``. Sub-groups under the swappable size are not swapped. An untied
+    ``lm_head`` behind the final norm is one such fragment, a slab of its whole size."""
+    from memascend.integrations.deepspeed.aligned_io import BOUNCE_BUDGET_BYTES, DIRECT_IO_ALIGN_BYTES
+    from memascend.integrations.deepspeed.sizing import MIN_SWAPPABLE_BYTES
+
+    pad, budget = DIRECT_IO_ALIGN_BYTES // _FP32, BOUNCE_BUDGET_BYTES // _FP32
+    slab = 0
+    for group in groups:
+        if sum(group) * _FP32 < MIN_SWAPPABLE_BYTES:
+            continue
+        offset = used = 0
+        for n in group:
+            if offset * _FP32 % align_bytes:
+                padded = -(-n // pad) * pad
+                used = padded if used and used + padded > budget else used + padded
+                slab = max(slab, used)
+            offset += n
+    return slab
 
 
 def _add_forward_backward(add, dims: ModelDims, cfg: RunConfig, e: int, w: int, trimmed: bool) -> None:
@@ -379,6 +429,11 @@ def plan_engine(cfg: RunConfig, dims: ModelDims, run: ResolvedRun, world_size: i
     _add_param_offload(add, cfg, dims, z, e, w, part, sub, ma, settings)
     _add_gradients(add, cfg, dims, z, e, w, part, release_grads)
     _add_optimizer(add, z, part, sub, ma, settings)
+    if oo.get("device") == "nvme" and getattr(settings, "fix_unaligned_gradient_io", False):
+        slab = _bounce_slab_numel(_sub_groups(run.ds_config, dims.param_numels, w),
+                                  _swap_align_bytes(cfg.offload.nvme_path))
+        add("gradient bounce slab (unaligned fragments)", slab * _FP32, True,
+            "aligned_io.read_fragments (fix_unaligned_gradient_io)", "step")
     _add_forward_backward(add, dims, cfg, e, w, trimmed)
     nvme = nvme_swap_bytes(dims.total_numel, e, op.get("device") == "nvme", oo.get("device") == "nvme")
     return EnginePlan(cfg.engine, tuple(sorted(comps, key=lambda c: -c.bytes)), nvme,
