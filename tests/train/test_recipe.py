@@ -29,8 +29,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "memascend"
 
 ADDED_STEP_KEYS = ["lr", "locked_bytes", "nvme_read_bytes", "nvme_write_bytes", "eval_loss"]
 """Keys a step record gained after the fixture was recorded (issue 23: TensorBoard, --eval-every), at its end."""
-ADDED_TRAIN_KEYS = {"lr_scheduler", "eval_every", "report_to", "verbose"}
-"""``config.train`` keys added by issue 23 (the optimizer, evaluation and logging flags)."""
+ADDED_TRAIN_KEYS = {"lr_scheduler", "eval_every", "report_to", "verbose", "deterministic"}
+"""``config.train`` keys added by issue 23 (the optimizer, evaluation and logging flags) and ``--deterministic``."""
 
 
 def keys(value):
@@ -49,9 +49,17 @@ def old_step_keys(rec_keys):
 
 
 def is_subsequence(old: list, new: list) -> bool:
-    """Every element of ``old`` is in ``new``, in the same order (``new`` may have more)."""
+    """Every element of ``old`` is in ``new``, in the same order (``new`` may have more); a nested
+    ``(key, structure)`` pair is covered by the same key whose structure covers it (a nested section,
+    e.g. ``model.from_scratch``, may gain keys too)."""
     it = iter(new)
-    return all(any(x == y for y in it) for x in old)
+    return all(any(_covers(x, y) for y in it) for x in old)
+
+
+def _covers(old, new) -> bool:
+    if isinstance(old, tuple) and isinstance(new, tuple) and isinstance(old[1], list) and isinstance(new[1], list):
+        return old[0] == new[0] and is_subsequence(old[1], new[1])
+    return old == new
 
 
 def record(step: int = 1) -> StepRecord:
