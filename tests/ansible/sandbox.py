@@ -181,15 +181,27 @@ class Sandbox:
         cmd = [*drop_cap, *limit, sys.executable, "-m", "memascend", "doctor", "--json", "--no-gpu", *args]
         return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
 
-    def run_as(self, user: str, argv: list[str], env: dict[str, str], cwd: Path,
-               timeout_s: float) -> subprocess.CompletedProcess[str]:
+    def run_as(self, user: str, argv: list[str], env: dict[str, str], cwd: Path, timeout_s: float,
+               limits_file: Path | None = None) -> subprocess.CompletedProcess[str]:
         """Run ``argv`` as ``user`` (its own groups, no capabilities) with exactly ``env``.
 
-        This machine's Python lives under root's home (0700), which a real runner's does not: the
-        command then runs in a private mount namespace whose ``/root`` is a 0711 tmpfs with root's
-        entries bound back, so the user may pass through it; the host's ``/root`` is left as it is.
+        ``limits_file`` emulates pam_limits at the user's login, as :meth:`doctor` does: its
+        memlock value is applied with prlimit, or, where this sandbox cannot raise its hard limit,
+        the user keeps CAP_IPC_LOCK instead (an ambient capability, what ``--cap-add IPC_LOCK``
+        gives a container). This machine's Python lives under root's home (0700), which a real
+        runner's does not: the command then runs in a private mount namespace whose ``/root`` is a
+        0711 tmpfs with root's entries bound back, so the user may pass through it; the host's
+        ``/root`` is left as it is.
         """
-        drop = ["setpriv", f"--reuid={user}", f"--regid={user}", "--init-groups", "env", "-i",
+        lift, caps = [], []
+        if limits_file is not None:
+            value = _limits_memlock_kib(limits_file)
+            memlock = "unlimited" if value == "unlimited" else str(int(value) * 1024)
+            lift = ["prlimit", f"--memlock={memlock}:{memlock}", "--"]
+            if subprocess.run([*lift, "true"], capture_output=True).returncode != 0:
+                self.notes.append(f"cannot set RLIMIT_MEMLOCK={memlock} here; {user} keeps CAP_IPC_LOCK")
+                lift, caps = [], ["--inh-caps=+ipc_lock", "--ambient-caps=+ipc_lock"]
+        drop = [*lift, "setpriv", f"--reuid={user}", f"--regid={user}", "--init-groups", *caps, "env", "-i",
                 *(f"{k}={v}" for k, v in env.items()), *argv]
         if not (Path(sys.executable).resolve().is_relative_to("/root") and os.stat("/root").st_mode & 0o001 == 0):
             return subprocess.run(drop, cwd=cwd, capture_output=True, text=True, timeout=timeout_s)

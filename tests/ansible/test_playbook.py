@@ -5,15 +5,20 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import shutil
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from sandbox import GID, HUGEPAGES_2M, REPO, Sandbox, recap, tools_missing
 
 pytestmark = [pytest.mark.root, pytest.mark.nvme, pytest.mark.slow]
+
+RUNNER_DISK_BYTES = 8 << 30
+SMOKE_ROW = "smollm2-shakespeare-r1"  # the smallest row of the smoke matrix
 
 
 def _checks(proc: subprocess.CompletedProcess[str]) -> dict[str, dict]:
@@ -29,10 +34,11 @@ def provisioned(tmp_path_factory):
         pytest.skip(reason)
     box = Sandbox(tmp_path_factory.mktemp("target"))
     try:
-        disk = box.loop_disk("nvme0")
+        # sparse: only what a run writes takes space (the runner's smoke regression swaps ~2 GiB to it)
+        disk = box.loop_disk("nvme0", RUNNER_DISK_BYTES)
         part = disk + "p1"
-        # the 64 MiB loop disk stands in for an NVMe partition: check it for a run that stores 32 MiB
-        # there (doctor's default is the built-in run's ~2 GiB, which it would rightly call too small)
+        # check the loop partition for a run that stores 32 MiB there (doctor's default is the
+        # built-in run's, whose size the runner test below does need)
         doctor_args = ["--device", part, "--require-hugepages", "--lock-bytes", "2GiB", "--nvme-bytes", "32MiB"]
         before = box.doctor(*doctor_args)
         variables = box.variables([disk])
@@ -190,6 +196,7 @@ def runner_host(provisioned):
         # memascend itself without its dependencies (torch is GBs): the workflow's `just install` adds them
         "runner_project_source": str(REPO),
         "runner_pip_extra_args": ["--no-deps"],
+        "runner_venv_system_site_packages": True,  # ... and torch and DeepSpeed from this machine's Python
         "runner_env_file": str(runner / "actions-runner" / ".env"),
     }
     variables = box.variables([disk], extra=values)
@@ -218,3 +225,70 @@ def test_runner_role_gives_the_runner_a_venv_and_the_partition(runner_host):
     assert subprocess.run([*as_runner, "test", "-w", part]).returncode == 0
     other = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "test", "-r", part])
     assert other.returncode != 0  # and a user outside the group cannot
+
+
+def _runner_caches(home: Path, user: str) -> dict[str, str]:
+    """What this machine's root has cached, copied to the runner user's home as a runner would
+    have it after its first run: the model and data (``~/.cache``) and the compiled ops (JIT builds
+    of this Python, named by the environment variables the returned dict sets)."""
+    from memascend.models.loading import cache_dir
+    from memascend.ops.build import ext_cache_dir, torch_extensions_dir
+
+    cache = home / ".cache"
+    copies = {cache_dir() / "models": cache / "memascend" / "models",
+              Path.home() / ".cache" / "huggingface": cache / "huggingface",
+              ext_cache_dir(create=False): cache / "memascend-ci" / "ext",
+              torch_extensions_dir(): cache / "memascend-ci" / "torch_extensions"}
+    for src, dst in copies.items():
+        if src.exists():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True)
+    subprocess.run(["chown", "-R", f"{user}:{user}", str(cache)], check=True)
+    return {"MEMASCEND_EXT_DIR": str(cache / "memascend-ci" / "ext"),
+            "TORCH_EXTENSIONS_DIR": str(cache / "memascend-ci" / "torch_extensions")}
+
+
+def test_runner_runs_the_smoke_regression_on_the_raw_partition(runner_host):
+    """Issue 24: the runner role's result runs `just regress smoke` (its smallest row) as the runner
+    user, no root, with its venv's just and Python, swapping both engines to the raw partition the
+    playbook prepared (reached through the memascend group): both engines finish there with equal
+    losses and memascend's peak RSS within the row's ratio.
+
+    The row's verdict is printed, not asserted: on a raw partition stock DeepSpeed's engine locks
+    nothing (VmLck 0), so the locked ratio reads inf, and the CPU golden file was recorded with a
+    swap folder (memascend's peak RSS and step time differ on the raw store)."""
+    box, part, runner, first, _second = runner_host
+    assert first.returncode == 0, first.stdout[-4000:]
+    user = pwd.getpwnam(box.runner_user)
+    home = Path(user.pw_dir)
+    venv = runner / "venv"
+    work = runner / "work"  # the runner's checkout: runs/ is written there
+    work.mkdir()
+    os.chown(work, user.pw_uid, user.pw_gid)
+    env = {
+        "HOME": str(home),
+        "USER": user.pw_name,
+        "PATH": f"{venv / 'bin'}:/usr/local/bin:/usr/bin:/bin",
+        "PYTHON": str(venv / "bin" / "python"),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        **_runner_caches(home, user.pw_name),
+    }
+    argv = [str(venv / "bin" / "just"), "--justfile", str(REPO / "justfile"), "--working-directory", str(work),
+            "regress", "smoke", "--only", SMOKE_ROW, "--nvme-path", part, "--baselines", str(REPO / "baselines")]
+    start = time.monotonic()
+    limits = Path(json.loads(box.variables([]).read_text())["memlock_limits_file"])  # the memlock role's
+    run = box.run_as(box.runner_user, argv, env, cwd=work, timeout_s=2400, limits_file=limits)
+    elapsed_s = time.monotonic() - start
+    print(f"just regress smoke --only {SMOKE_ROW} as {box.runner_user} on {part}: {elapsed_s:.0f} s")
+    # 0: the row passed; 1: a regression reported (the checks below say which), not a crash or bad input
+    assert run.returncode in (0, 1), f"{elapsed_s:.0f} s\n" + run.stdout[-6000:] + run.stderr[-3000:]
+    results = json.loads((work / "runs" / "regress-smoke" / "results.json").read_text())
+    (row,) = results["configs"]
+    assert not row["errors"], row["errors"]
+    for engine in ("baseline", "memascend"):
+        assert f"--nvme-path {part}" in row["commands"][engine], row["commands"]
+    checks = {c["name"]: c for c in row["checks"]}
+    print("checks:", {name: (c["ok"], c["detail"]) for name, c in checks.items()})
+    assert checks["losses"]["ok"], checks["losses"]
+    assert checks["peak_rss_ratio"]["ok"], checks["peak_rss_ratio"]
