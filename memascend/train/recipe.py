@@ -246,7 +246,8 @@ class FinetuneRecipe:
             return
         need_bytes = self.resolved.nvme_bytes_per_rank
         if cfg.offload.swap_target.is_raw_store:
-            self.raw_store = open_raw_store(cfg.offload, info, need_bytes)
+            self.raw_store = open_raw_store(cfg.offload, info, need_bytes,
+                                            lock_handle_buffers=cfg.engine == "baseline")
             self.ledger.raw_store = self.raw_store
             record_run_state(info.rank, key_root=str(self.raw_store.key_root),
                              store_file=str(self.raw_store.target) if self.raw_store.created_file else None)

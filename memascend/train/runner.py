@@ -249,7 +249,7 @@ def lock_swap_folder_for_run(nvme_path: str, info, run_id: str):
     return lock
 
 
-def open_raw_store(offload: OffloadConfig, info, need_bytes: int):
+def open_raw_store(offload: OffloadConfig, info, need_bytes: int, *, lock_handle_buffers: bool = False):
     """Create this rank's raw store and route DeepSpeed's swappers to it
     (:func:`memascend.integrations.deepspeed.apply_raw_store`; the seam's ``revert`` closes it).
 
@@ -258,6 +258,8 @@ def open_raw_store(offload: OffloadConfig, info, need_bytes: int):
 
     Args:
         need_bytes: NVMe bytes this rank's run requires (the store file's size comes from it).
+        lock_handle_buffers: page-lock the swap handles' buffers as stock's aio handle does (the
+            baseline engine: stock on a raw target then locks what stock on a swap folder locks).
 
     Raises:
         UserError: bad target list, refused target (filesystem, partition table, other store, a
@@ -276,4 +278,5 @@ def open_raw_store(offload: OffloadConfig, info, need_bytes: int):
         enable_crc=offload.enable_crc,
         size_bytes=store_file_bytes(need_bytes),
         min_capacity_bytes=need_bytes,
+        lock_handle_buffers=lock_handle_buffers,
     )

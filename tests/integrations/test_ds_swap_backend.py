@@ -66,3 +66,34 @@ def test_wait_raises_checksum_error_after_draining(store_path):
             h.wait()
         assert torch.equal(out_b, torch.ones(5000))  # the other read still completed
         assert h.wait() == 0
+
+
+def _vmlck_kib() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmLck:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmLck in /proc/self/status")
+
+
+@pytest.mark.parametrize("lock_buffers", [False, True])
+def test_handle_buffers_locked_as_stock_only_when_asked(store_path, lock_buffers):
+    """lock_buffers (the baseline engine on a raw target) page-locks new_cpu_locked_tensor's buffers
+    as stock's aio handle does, and free_cpu_locked_tensor unlocks them; without it nothing is locked."""
+    import resource
+
+    from memascend.host.memlock import has_cap_ipc_lock
+    from memascend.host.result import HostPaths
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if lock_buffers and soft != resource.RLIM_INFINITY and soft < 64 * MiB and not has_cap_ipc_lock(HostPaths()):
+        pytest.skip(f"memlock limit {soft} bytes, no CAP_IPC_LOCK: cannot lock the 8 MiB buffer")
+    with TensorStore.create(store_path, size_bytes=16 * MiB) as store:
+        handle = StoreSwapHandle(store, lock_buffers=lock_buffers)
+        before = _vmlck_kib()
+        buf = handle.new_cpu_locked_tensor(4 * MiB, torch.empty(0, dtype=torch.float16))  # 8 MiB
+        assert buf.numel() == 4 * MiB and buf.data_ptr() % 4096 == 0
+        held = _vmlck_kib() - before
+        assert held == (8 * 1024 if lock_buffers else 0)
+        assert handle.is_pinned(buf[10:20])
+        assert handle.free_cpu_locked_tensor(buf)
+        assert _vmlck_kib() == before

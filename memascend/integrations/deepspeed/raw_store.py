@@ -134,6 +134,9 @@ class RawStoreHandle:
     imported: list[str] = field(default_factory=list)
     export_s: float = 0.0
     import_s: float = 0.0
+    lock_handle_buffers: bool = False
+    """The handles page-lock their ``new_cpu_locked_tensor`` buffers (``--engine baseline``: stock's
+    aio handle does; :class:`~.swap_backend.StoreSwapHandle`)."""
     pending_import: Any = None
     """What the load wrapper found to import (:mod:`.store_checkpoint`); taken by ``reset_swap_buffers``."""
     _closed: bool = False
@@ -153,6 +156,7 @@ class RawStoreHandle:
             block_size=given.get("block_size"),
             queue_depth=given.get("queue_depth"),
             key_root=self.key_root,
+            lock_buffers=self.lock_handle_buffers,
         )
 
     def sample_usage(self) -> int:
@@ -314,6 +318,7 @@ def open_raw_store(
     request_bytes: int = DEFAULT_REQUEST_BYTES,
     backend: str = "auto",
     min_capacity_bytes: int | None = None,
+    lock_handle_buffers: bool = False,
 ) -> RawStoreHandle:
     """Create this rank's store on ``target`` and make DeepSpeed's swappers use it, patching through
     ``registry``. Callers go through :func:`memascend.integrations.deepspeed.apply_raw_store`, which
@@ -338,6 +343,8 @@ def open_raw_store(
             removed by :meth:`RawStoreHandle.close`).
         queue_depth, request_bytes, backend: engine settings (see :meth:`TensorStore.create`).
         min_capacity_bytes: refuse a target with less store space, before writing to it.
+        lock_handle_buffers: the swap handles page-lock their buffers as stock's aio handle does
+            (``--engine baseline``; :class:`~.swap_backend.StoreSwapHandle`).
 
     A refused target is left exactly as it was (a file this call created is removed).
 
@@ -369,6 +376,7 @@ def open_raw_store(
             owns_key_root=key_root is None,
             run_lock=run_lock,
             restore_size_bytes=0 if prior == "empty" else None,
+            lock_handle_buffers=lock_handle_buffers,
         )
         _patch_deepspeed(registry, handle)
     except BaseException:

@@ -17,14 +17,26 @@ Source: MemAscend (arXiv 2505.23254), direct NVMe engine; replaces DeepSpeed's
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 
 import torch
 
+from memascend.errors import UserError
 from memascend.io.errors import StoreError
 from memascend.io.store import TensorStore, Ticket
 from memascend.ops import nvme_io as _op
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def _mlock(addr: int, nbytes: int) -> None:
+    """``mlock(addr, nbytes)``, or a :class:`UserError` naming the memlock limit."""
+    if _LIBC.mlock(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes)) != 0:
+        err = ctypes.get_errno()
+        raise UserError(f"mlock of a {nbytes}-byte swap buffer failed ({os.strerror(err)}): raise the memlock limit "
+                        "(ulimit -l, limits.conf 'memlock', docker --ulimit memlock=-1) or grant CAP_IPC_LOCK")
 
 
 class StoreSwapHandle:
@@ -40,6 +52,11 @@ class StoreSwapHandle:
             under their path relative to it (``zero_stage_3/optimizer/rank0/7.tensor.swp``), so
             keys stay the same from run to run (checkpoint export/import). ``None``: the path as
             given is the key.
+        lock_buffers: page-lock (``mlock``) the buffers of :meth:`new_cpu_locked_tensor`, as stock's
+            aio handle does (DeepSpeed 0.19.8 ``csrc/pin_memory/page_alloc.cpp``: ``posix_memalign``
+            then ``mlock``; ``munlock`` when freed). On for ``--engine baseline``, so that stock on a raw
+            target locks what stock on a swap folder locks; off for memascend, whose locked buffers come
+            from the pinned arena.
     """
 
     def __init__(
@@ -49,8 +66,10 @@ class StoreSwapHandle:
         block_size: int | None = None,
         queue_depth: int | None = None,
         key_root: str | os.PathLike | None = None,
+        lock_buffers: bool = False,
     ) -> None:
         self.store = store
+        self._lock_buffers = lock_buffers
         self._block_size = block_size or store.engine.request_bytes
         self._queue_depth = queue_depth or store.engine.queue_depth
         self._key_root = None if key_root is None else os.path.abspath(key_root)
@@ -145,10 +164,17 @@ class StoreSwapHandle:
     # -- buffers -----------------------------------------------------------------------------
     def new_cpu_locked_tensor(self, num_elem: int, example_tensor: torch.Tensor) -> torch.Tensor:
         """A 4 KiB-aligned CPU tensor of ``num_elem`` elements of ``example_tensor.dtype``, which
-        the engine transfers in place (no bounce buffer). Not mlocked: pass tensors from the
-        pinned arena (:mod:`memascend.memory.arena`) where locking is wanted."""
+        the engine transfers in place (no bounce buffer). Page-locked with ``lock_buffers`` (as stock's
+        handle), else not: pass tensors from the pinned arena (:mod:`memascend.memory.arena`) where
+        locking is wanted.
+
+        Raises:
+            memascend.errors.UserError: ``lock_buffers`` and ``mlock`` failed (the memlock limit).
+        """
         nbytes = int(num_elem) * example_tensor.element_size()
         tensor = _op.load().aligned_empty(nbytes).view(example_tensor.dtype)
+        if self._lock_buffers and nbytes:
+            _mlock(tensor.data_ptr(), nbytes)
         with self._lock:
             self._managed[tensor.data_ptr()] = nbytes
         return tensor
@@ -160,7 +186,10 @@ class StoreSwapHandle:
             Whether ``tensor`` came from :meth:`new_cpu_locked_tensor` (as the stock handle).
         """
         with self._lock:
-            return self._managed.pop(tensor.data_ptr(), None) is not None
+            nbytes = self._managed.pop(tensor.data_ptr(), None)
+        if nbytes is not None and self._lock_buffers and nbytes:
+            _LIBC.munlock(ctypes.c_void_p(tensor.data_ptr()), ctypes.c_size_t(nbytes))
+        return nbytes is not None
 
     def is_pinned(self, buffer: torch.Tensor) -> bool:
         """DeepSpeed's direct-I/O test (``deepspeed_io_handle_t::is_pinned``): a CPU tensor that
