@@ -325,8 +325,8 @@ def open_raw_store(
     passes the seam's registry and refuses a second store; the seam's ``revert()`` undoes this and
     closes the store.
 
-    Call before ``deepspeed.zero.Init``/``deepspeed.initialize`` and give DeepSpeed
-    ``handle.key_root`` as ``nvme_path``. Swappers built earlier keep their aio handles.
+    Call before ``deepspeed.zero.Init``/``deepspeed.initialize``, giving DeepSpeed ``handle.key_root``
+    as ``nvme_path`` (swappers built earlier keep their aio handles).
 
     Args:
         registry: where the patches are recorded.
@@ -343,8 +343,7 @@ def open_raw_store(
             removed by :meth:`RawStoreHandle.close`).
         queue_depth, request_bytes, backend: engine settings (see :meth:`TensorStore.create`).
         min_capacity_bytes: refuse a target with less store space, before writing to it.
-        lock_handle_buffers: the swap handles page-lock their buffers as stock's aio handle does
-            (``--engine baseline``; :class:`~.swap_backend.StoreSwapHandle`).
+        lock_handle_buffers: the swap handles page-lock their buffers as stock's (``--engine baseline``).
 
     A refused target is left exactly as it was (a file this call created is removed).
 
