@@ -83,14 +83,6 @@ def unseen_probes(records: list[dict], probes: dict[str, str]) -> str | None:
     return None
 
 
-def _gather(obj: Any, world_size: int) -> list:
-    import torch.distributed as tdist
-
-    box: list = [None] * world_size
-    tdist.all_gather_object(box, obj)
-    return box
-
-
 def _make_probes(folders: dict[str, str], run_id: str) -> dict[str, str]:
     """Rank 0: an empty probe folder in each folder (or its nearest existing parent); a folder
     that cannot be written is left to :func:`~memascend.train.checkpoints.check_checkpoint_space`."""
@@ -116,16 +108,16 @@ def check_shared_folders(train_cfg: Any, output_dir: str | os.PathLike, info: An
     """
     if not several_hosts(info):
         return
-    from memascend.train.runner import broadcast
+    from memascend.train.runner import all_gather, broadcast
 
     mine = {"rank": info.rank, **info.node_record(), "folders": written_folders(train_cfg, output_dir)}
-    records = _gather(mine, info.world_size)
+    records = all_gather(mine, info.world_size)
     problem = differing_folders(records)
     if problem is None and mine["folders"]:
         probes = broadcast(_make_probes(mine["folders"], run_id) if info.rank == 0 else None, info.rank)
         try:
             sees = {what: os.path.isdir(p) for what, p in probes.items()}
-            problem = unseen_probes(_gather({**mine, "sees": sees}, info.world_size), probes)
+            problem = unseen_probes(all_gather({**mine, "sees": sees}, info.world_size), probes)
         finally:
             if info.rank == 0:
                 for p in probes.values():
@@ -144,20 +136,23 @@ def resolve_resume_everywhere(resume: str, output_dir: str | os.PathLike, info: 
     """
     if not several_hosts(info):
         return ckpt.resolve_resume(resume, output_dir)
+    from memascend.train.runner import all_gather
+
     found, err = None, None
     try:
         found = ckpt.resolve_resume(resume, output_dir)
     except (UserError, IntegrityError) as exc:
         err = exc
     seen = None if found is None else f"{found.path} (step {found.step})"
-    records = _gather({"rank": info.rank, **info.node_record(), "seen": seen,
-                       "error": None if err is None else str(err)}, info.world_size)
+    records = all_gather({"rank": info.rank, **info.node_record(), "seen": seen,
+                          "error": None if err is None else str(err)}, info.world_size)
     first = records[0]
     other = next((r for r in records[1:] if (r["seen"], r["error"]) != (first["seen"], first["error"])), None)
     if other is None:
         if err is not None:
             raise err
         return found
+
     def says(r: dict) -> str:
         return r["error"] or (f"finds {r['seen']}" if r["seen"] else "finds no checkpoint")
     raise UserError(f"--resume {resume}: {_who(first)} {says(first)}, but {_who(other)} {says(other)}; "

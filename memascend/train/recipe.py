@@ -42,6 +42,7 @@ from memascend.train.report import StepRecord
 from memascend.train.run_log import RunLog, write_json_atomic
 from memascend.train.runner import (
     Cleanup,
+    all_gather,
     all_reduce_sum,
     broadcast,
     check_dtype_supported,
@@ -535,17 +536,13 @@ class FinetuneRecipe:
 
     def _gather_ranks(self, summary: dict) -> tuple[list[dict], list[dict] | None]:
         """Every rank's memory peaks, and every rank's raw store report (``None`` without one)."""
-        import torch.distributed as tdist
-
         ws = self.info.world_size
-        rank_peaks = [None] * ws
         # which node and swap target each rank used (several nodes: each has its own NVMe)
-        node = self.info.node_record()
-        tdist.all_gather_object(rank_peaks, report_mod.rank_record(self.info, summary, self.raw_store, self.swap_dir))
+        rank_peaks = all_gather(report_mod.rank_record(self.info, summary, self.raw_store, self.swap_dir), ws)
         store_ranks = None
         if self.raw_store is not None:  # every rank has its own store: gather each one's report
-            store_ranks = [None] * ws
-            tdist.all_gather_object(store_ranks, {"rank": self.info.rank, **node, **self.raw_store.report()})
+            store_ranks = all_gather({"rank": self.info.rank, **self.info.node_record(), **self.raw_store.report()},
+                                     ws)
         return rank_peaks, store_ranks
 
     def _report_inputs(self, summary: dict, breakdown: dict, rank_peaks: list[dict],

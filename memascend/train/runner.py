@@ -102,6 +102,15 @@ def broadcast(obj, rank: int):
     return box[0]
 
 
+def all_gather(obj, world_size: int) -> list:
+    """Every rank's ``obj`` (picklable), indexed by rank, on every rank (collective)."""
+    import torch.distributed as tdist
+
+    box: list = [None] * world_size
+    tdist.all_gather_object(box, obj)
+    return box
+
+
 def all_reduce_sum(values: list[float]) -> list[float]:
     """Element-wise sum of ``values`` over the ranks, in float64 (``values`` itself with one rank)."""
     import torch
