@@ -173,23 +173,16 @@ def _aligned(numel: int, elem_bytes: int) -> int:
 
 
 def _sub_groups(ds_cfg: dict, param_numels: tuple[int, ...], world_size: int) -> list[list[int]]:
-    """The optimizer sub-groups, each as its parameters' partition sizes (elements per rank).
-
-    Grouped as DeepSpeed 0.19.8's ``_create_fp16_sub_groups``: the partitions in registration order,
-    a group closed once it holds at least ``sub_group_size`` elements (or at the last parameter), so
-    a group exceeds the size by up to its last partition; a model no larger than the size is one
-    group.
+    """The optimizer sub-groups, each as its parameters' partition sizes (elements per rank), in
+    registration order, grouped by :func:`~memascend.integrations.deepspeed.grad_norm.stock_sub_groups`
+    (DeepSpeed 0.19.8's ``_create_fp16_sub_groups``: a group closes once it holds at least
+    ``sub_group_size`` elements, so it exceeds the size by up to its last partition; a model no
+    larger than the size is one group).
     """
+    from memascend.integrations.deepspeed.grad_norm import stock_sub_groups
+
     size = int(ds_cfg.get("zero_optimization", {}).get("sub_group_size", DS_DEFAULT_SUB_GROUP_NUMEL))
-    parts = [math.ceil(n / world_size) for n in param_numels]
-    if size >= sum(parts):
-        return [parts] if parts else []
-    groups: list[list[int]] = [[]]
-    for n in parts:
-        groups[-1].append(n)
-        if sum(groups[-1]) >= size:
-            groups.append([])
-    return [g for g in groups if g]
+    return stock_sub_groups([math.ceil(n / world_size) for n in param_numels], size, int)
 
 
 def _sub_group_numel(ds_cfg: dict, param_numels: tuple[int, ...], world_size: int, partition_numel: int) -> int:
