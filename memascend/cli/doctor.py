@@ -23,10 +23,12 @@ if TYPE_CHECKING:
 _STYLE = {Status.PASS: "green", Status.WARN: "yellow", Status.FAIL: "bold red", Status.SKIP: "dim"}
 
 
-def _print_table(results, console) -> None:
+def print_checks(results, console, title: str = "memascend doctor") -> None:
+    """Doctor's table of ``results`` (:class:`~memascend.host.CheckResult`, in order) on ``console``
+    (a :class:`rich.console.Console`): check, status (``(optional)`` where not required), detail, fix."""
     from rich.table import Table
 
-    table = Table(title="memascend doctor", show_lines=False)
+    table = Table(title=title, show_lines=False)
     for col in ("check", "status", "detail", "fix"):
         table.add_column(col, overflow="fold")
     for r in results:
@@ -146,7 +148,7 @@ def doctor(
         from rich.console import Console
 
         console = Console(width=None if sys.stdout.isatty() else 160)
-        _print_table(results, console)
+        print_checks(results, console)
         failed = [r.name for r in results if r.blocks_run]
         console.print("[bold red]not ready:[/] " + ", ".join(failed) if failed else "[green]ready[/]")
     sys.exit(code)

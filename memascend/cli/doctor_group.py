@@ -19,10 +19,9 @@ from pathlib import Path
 
 import click
 
+from memascend.cli.doctor import print_checks
 from memascend.errors import MemascendError, UserError
 from memascend.host import CheckResult, Status
-
-_STYLE = {Status.PASS: "green", Status.WARN: "yellow", Status.FAIL: "bold red", Status.SKIP: "dim"}
 
 
 @dataclass(frozen=True)
@@ -99,13 +98,7 @@ def print_results(results: list[HostResult], console) -> None:
         if result.problem:
             console.print(f"[bold]memascend doctor: {result.host}[/]: [bold red]{result.problem}[/]")
             continue
-        table = Table(title=f"memascend doctor: {result.host}")
-        for col in ("check", "status", "detail", "fix"):
-            table.add_column(col, overflow="fold")
-        for r in result.checks:
-            status = r.status.value.upper() + ("" if r.required or r.status is Status.PASS else " (optional)")
-            table.add_row(r.name, f"[{_STYLE[r.status]}]{status}[/]", r.detail, r.fix)
-        console.print(table)
+        print_checks(result.checks, console, title=f"memascend doctor: {result.host}")
     summary = Table(title=f"memascend doctor: {len(results)} host(s)")
     summary.add_column("host")
     summary.add_column("verdict", overflow="fold")
