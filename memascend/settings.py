@@ -6,7 +6,7 @@ section of a DeepSpeed JSON config (DeepSpeed 0.19.8 accepts unknown top-level k
 (``RunConfig.memascend``, parsed once when the config is built); :func:`memascend.resolve.resolve`
 turns them into what :func:`memascend.integrations.deepspeed.apply` gets.
 
-This module is a low layer (it imports only :mod:`memascend.errors`) so that the run config can hold
+This module is a low layer (it imports only :mod:`memascend.errors` and :mod:`memascend.units`) so that the run config can hold
 the settings; :mod:`memascend.integrations.deepspeed.settings` re-exports it.
 """
 
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from memascend.errors import UserError, read_user_text
+from memascend.units import parse_size_bytes
 
 DS_CONFIG_SECTION = "memascend"
 """Name of the top-level key of a DeepSpeed config that holds these settings."""
@@ -77,6 +78,26 @@ class MemAscendSettings:
             element in bf16/fp16, 4 in fp32), else the config's: the copy is the largest host
             consumer of a large model, while on a small one the pool slots replacing it cost about
             as much as the copy. The measured trade-off is in the README ("The ~1B Llama").
+        param_pool_bytes: bytes of locked parameter partitions the adaptive pool may hold for the
+            prefetcher and for gathered parameters kept for their reuse (``enable_param_pool``).
+            An integer: the prefetcher swaps in only the partitions that fit under it (a module's
+            own partitions are always served), and ``zero_optimization.stage3_max_reuse_distance``
+            becomes at most ``param_pool_bytes / element size`` elements (where parameters go to
+            NVMe), so a gathered parameter is kept for a later use only within that window.
+            ``"auto"`` (resolved by
+            :func:`memascend.integrations.deepspeed.sizing.prepare_ds_config`): where every
+            partition lives on NVMe only (``param_dram_numel`` resolved to 0), the largest
+            partition plus the largest layer's partitions x (prefetch depth + 1)
+            (:func:`memascend.integrations.deepspeed.sizing.auto_param_pool_bytes`); elsewhere
+            ``None``. ``None``: a count of partitions bounds the pool (``param_prefetch_slots`` or
+            ``offload_param.buffer_count``) and the config's reuse distance is kept. What the
+            model computes does not depend on it (a released partition is read again from NVMe).
+        host_memory_budget: bytes of host memory (peak RSS, locked included) the run must stay
+            under, an integer or a size string (``"4GiB"``, parsed by
+            :func:`memascend.units.parse_size_bytes`); ``None``: no budget. ``memascend finetune``
+            (``--host-memory-budget``) and ``memascend plan`` choose the sizing settings that fit
+            it with the best expected step time (:mod:`memascend.plan.budget`), and refuse a budget
+            nothing fits. Kept as the number of bytes.
         enable_malloc_policy: fixed glibc mmap/trim thresholds, two arenas and ``malloc_trim``
             after each optimizer step (:mod:`memascend.memory.host_allocator`): freed host memory
             goes back to the OS instead of staying resident.
@@ -84,6 +105,7 @@ class MemAscendSettings:
             buffer to the OS after construction and after each step (its contents are dead
             there with the optimizer offloaded; :mod:`memascend.integrations.deepspeed.step_memory`),
             so it is resident only while backward fills it.
+
         enable_optimizer_buffer_release: with ``enable_optimizer_pool``, unlock the optimizer's
             swap buffers after every step (and after construction) and hand their pages back, so
             the forward and backward run without them; the next step locks them again. The aio
@@ -142,6 +164,8 @@ class MemAscendSettings:
     grad_norm_sub_group_numel: int | None = None
     param_dram_numel: int | Literal["auto"] | None = "auto"
     enable_malloc_policy: bool = True
+    param_pool_bytes: int | Literal["auto"] | None = "auto"
+    host_memory_budget: int | None = None
     enable_grad_buffer_release: bool = True
     enable_optimizer_buffer_release: bool = True
     reduce_bucket_numel: int | Literal["auto"] | None = "auto"
@@ -168,6 +192,20 @@ class MemAscendSettings:
         if bucket is not None and bucket != "auto" and (isinstance(bucket, bool) or not isinstance(bucket, int)
                                                         or bucket < 1):
             raise UserError(f'memascend setting reduce_bucket_numel must be an integer >= 1 or "auto", got {bucket!r}')
+        pool = self.param_pool_bytes
+        if pool is not None and pool != "auto" and (isinstance(pool, bool) or not isinstance(pool, int) or pool < 1):
+            raise UserError(f'memascend setting param_pool_bytes must be an integer >= 1 (bytes) or "auto", got {pool!r}')
+        budget = self.host_memory_budget
+        if budget is not None:
+            if isinstance(budget, bool) or not isinstance(budget, (int, str)):
+                raise UserError(f'memascend setting host_memory_budget must be a size such as "4GiB", got {budget!r}')
+            try:
+                budget_bytes = parse_size_bytes(budget)
+            except UserError as exc:
+                raise UserError(f"memascend setting host_memory_budget: {exc}") from None
+            if budget_bytes < 1:
+                raise UserError(f'memascend setting host_memory_budget must be a size such as "4GiB", got {budget!r}')
+            object.__setattr__(self, "host_memory_budget", budget_bytes)
         dram = self.param_dram_numel
         if dram is not None and dram != "auto" and (isinstance(dram, bool) or not isinstance(dram, int) or dram < 0):
             raise UserError(f'memascend setting param_dram_numel must be an integer >= 0 or "auto", got {dram!r}')
@@ -177,7 +215,8 @@ class MemAscendSettings:
         """What ``--engine baseline`` applies: every optimization off, DeepSpeed's config left as
         given, the correctness fixes (``fix_*``) on."""
         off = {f.name: False for f in dataclasses.fields(cls) if f.name.startswith("enable_")}
-        return cls(**off, optimizer_sub_group_numel=None, reduce_bucket_numel=None, param_dram_numel=None)
+        return cls(**off, optimizer_sub_group_numel=None, reduce_bucket_numel=None, param_dram_numel=None,
+                   param_pool_bytes=None)
 
     @classmethod
     def from_mapping(cls, section: Mapping[str, Any]) -> MemAscendSettings:

@@ -308,9 +308,11 @@ def _add_param_offload(add, cfg: RunConfig, dims: ModelDims, z: dict, e: int, w:
             add(f"param swap slab ({count} x {size:,} elements)", count * _aligned(size, e) * e, True,
                 "AsyncPartitionedParameterSwapper._configure_aio")
         else:
-            budget = int(op.get("buffer_count", DS_DEFAULT_PARAM_BUFFER_COUNT))
+            budget = settings.param_prefetch_slots or int(op.get("buffer_count", DS_DEFAULT_PARAM_BUFFER_COUNT))
             parts = sorted((math.ceil(n / w) for n in dims.param_numels), reverse=True)
             slots = sum(_aligned(n, e) for n in parts[:budget])
+            if isinstance(settings.param_pool_bytes, int):  # the prefetch stops at the byte budget
+                slots = min(slots, max(_aligned(parts[0], e), settings.param_pool_bytes // e))
             live = live_window_partitions(dims, w, cfg.train.activation_checkpointing,
                                           int(z.get("stage3_max_reuse_distance", DS_MAX_LIVE_PARAMETERS)),
                                           max_in_cpu, e)
@@ -479,6 +481,8 @@ def plan_for_report(report: dict) -> EnginePlan:
     # Baseline reports record the baseline's settings (every optimization off): plan memascend
     # with them only for memascend's own reports.
     settings = report.get("memascend_settings") if report["engine"] == "memascend" else None
+    if settings is not None:  # reports from before param_pool_bytes ran with a count-bounded pool
+        settings = {"param_pool_bytes": None, **settings}
     return plan_run(cfg, world_size=int(report["host"]["world_size"]), memascend_settings=settings,
                     user_ds_config=report.get("user_deepspeed_config"))[report["engine"]]
 

@@ -164,3 +164,41 @@ def test_partitioned_swap_space_sized_from_partitions(tmp_path, aio_available, m
     big = write_params(pooled, [2 * MIB, 2 * MIB])
     pooled.swap_out_partitioned_params(big, [torch.ones(2 * MIB), torch.zeros(2 * MIB)])
     assert pooled.partitioned_swap_buffer.numel() >= 4 * MIB
+
+
+def test_prefetch_bounded_in_bytes(tmp_path, aio_available):
+    """With ``param_pool_bytes`` a prefetch reads only the partitions that fit beside the slots in
+    use; the rest stay NOT_AVAILABLE and are still served when fetched (beyond the budget)."""
+    sizes = SIZES[:4]
+    probe = make_param_swapper_class(MemAscendSettings(param_pool_bytes=None))(ds_config(tmp_path / "probe"),
+                                                                              torch.bfloat16)
+    aligned_bytes = [probe._io_aligned_numel(n) * 2 for n in sizes]
+    budget = aligned_bytes[0] + aligned_bytes[1] + aligned_bytes[2] // 2
+    settings = MemAscendSettings(param_pool_bytes=budget)
+    pooled = make_param_swapper_class(settings)(ds_config(tmp_path / "p", buffer_count=8), torch.bfloat16)
+    params = write_params(pooled, sizes)
+    assert pooled.available_swap_in_buffers() == 8
+    pooled.swap_in(params, async_op=True)
+    pooled.synchronize_reads()
+    assert [p.ds_tensor.status for p in params] == [PartitionedParamStatus.AVAILABLE] * 2 + \
+        [PartitionedParamStatus.NOT_AVAILABLE] * 2
+    assert pooled.in_use_bytes() == aligned_bytes[0] + aligned_bytes[1]
+    pooled.swap_in(params[2:3], async_op=True)  # does not fit beside the two: nothing read
+    assert params[2].ds_tensor.status == PartitionedParamStatus.NOT_AVAILABLE
+    pooled.swap_in(params[2:], async_op=False)  # a module's fetch is always served
+    assert pooled.available_swap_in_buffers() == 0
+    for p in params:
+        assert torch.equal(p.ds_tensor, expected(p.ds_id, p.ds_numel))
+    pooled.remove_partition_and_release_buffers(params)
+    assert pooled.available_swap_in_buffers() == 8
+
+
+def test_count_bounded_pool_prefetches_what_it_is_asked(tmp_path, aio_available):
+    """``param_pool_bytes=None``: today's count budget alone bounds the prefetch."""
+    pooled = make_param_swapper_class(MemAscendSettings(param_pool_bytes=None))(ds_config(tmp_path / "p", 8),
+                                                                               torch.bfloat16)
+    params = write_params(pooled, SIZES)
+    pooled.swap_in(params, async_op=True)
+    pooled.synchronize_reads()
+    assert all(p.ds_tensor.status == PartitionedParamStatus.AVAILABLE for p in params)
+    assert pooled.available_swap_in_buffers() == 2

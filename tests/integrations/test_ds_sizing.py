@@ -1,5 +1,6 @@
 """``auto_sub_group_numel``: the smallest sub-group size under which no sub-group stays in DRAM;
-``auto_param_dram_numel``: no DRAM copy of a large model's parameters."""
+``auto_param_dram_numel``: no DRAM copy of a large model's parameters; ``auto_param_pool_bytes``: the
+parameter pool bounded by the largest layer."""
 
 import pytest
 from hypothesis import given, settings
@@ -10,7 +11,10 @@ from memascend.integrations.deepspeed.settings import MemAscendSettings
 from memascend.integrations.deepspeed.sizing import (
     MIN_SWAPPABLE_BYTES,
     auto_param_dram_numel,
+    auto_param_pool_bytes,
     auto_sub_group_numel,
+    largest_layer_numel,
+    layer_param_count,
     prepare_ds_config,
 )
 
@@ -79,3 +83,41 @@ def test_auto_param_dram_keeps_an_explicit_max_in_cpu_and_other_devices():
     assert auto_param_dram_numel(_nvme_config(), None) is None
     # The baseline never drops stock's copy.
     assert MemAscendSettings.baseline().param_dram_numel is None
+
+
+def _llama_numels(vocab=49152, hidden=2048, layers=20, inter=5632, kv=512):
+    layer = [hidden * hidden, hidden * kv, hidden * kv, hidden * hidden, inter * hidden, inter * hidden,
+             hidden * inter, hidden, hidden]
+    return [vocab * hidden] + layer * layers + [hidden]
+
+
+def test_largest_layer_is_one_repeated_block_without_the_embedding():
+    numels = _llama_numels()
+    assert layer_param_count(numels) == 9
+    assert largest_layer_numel(numels) == sum(numels[1:10])
+    assert largest_layer_numel(numels, world_size=2) == sum(-(-n // 2) for n in numels[1:10])
+    # Untied: lm_head after the final norm is not a layer either.
+    assert largest_layer_numel(numels + [49152 * 2048]) == sum(numels[1:10])
+    assert auto_param_pool_bytes(numels, 2) == (numels[0] + 2 * sum(numels[1:10])) * 2
+
+
+def test_auto_param_pool_bounds_the_reuse_window_only_without_a_dram_copy():
+    numels = _llama_numels()  # ~1.0 B parameters: 1.87 GiB in bf16, the copy is dropped
+    ds, resolved = prepare_ds_config(_nvme_config("bf16"), MemAscendSettings(), param_numels=numels)
+    assert resolved.param_dram_numel == 0
+    assert resolved.param_pool_bytes == auto_param_pool_bytes(numels, 2)
+    assert ds["zero_optimization"]["stage3_max_reuse_distance"] == resolved.param_pool_bytes // 2
+    # A small model keeps its DRAM copy: the pool is not used, the config is left as it was.
+    small = _llama_numels(layers=2)
+    ds, resolved = prepare_ds_config(_nvme_config("bf16"), MemAscendSettings(), param_numels=small)
+    assert resolved.param_pool_bytes is None
+    assert "stage3_max_reuse_distance" not in ds["zero_optimization"]
+    # A count of partitions (None) keeps today's reuse distance; the baseline never sets one.
+    ds, _ = prepare_ds_config(_nvme_config("bf16"), MemAscendSettings(param_pool_bytes=None), param_numels=numels)
+    assert "stage3_max_reuse_distance" not in ds["zero_optimization"]
+    assert MemAscendSettings.baseline().param_pool_bytes is None
+    # An explicit smaller reuse distance wins.
+    cfg = _nvme_config("bf16")
+    cfg["zero_optimization"]["stage3_max_reuse_distance"] = 1000
+    ds, _ = prepare_ds_config(cfg, MemAscendSettings(param_pool_bytes=1 << 30), param_numels=numels)
+    assert ds["zero_optimization"]["stage3_max_reuse_distance"] == 1000

@@ -37,7 +37,7 @@ from memascend.settings import DS_CONFIG_SECTION, MemAscendSettings, read_ds_con
 
 __all__ = ["CONFIG_KEYS", "has_auto", "make_initialize", "model_param_numels", "warn"]
 
-CONFIG_KEYS = ("optimizer_sub_group_numel", "reduce_bucket_numel", "param_dram_numel")
+CONFIG_KEYS = ("optimizer_sub_group_numel", "reduce_bucket_numel", "param_dram_numel", "param_pool_bytes")
 """The settings that live in DeepSpeed's config and may be ``"auto"``."""
 
 

@@ -9,6 +9,11 @@ but takes each partition's buffer from :class:`memascend.memory.pool.AdaptiveSwa
 * a slot is exactly the partition's I/O-aligned size; slots are reused per size class;
 * ``available_swap_in_buffers()`` reports the free part of a slot budget equal to the stock
   ``buffer_count`` (or ``param_prefetch_slots``), so the coordinator prefetches exactly as stock;
+* with ``param_pool_bytes`` (:attr:`MemAscendSettings.param_pool_bytes`) the prefetch is bounded in
+  bytes too: a prefetch (``swap_in(..., async_op=True)``) reads only the leading partitions that fit
+  under the byte budget beside the slots in use, and ``available_swap_in_buffers()`` reports 0 once
+  the budget is used up; the rest are read when their module fetches them (stock's path for a
+  partition that was not prefetched);
 * requests beyond the budget (a module with more partitions than ``buffer_count``, a partition
   larger than ``buffer_size``) are served instead of failing with "Not enough buffers" or "More
   elements than buffer size";
@@ -42,6 +47,7 @@ from deepspeed.runtime.swap_tensor.utils import (
 from memascend.errors import UserError
 from memascend.integrations.deepspeed.pinning import LockedAllocator
 from memascend.integrations.deepspeed.settings import MemAscendSettings
+from memascend.integrations.deepspeed.sizing import auto_param_pool_bytes
 from memascend.memory.pool import AdaptiveSwapPool
 
 
@@ -93,6 +99,8 @@ class PooledParamSwapper(AsyncPartitionedParameterSwapper):
         budget = settings.param_prefetch_slots or self.param_buffer_count
         self.pool = AdaptiveSwapPool(dtype=self.dtype, alloc=self.locked_allocator.allocate,
                                      free=self.locked_allocator.free, slot_budget=budget)
+        self.pool_budget_bytes: int | None = settings.param_pool_bytes if isinstance(settings.param_pool_bytes, int) \
+            else None
         self.reserved_slot_ids: list[int] = []
         self.swap_out_params = []
         # The stock slab; kept as an empty tensor so code that prints or inspects it still works.
@@ -100,8 +108,39 @@ class PooledParamSwapper(AsyncPartitionedParameterSwapper):
 
     # -- the pool behind the stock bookkeeping ------------------------------------------------
     def available_swap_in_buffers(self) -> int:
-        """Free slots within the prefetch budget (stock: free slots of the slab)."""
+        """Free slots within the prefetch budget (stock: free slots of the slab); 0 once the slots in
+        use fill ``param_pool_bytes``."""
+        budget_bytes = self._budget_bytes()
+        if budget_bytes is not None and self.in_use_bytes() >= budget_bytes:
+            return 0
         return self.pool.free_budget_slots()
+
+    def in_use_bytes(self) -> int:
+        """Bytes of the pool slots the partitions hold now (I/O-aligned sizes)."""
+        return sum(t.numel() for t in self.param_id_to_swap_buffer.values()) * self.swap_element_size
+
+    def _budget_bytes(self) -> int | None:
+        """``param_pool_bytes`` in bytes (``"auto"`` sized from the partitions written so far, all of
+        them once the trace is complete, when the prefetcher first asks), or ``None``."""
+        if self.pool_budget_bytes is None and self.memascend_settings.param_pool_bytes == "auto" \
+                and self.param_id_to_numel:
+            numels = [self.param_id_to_numel[k] for k in sorted(self.param_id_to_numel)]
+            self.pool_budget_bytes = auto_param_pool_bytes(numels, self.swap_element_size)
+        return self.pool_budget_bytes
+
+    def _prefetch_prefix(self, params: list[Any]) -> list[Any]:
+        """The leading ``params`` whose I/O-aligned partitions fit under the byte budget."""
+        budget_bytes = self._budget_bytes()
+        if budget_bytes is None:
+            return params
+        free_bytes = budget_bytes - self.in_use_bytes()
+        fitting = []
+        for param in params:
+            free_bytes -= self._io_aligned_numel(self.param_id_to_numel[param.ds_id]) * self.swap_element_size
+            if free_bytes < 0:
+                break
+            fitting.append(param)
+        return fitting
 
     def _assign_slot(self, param: Any, numel: int) -> torch.Tensor:
         """Give ``param`` a slot of ``aligned(numel)`` elements; return the compute view."""
@@ -138,9 +177,16 @@ class PooledParamSwapper(AsyncPartitionedParameterSwapper):
             param.ds_tensor.status = PartitionedParamStatus.NOT_AVAILABLE
 
     def swap_in(self, params: list[Any], async_op: bool = True, swap_in_buffers: list | None = None) -> None:
-        """Read partitions from NVMe into fresh slots (or ``swap_in_buffers``); never runs out."""
+        """Read partitions from NVMe into fresh slots (or ``swap_in_buffers``); never runs out.
+
+        A prefetch (``async_op`` without ``swap_in_buffers``) reads only the leading partitions that
+        fit under ``param_pool_bytes``; the others stay ``NOT_AVAILABLE`` until fetched."""
         if any(p.ds_tensor.status != PartitionedParamStatus.NOT_AVAILABLE for p in params):
             raise RuntimeError("some params are already available or in flight")
+        if async_op and swap_in_buffers is None:
+            params = self._prefetch_prefix(params)
+            if not params:
+                return
         paths = self._get_swap_paths(params)
         if swap_in_buffers is None:
             compute_buffers, swap_in_buffers = self._allocate_and_return_buffers_for_swap_in(params)

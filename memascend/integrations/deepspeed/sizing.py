@@ -104,6 +104,93 @@ def auto_param_dram_numel(ds_config: Mapping[str, Any], param_numels: Iterable[i
     return 0 if rank_numel * (2 if half else _FP32_BYTES) > PARAM_DRAM_AUTO_MAX_BYTES else None
 
 
+DS_DEFAULT_MAX_REUSE_DISTANCE_NUMEL = 1_000_000_000
+"""``zero_optimization.stage3_max_reuse_distance`` when a config leaves it out (DeepSpeed 0.19.8 zero/config.py)."""
+PARAM_POOL_AUTO_PREFETCH_LAYERS = 1
+"""``param_pool_bytes="auto"``: layers the prefetcher may read ahead of the one computing."""
+_MAX_LAYER_PERIOD = 64
+
+
+def layer_param_count(param_numels: Iterable[int]) -> int:
+    """Parameters per repeated layer of a model: the period ``p`` (1 to 64) at which the sequence of
+    parameter sizes repeats most often (``numels[i] == numels[i + p]``; the smallest such ``p`` on a
+    tie), 1 for a model of fewer than two parameters.
+
+    A transformer registers its layers one after another with the same shapes (a Hugging Face Llama:
+    embedding, ``L`` x 9 layer parameters, final norm, lm_head), so ``p`` is the parameters of one
+    layer.
+    """
+    numels = [int(n) for n in param_numels]
+    best, best_matches = 1, -1
+    for period in range(1, min(_MAX_LAYER_PERIOD, len(numels) // 2) + 1):
+        matches = sum(1 for i in range(len(numels) - period) if numels[i] == numels[i + period])
+        if matches > best_matches:
+            best, best_matches = period, matches
+    return best
+
+
+def largest_layer_numel(param_numels: Iterable[int], world_size: int = 1) -> int:
+    """Elements per rank of the model's largest layer: the largest sum of :func:`layer_param_count`
+    consecutive parameter partitions (``ceil(numel / world_size)`` each) that all repeat one period
+    before or after (so the embedding or lm_head is not counted as part of a layer); the largest
+    partition where nothing repeats."""
+    parts = [math.ceil(int(n) / max(1, world_size)) for n in param_numels]
+    if not parts:
+        return 0
+    period = layer_param_count(parts)
+    repeats = [(i >= period and parts[i - period] == n) or (i + period < len(parts) and parts[i + period] == n)
+               for i, n in enumerate(parts)]
+    windows = [sum(parts[i:i + period]) for i in range(len(parts) - period + 1) if all(repeats[i:i + period])]
+    return max(windows, default=max(parts))
+
+
+def auto_param_pool_bytes(param_numels: Iterable[int], elem_bytes: int, world_size: int = 1,
+                          prefetch_layers: int = PARAM_POOL_AUTO_PREFETCH_LAYERS) -> int:
+    """``param_pool_bytes="auto"``: what the forward and backward hold in the pool at once.
+
+    The largest partition (the vocabulary projection, kept from its forward to its backward use) plus
+    the largest layer's partitions x (``prefetch_layers`` + 1): the layer computing and the ones read
+    ahead. With activation checkpointing a layer's recompute and backward follow each other, so its
+    partitions are reused within that window.
+
+    Args:
+        param_numels: elements of every parameter (tied weights once), in registration order.
+        elem_bytes: bytes per element of the 16-bit (or fp32) parameters.
+        world_size: ranks that partition each parameter.
+        prefetch_layers: layers read ahead.
+
+    Returns:
+        Bytes, at least one byte.
+    """
+    numels = [int(n) for n in param_numels]
+    if not numels:
+        return 1
+    largest = math.ceil(max(numels) / max(1, world_size))
+    layer = largest_layer_numel(numels, world_size)
+    return max(1, (largest + (prefetch_layers + 1) * layer) * elem_bytes)
+
+
+def _param_elem_bytes(ds_config: Mapping[str, Any]) -> int:
+    return 2 if any((ds_config.get(key) or {}).get("enabled") for key in ("bf16", "fp16")) else _FP32_BYTES
+
+
+def _resolve_param_pool_bytes(ds_config: Mapping[str, Any], settings: MemAscendSettings, dram: int | None,
+                              param_numels: Iterable[int] | None, world_size: int) -> int | None:
+    """``param_pool_bytes`` resolved (:attr:`MemAscendSettings.param_pool_bytes`): ``"auto"`` is an
+    integer only where some partitions live on NVMe only (``max_in_cpu`` below the rank's partitions)."""
+    pool = settings.param_pool_bytes
+    if pool != "auto":
+        return pool
+    offload_param = (ds_config.get("zero_optimization") or {}).get("offload_param") or {}
+    if param_numels is None or offload_param.get("device") != "nvme":
+        return None
+    numels = [int(n) for n in param_numels]
+    max_in_cpu = dram if isinstance(dram, int) else int(offload_param.get("max_in_cpu", 1_000_000_000))
+    if sum(math.ceil(n / max(1, world_size)) for n in numels) <= max_in_cpu:
+        return None  # every partition has its DRAM copy: the pool is not used
+    return auto_param_pool_bytes(numels, _param_elem_bytes(ds_config), world_size)
+
+
 def prepare_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings, *,
                       param_numels: Iterable[int] | None = None,
                       world_size: int = 1) -> tuple[dict[str, Any], MemAscendSettings]:
@@ -117,6 +204,8 @@ def prepare_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings,
       when ``param_numels`` are given;
     * ``param_dram_numel="auto"`` becomes :func:`auto_param_dram_numel` (``None``: the config's
       ``max_in_cpu`` or DeepSpeed's default);
+    * ``param_pool_bytes="auto"`` becomes :func:`auto_param_pool_bytes` where some partitions live
+      on NVMe only (else ``None``);
     * :func:`rewrite_ds_config` writes the DeepSpeed-side values.
 
     Args:
@@ -146,9 +235,10 @@ def prepare_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings,
     norm_sub_group = settings.grad_norm_sub_group_numel
     if norm_sub_group is None and sub_group is not None and sub_group != stock_sub_group:
         norm_sub_group = stock_sub_group
+    pool = _resolve_param_pool_bytes(ds_config, settings, dram, param_numels, world_size)
     resolved = dataclasses.replace(settings, optimizer_sub_group_numel=sub_group,
                                    grad_norm_sub_group_numel=norm_sub_group, reduce_bucket_numel=bucket,
-                                   param_dram_numel=dram)
+                                   param_dram_numel=dram, param_pool_bytes=pool)
     return rewrite_ds_config(ds_config, resolved), resolved
 
 
@@ -158,7 +248,9 @@ def rewrite_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings)
     ``optimizer_sub_group_numel`` (an integer; ``"auto"`` needs the model's shapes and is resolved
     by :func:`prepare_ds_config`) -> ``zero_optimization.sub_group_size``; ``param_dram_numel``
     (an integer) -> ``zero_optimization.offload_param.max_in_cpu`` where parameters are offloaded to NVMe;
-    ``reduce_bucket_numel`` (an integer) -> ``zero_optimization.reduce_bucket_size``. The
+    ``reduce_bucket_numel`` (an integer) -> ``zero_optimization.reduce_bucket_size``;
+    ``param_pool_bytes`` (an integer, with the parameter pool on and parameters on NVMe) ->
+    ``zero_optimization.stage3_max_reuse_distance`` at most its elements. The
     ``"memascend"`` section itself is kept (DeepSpeed ignores it).
 
     Args:
@@ -178,6 +270,11 @@ def rewrite_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings)
     if isinstance(settings.param_dram_numel, int) and isinstance(offload_param, Mapping) \
             and offload_param.get("device") == "nvme":
         zero["offload_param"] = {**offload_param, "max_in_cpu": settings.param_dram_numel}
+    if isinstance(settings.param_pool_bytes, int) and isinstance(offload_param, Mapping) \
+            and offload_param.get("device") == "nvme" and settings.enable_param_pool:
+        window = max(1, settings.param_pool_bytes // _param_elem_bytes(ds_config))
+        zero["stage3_max_reuse_distance"] = min(window, int(zero.get("stage3_max_reuse_distance",
+                                                                     DS_DEFAULT_MAX_REUSE_DISTANCE_NUMEL)))
     if zero or "zero_optimization" in out:
         out["zero_optimization"] = zero
     return out
