@@ -10,6 +10,7 @@ runs load that folder directly.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -277,13 +278,19 @@ def llama_config(fs: FromScratchConfig):
     )
 
 
-def build_model(src: ModelSource, cfg: ModelConfig, ds_config: dict, seed: int):
+def build_model(src: ModelSource, cfg: ModelConfig, ds_config: dict, seed: int, *, layerwise: bool = False):
     """Build the model with its parameters partitioned by ZeRO-3 at construction.
 
     The model is created inside ``deepspeed.zero.Init(config_dict_or_path=ds_config)`` without an
     explicit dtype (via ``HfDeepSpeedConfig`` for ``from_pretrained``). This sidesteps DeepSpeed
     0.19.8's ``Init._set_dtype`` precedence bug, which turns any explicit dtype into bf16 on the CPU
     accelerator: the dtype then comes from the config (fp32 really trains in fp32).
+
+    ``layerwise`` (the memascend engine; :mod:`memascend.models.layerwise`, bit-identical weights):
+    a pretrained safetensors folder is copied into the partitions a decoder layer at a time (the host
+    holds about one layer of the checkpoint instead of all of it), and a from-scratch model is built
+    in the training dtype (its largest module held once, not in fp32 and again cast). ``False``
+    (``--engine baseline``): as ``transformers`` does it (every shard read first; modules made in fp32).
 
     Returns:
         (model, hf_ds_config): keep ``hf_ds_config`` alive until ``deepspeed.initialize`` returns.
@@ -295,15 +302,19 @@ def build_model(src: ModelSource, cfg: ModelConfig, ds_config: dict, seed: int):
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
+    from memascend.models.layerwise import constructed_in_training_dtype, layerwise_zero3_loading
+
     hf_ds = HfDeepSpeedConfig(ds_config)
     if cfg.from_scratch is not None:
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(llama_config(cfg.from_scratch))
+        with constructed_in_training_dtype(ds_config) if layerwise else contextlib.nullcontext():
+            model = AutoModelForCausalLM.from_config(llama_config(cfg.from_scratch))
     else:
         from safetensors import SafetensorError
 
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(src.hf_dir))
+            with layerwise_zero3_loading() if layerwise else contextlib.nullcontext():
+                model = AutoModelForCausalLM.from_pretrained(str(src.hf_dir))
         except (OSError, ValueError, SafetensorError) as exc:
             raise UserError(f"cannot load model weights from {src.origin}: {str(exc).splitlines()[0]}") from None
     model.config.use_cache = False

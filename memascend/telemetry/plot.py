@@ -18,6 +18,7 @@ from memascend.units import GIB as _GIB
 GIB = float(_GIB)
 _PHASE_COLORS = {
     "load": "#dddddd",
+    "build": "#f9e9cf",
     "initialize": "#f6d8ae",
     "eval": "#c9e4de",
     "forward": "#dbe7f5",

@@ -288,7 +288,9 @@ class FinetuneRecipe:
         self.engine_settings = dataclasses.asdict(settings)
         check_memlock_for_run(self.resolved.upfront_locked_bytes)
         ds_cfg = self.resolved.ds_config
-        model, hf_ds = build_model(self.src, cfg.model, ds_cfg, cfg.train.seed)
+        self.sampler.phase("build")  # the model built or loaded (report: memory.phase_peak_rss_bytes.build)
+        model, hf_ds = build_model(self.src, cfg.model, ds_cfg, cfg.train.seed, layerwise=cfg.engine == "memascend")
+        self.sampler.phase("initialize")
         self.phases.line(f"model {'built' if cfg.model.from_scratch else 'loaded'} "
                          f"({console.format_params(self.shape.total_numel)} params, {cfg.train.dtype})")
         if cfg.train.activation_checkpointing:
