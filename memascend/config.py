@@ -579,6 +579,9 @@ def build_run_config(file_values: dict[str, Any], overrides: dict[str, dict[str,
         return f"{file_label}: {section}.{name}" if name in file_values.get(section, {}) else None
 
     adopted = _with_user_ds_config(merged, origin)
+    if overrides.get("host_memory_budget") is not None:  # --host-memory-budget wins over the section's key
+        merged["memascend"] = dataclasses.replace(merged.get("memascend") or MemAscendSettings(),
+                                                  host_memory_budget=overrides["host_memory_budget"])
 
     def name_of(loc: tuple) -> str:
         if tuple(loc[:2]) in adopted:

@@ -73,6 +73,12 @@ def finetune(**kw) -> None:
     first = "RANK" not in os.environ and not is_supervised()
     if first:
         options.show_config_notes(cfg)
+    if cfg.memascend.host_memory_budget is not None:
+        from memascend.plan.budget import apply_host_memory_budget
+
+        # every process of the run (supervised child, ranks) derives the same choice; the first prints it
+        world_size = nproc or int(os.environ.get("WORLD_SIZE", "1") or 1)
+        cfg = apply_host_memory_budget(cfg, world_size, announce=_say if first else None)
     output_given = kw["output_dir"] is not None or cfg.output_dir != RunConfig.output_dir
     if first or ENV_OUTPUT_DIR in os.environ:
         cfg, fresh = settle_output(cfg, given=output_given, overwrite=overwrite_output, first_process=first)
@@ -99,6 +105,10 @@ def finetune(**kw) -> None:
             link_latest(Path(cfg.output_dir))
     if report is not None:
         _print_summary(report, cfg.output_dir)
+
+
+def _say(line: str) -> None:
+    click.echo(f"memascend: {line}", err=True)
 
 
 def _print_summary(rep: dict, output_dir: str) -> None:

@@ -32,6 +32,7 @@ from typing import Any
 
 import click
 
+from memascend.cli.params import SIZE_BYTES
 from memascend.config import DEFAULT_DATA, DEFAULT_MODEL
 from memascend.errors import UserError
 
@@ -207,6 +208,15 @@ ENGINE = OptionGroup("engine", (
          help="memascend's memory optimisations (default) or stock ZeRO-Infinity (baseline) [default: memascend]"),
 ))
 
+BUDGET = OptionGroup("host memory budget", (
+    flag("--host-memory-budget", section="", field="host_memory_budget", type=SIZE_BYTES, default=None,
+         help="Host memory (peak RSS, locked included, all ranks of this host) the run must stay under, e.g. "
+         "4GiB: memascend picks the parameter pool, prefetch depth, DRAM copy and optimizer chunk that fit "
+         "with the best expected step time (memascend plan's model), prints the choice, and refuses a "
+         "budget nothing fits, naming the smallest that would; the \"memascend\" section's "
+         "host_memory_budget key does the same [default: no budget]"),
+))
+
 CHECKPOINT = OptionGroup("checkpoints", (
     flag("--save-checkpoint", "save_checkpoint_dir", section="train", field="save_checkpoint",
          type=click.Path(file_okay=False), default=None,
@@ -260,8 +270,8 @@ CONFIG = OptionGroup("config files", (
          help="Your DeepSpeed JSON to start from; its explicit values win"),
 ))
 
-GROUPS: tuple[OptionGroup, ...] = (MODEL, DATA, TRAINING, OPTIMIZER, OFFLOAD, RAW_STORE, ENGINE, CHECKPOINT, RUN,
-                                   OUTPUT, CONFIG)
+GROUPS: tuple[OptionGroup, ...] = (MODEL, DATA, TRAINING, OPTIMIZER, OFFLOAD, RAW_STORE, ENGINE, BUDGET, CHECKPOINT,
+                                   RUN, OUTPUT, CONFIG)
 """Every shared group (``finetune`` takes them all)."""
 
 RUN_SHAPE: tuple[OptionGroup, ...] = (MODEL, DATA, TRAINING, OFFLOAD, ENGINE, CONFIG)

@@ -11,7 +11,7 @@ from memascend.cli.params import POSITIVE_FLOAT
 
 
 @click.command("plan", context_settings={"show_default": True})
-@options.apply_groups(*options.RUN_SHAPE)
+@options.apply_groups(*options.RUN_SHAPE, options.BUDGET)
 @click.option("--nproc", type=int, default=1, help="Ranks on this host (memory is summed over them)")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of a table")
 @click.option("--cap-gib", type=POSITIVE_FLOAT, default=None,
@@ -39,6 +39,9 @@ def plan(nproc: int, as_json: bool, cap_gib: float | None, scaling: bool, **kw) 
     cfg = options.run_config_from_flags(kw)
     options.show_config_notes(cfg)
     _check_data(cfg.data.source)
+    from memascend.plan.budget import apply_host_memory_budget
+
+    cfg = apply_host_memory_budget(cfg, nproc, announce=lambda line: click.echo(f"memascend: {line}", err=True))
     plans = plan_run(cfg, world_size=nproc)
     rows = plan_presets(cfg, nproc) if scaling or cap_gib else None
     fits = largest_preset_under_cap(cfg, int(cap_gib * GIB), nproc, rows) if cap_gib else None

@@ -91,7 +91,7 @@ def test_a_resolved_config_without_section_passes_unchanged(wrapped):
     initialize, state, resolved = wrapped
     # what memascend finetune gives: the sizes already written, no section
     state["settings"] = MemAscendSettings(optimizer_sub_group_numel=4096, reduce_bucket_numel=4096,
-                                          param_dram_numel=None)
+                                          param_dram_numel=None, param_pool_bytes=None)
     given = _user_config()
     got = initialize(model=_Model(), config=given)
     assert got["config"] is given and resolved == []

@@ -130,6 +130,10 @@ def _resolved_arguments(arguments: dict[str, Any], settings: MemAscendSettings,
     if _section_settings(config.get(DS_CONFIG_SECTION)) not in (None, settings):
         warn(f'the "{DS_CONFIG_SECTION}" section of the DeepSpeed config differs from the settings applied '
              "(apply_from_config / apply); the applied settings are used")
+    if settings.host_memory_budget is not None:
+        warn("host_memory_budget is chosen by memascend finetune and memascend plan, which know the sequence "
+             "length and activation checkpointing; here it is not applied: run 'memascend plan --deepspeed-config "
+             "FILE --host-memory-budget SIZE' (with your run's flags) and put the settings it prints in the section")
     rewritten, resolved = prepare_ds_config(config, settings, param_numels=numels,
                                             world_size=_world_size(arguments.get("mpu")))
     on_resolved(resolved)

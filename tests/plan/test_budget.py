@@ -1,0 +1,104 @@
+"""``--host-memory-budget``: the planner picks the sizing knobs that fit, fastest first, or refuses
+with the smallest workable budget (memascend.plan.budget); nothing is trained here (the run under a
+cgroup cap equal to the budget is tests/host/test_budget_cap.py, slow)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from click.testing import CliRunner
+
+from memascend.cli.main import cli
+from memascend.config import build_run_config
+from memascend.errors import UserError
+from memascend.plan import budget as budget_mod
+from memascend.plan.budget import (
+    BUDGET_HEADROOM_FRACTION,
+    apply_host_memory_budget,
+    choose_for_budget,
+    knobs_available,
+    plan_candidates,
+    smallest_workable_budget_bytes,
+)
+from memascend.plan.shapes import model_dims
+from memascend.settings import MemAscendSettings
+from memascend.units import GIB
+
+
+def _cfg(preset: str, **memascend):
+    cfg = build_run_config({}, {"model": {"from_scratch": preset}, "train": {"micro_batch": 1,
+                                "activation_checkpointing": True}, "data": {"seq_len": 256}})
+    return dataclasses.replace(cfg, memascend=MemAscendSettings(**memascend)) if memascend else cfg
+
+
+@pytest.fixture(scope="module")
+def llama_1b():
+    cfg = _cfg("llama-1b")
+    return cfg, model_dims(cfg)
+
+
+def test_a_generous_budget_keeps_the_fastest_settings(llama_1b):
+    cfg, dims = llama_1b
+    choice = choose_for_budget(cfg, 64 * GIB, dims=dims)
+    first = [k.candidates(dims, cfg, 1)[0] for k in knobs_available()]
+    assert list(choice.values.values()) == first  # today's count-bounded pool, DRAM copy "auto", ...
+    assert choice.values["param_pool_bytes"] is None
+
+
+def test_a_tight_budget_bounds_the_pool_and_fits_with_headroom(llama_1b):
+    cfg, dims = llama_1b
+    planned = plan_candidates(cfg, dims=dims)
+    fastest_peak = planned[0][2].peak_rss_bytes
+    # Between the smallest workable budget and what the fastest settings need: something is given up.
+    budget = (smallest_workable_budget_bytes(planned) + int(fastest_peak / (1 - BUDGET_HEADROOM_FRACTION))) // 2
+    choice = choose_for_budget(cfg, budget, dims=dims)
+    assert choice.plan.peak_rss_bytes <= (1 - BUDGET_HEADROOM_FRACTION) * budget
+    assert isinstance(choice.values["param_pool_bytes"], int)
+    assert choice.step_cost_s >= planned[0][3]
+    assert "host memory budget" in choice.describe() and "param_pool_bytes=" in choice.describe()
+    # Of everything that fits, nothing is expected to be faster.
+    fitting = [c for c in planned if c[2].peak_rss_bytes <= (1 - BUDGET_HEADROOM_FRACTION) * budget]
+    assert choice.step_cost_s == min(c[3] for c in fitting)
+
+
+def test_a_budget_nothing_fits_is_refused_with_the_smallest_workable_one(llama_1b):
+    cfg, dims = llama_1b
+    smallest = smallest_workable_budget_bytes(plan_candidates(cfg, dims=dims))
+    with pytest.raises(UserError) as err:
+        choose_for_budget(cfg, GIB, dims=dims)
+    message = str(err.value)
+    assert message.startswith("--host-memory-budget 1GiB is below the smallest workable budget "
+                              f"{smallest / GIB:.2f} GiB for llama-1b (bf16, 1 x 256 tokens")
+    assert "\n" not in message
+    choose_for_budget(cfg, smallest, dims=dims)  # the budget it names fits
+
+
+def test_a_knob_this_version_lacks_is_skipped(monkeypatch):
+    fake = budget_mod.Knob("no_such_setting", lambda dims, cfg, w: (1, 2))
+    monkeypatch.setattr(budget_mod, "KNOBS", (*budget_mod.KNOBS, fake))
+    assert fake not in knobs_available()
+    assert knobs_available()[0].name == "param_dram_numel"
+
+
+def test_no_budget_or_the_baseline_leaves_the_run_as_it_is():
+    cfg = _cfg("llama-tiny")
+    assert apply_host_memory_budget(cfg) is cfg
+    capped = _cfg("llama-tiny", host_memory_budget="4GiB")
+    assert apply_host_memory_budget(dataclasses.replace(capped, engine="baseline")).memascend == capped.memascend
+
+
+def test_the_flag_wins_over_the_sections_key(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"memascend": {"host_memory_budget": "2GiB"}}')
+    cfg = build_run_config({}, {"deepspeed_config": str(ds)})
+    assert cfg.memascend.host_memory_budget == 2 * GIB
+    cfg = build_run_config({}, {"deepspeed_config": str(ds), "host_memory_budget": 3 * GIB})
+    assert cfg.memascend.host_memory_budget == 3 * GIB
+
+
+def test_plan_prints_the_choice_and_plans_with_it():
+    res = CliRunner().invoke(cli, ["plan", "--from-scratch", "llama-0.1b", "--micro-batch", "1", "--seq-len", "256",
+                                   "--host-memory-budget", "8GiB", "--json"])
+    assert res.exit_code == 0, res.output
+    assert "memascend: host memory budget 8.00 GiB: param_dram_numel=" in res.stderr
