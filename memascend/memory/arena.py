@@ -133,6 +133,11 @@ class PinnedArena:
     ) -> None:
         if not isinstance(region_bytes, int) or region_bytes <= 0:
             raise ValueError(f"region_bytes must be a positive int, got {region_bytes!r}")
+        if enable_cuda_register and torch.cuda.is_available():
+            # torch answers is_pinned() False for any pointer until it has initialised CUDA itself,
+            # even for a registered region (measured on an H100, torch 2.11 + CUDA 13): initialise it
+            # first so DeepSpeed's is_pinned checks see the arena's tensors as pinned.
+            torch.cuda.init()
         self._ext = _op.load().Arena(
             region_bytes,
             enable_hugetlb=enable_hugetlb,

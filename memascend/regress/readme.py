@@ -44,6 +44,7 @@ BLOCKS: dict[str, Callable[[rb.Baselines], str]] = {
     "io-bench-notes": rb.io_bench_notes,
     "store-e2e-table": rb.store_e2e_table,
     "store-e2e-notes": rb.store_e2e_notes,
+    "gpu-golden-table": rb.gpu_golden_table,
 }
 """Block name -> renderer (a function of the profile's baselines, returning markdown)."""
 

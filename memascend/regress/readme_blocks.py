@@ -487,3 +487,23 @@ def write_scaling_png(b: Baselines) -> Path:
     plot_scaling(scaling_points(b), out, f"{b.root.name}: peak host RSS vs model size (every measured size)",
                  b.json("cpu-full/results.json")["scaling_fit"], max(caps) if caps else None)
     return out
+
+
+def gpu_golden_table(b: Baselines) -> str:
+    """The committed ``gpu`` golden results of every GPU profile (``baselines/*/gpu.json``, beside the
+    CPU profile's folder): one row per profile and config, peaks and step times of both engines."""
+    rows = []
+    for path in sorted(b.root.parent.glob("*/gpu.json")):
+        golden = json.loads(path.read_text())
+        for name, c in sorted(golden["configs"].items()):
+            base, ma = c["baseline"], c["memascend"]
+            rows.append([golden["profile"], name, gib(base["peak_rss_bytes"]), gib(ma["peak_rss_bytes"]),
+                         f"{c['peak_rss_ratio']:.3f}", gib(base["peak_locked_bytes"]), gib(ma["peak_locked_bytes"]),
+                         f"{c['peak_locked_ratio']:.3f}", f"{base['median_step_s']:.2f}", f"{ma['median_step_s']:.2f}",
+                         f"{ma['median_step_s'] / base['median_step_s']:.3f}"])
+    if not rows:
+        return "No GPU profile has golden results yet.\n"
+    header = ["profile", "config", "base RSS GiB", "ma RSS GiB", "RSS ratio", "base locked GiB", "ma locked GiB",
+              "locked ratio", "base s/step", "ma s/step", "time ratio"]
+
+    return _md(header, rows)

@@ -80,6 +80,10 @@ def enable_deterministic_kernels() -> dict[str, Any]:
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
     torch.use_deterministic_algorithms(True)
+    # Deterministic mode also NaN-fills every torch.empty (``fill_uninitialized_memory``, default on
+    # since torch 2.1); DeepSpeed's buffers are written before they are read, and with the fill on
+    # both engines' step-1 loss read nan on an H100 (llama-0.1b bf16 1024 x 8).
+    torch.utils.deterministic.fill_uninitialized_memory = False
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     return {"deterministic_kernels": True, "cublas_workspace_config": os.environ["CUBLAS_WORKSPACE_CONFIG"]}

@@ -524,3 +524,15 @@ def test_pinned_memory_error_is_user_error():
     from memascend.errors import UserError
 
     assert issubclass(PinnedMemoryError, UserError)
+
+
+@pytest.mark.parametrize("register", [True, False])
+def test_arena_initialises_torch_cuda_before_registering(monkeypatch, register):
+    # torch's is_pinned() is False for every pointer until torch has initialised CUDA (H100, torch
+    # 2.11): the arena initialises it before it registers regions, and only then.
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "init", lambda: calls.append("init"))
+    a = PinnedArena(enable_hugetlb=False, enable_mlock=False, enable_cuda_register=register, region_bytes=2 * MIB)
+    a.close()
+    assert calls == (["init"] if register else [])
