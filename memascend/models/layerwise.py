@@ -160,12 +160,14 @@ def _rank() -> int:
 def layerwise_zero3_loading() -> Iterator[bool]:
     """While open, ``from_pretrained`` under ZeRO-3 (``HfDeepSpeedConfig`` alive) loads a safetensors
     checkpoint a layer at a time (see the module's docstring); yields whether the hooks are in place
-    (``False``: ``transformers`` lacks them, and loading is stock's). Not reentrant, not thread-safe:
+    (``False``: ``transformers`` lacks them or ZeRO-3 is not on, and loading is stock's). Not
+    reentrant, not thread-safe:
     it swaps two functions of ``transformers.modeling_utils`` and puts them back on leaving.
     """
     import transformers.modeling_utils as mu
+    from transformers.integrations import is_deepspeed_zero3_enabled
 
-    if not hooks_available():
+    if not hooks_available() or not is_deepspeed_zero3_enabled():  # the meta state dict only suits ZeRO-3's path
         yield False
         return
     stock_load, stock_into = mu.load_state_dict, mu._load_state_dict_into_zero3_model

@@ -42,11 +42,19 @@ def test_hooks_exist_in_the_installed_transformers():
 
 def test_context_restores_transformers():
     import transformers.modeling_utils as mu
+    from transformers.integrations import HfDeepSpeedConfig
 
     before = (mu.load_state_dict, mu._load_state_dict_into_zero3_model)
-    with layerwise.layerwise_zero3_loading() as active:
-        assert active
-        assert (mu.load_state_dict, mu._load_state_dict_into_zero3_model) != before
+    with layerwise.layerwise_zero3_loading() as active:  # no ZeRO-3 config alive: stock loading
+        assert not active
+        assert (mu.load_state_dict, mu._load_state_dict_into_zero3_model) == before
+    hf_ds = HfDeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}})
+    try:
+        with layerwise.layerwise_zero3_loading() as active:
+            assert active
+            assert (mu.load_state_dict, mu._load_state_dict_into_zero3_model) != before
+    finally:
+        del hf_ds
     assert (mu.load_state_dict, mu._load_state_dict_into_zero3_model) == before
 
 
