@@ -105,6 +105,14 @@ class MemAscendSettings:
             buffer to the OS after construction and after each step (its contents are dead
             there with the optimizer offloaded; :mod:`memascend.integrations.deepspeed.step_memory`),
             so it is resident only while backward fills it.
+        enable_grad_streaming: with the optimizer on NVMe, stage 3 allocates no whole-partition
+            16-bit gradient buffer (``grad_partitions_flat_buffer`` stays empty): each reduced bucket
+            of gradient partitions streams to the optimizer's swap target as backward produces it
+            (later micro steps of gradient accumulation read the region back and add, as stock adds
+            in its buffer), with stock's per-parameter norms and the fp16 overflow check done per
+            bucket (:mod:`memascend.integrations.deepspeed.grad_stream`). Elsewhere (optimizer in
+            DRAM or on the device) stock's buffer is kept. Supersedes ``enable_grad_buffer_release``
+            where it applies.
 
         enable_optimizer_buffer_release: with ``enable_optimizer_pool``, unlock the optimizer's
             swap buffers after every step (and after construction) and hand their pages back, so
@@ -171,6 +179,7 @@ class MemAscendSettings:
     reduce_bucket_numel: int | Literal["auto"] | None = "auto"
     enable_torch_thp: bool = True
     enable_host_block_cache: bool = True
+    enable_grad_streaming: bool = True
     fix_unaligned_gradient_io: bool = True
     fix_exact_resume: bool = True
 

@@ -332,8 +332,9 @@ def _add_param_offload(add, cfg: RunConfig, dims: ModelDims, z: dict, e: int, w:
 
 
 def _add_gradients(add, cfg: RunConfig, dims: ModelDims, z: dict, e: int, w: int, part: int,
-                   release_grads: bool) -> None:
-    """The reduce bucket and the gradient partition (released page-wise by memascend)."""
+                   release_grads: bool | str) -> None:
+    """The reduce bucket and the gradient partition (released page-wise by memascend; ``"stream"``:
+    streamed per bucket, no partition buffer)."""
     # The reduce (IPG) bucket: allocated at ``reduce_bucket_size`` elements of the gradient dtype on
     # every rank, but gradients are copied into it whole and unpartitioned, so only the first
     # ``min(bucket, total_numel)`` elements' pages are ever written (report.json
@@ -341,6 +342,14 @@ def _add_gradients(add, cfg: RunConfig, dims: ModelDims, z: dict, e: int, w: int
     bucket_numel = int(z.get("reduce_bucket_size", DS_DEFAULT_REDUCE_BUCKET_NUMEL))
     add(f"reduce bucket ({min(bucket_numel, dims.total_numel):,} of {bucket_numel:,} elements touched)",
         min(bucket_numel, dims.total_numel) * e, False, "DeepSpeedZeroOptimizer_Stage3 ipg_buckets (reduce_bucket_size)")
+    if release_grads == "stream":
+        # grad_stream: no whole-partition buffer; per reduced bucket the partitions in the gradient
+        # dtype plus their fp32 copies for the swapper (and, accumulating, the fp32 regions read back).
+        bucket = min(part, math.ceil(bucket_numel / w))
+        add("streamed gradient partitions (one reduce bucket)", bucket * (e + _FP32 * (2 if cfg.train.grad_accum > 1
+                                                                                        else 1)), False,
+            "grad_stream.make_partition_grads (enable_grad_streaming)", "backward")
+        return
     if release_grads:
         # Allocated with torch.zeros (every page written) when stage 3 is constructed; memascend hands
         # its pages back only after construction.
@@ -404,7 +413,10 @@ def plan_engine(cfg: RunConfig, dims: ModelDims, run: ResolvedRun, world_size: i
     """
     settings = run.settings
     ma = cfg.engine == "memascend"
-    release_grads = ma and settings.enable_grad_buffer_release and cfg.train.dtype != "fp16"
+    release_grads: bool | str = ma and settings.enable_grad_buffer_release and cfg.train.dtype != "fp16"
+    if ma and getattr(settings, "enable_grad_streaming", False) and \
+            run.ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "nvme":
+        release_grads = "stream"  # no gradient buffer at all (.grad_stream)
     e = _DTYPE_BYTES[cfg.train.dtype]
     w = world_size
     z = run.ds_config.get("zero_optimization", {})
@@ -483,6 +495,7 @@ def plan_for_report(report: dict) -> EnginePlan:
     settings = report.get("memascend_settings") if report["engine"] == "memascend" else None
     if settings is not None:  # reports from before param_pool_bytes ran with a count-bounded pool
         settings = {"param_pool_bytes": None, **settings}
+        settings = {"enable_grad_streaming": False, **settings}  # from before it: the gradient buffer
     return plan_run(cfg, world_size=int(report["host"]["world_size"]), memascend_settings=settings,
                     user_ds_config=report.get("user_deepspeed_config"))[report["engine"]]
 

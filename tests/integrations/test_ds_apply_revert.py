@@ -44,6 +44,8 @@ def _seam_objects():
         "stage3.__init__": (S3, "__init__"),
         "stage3._post_step": (S3, "_post_step"),
         "stage3.partition_grads": (S3, "partition_grads"),
+        "stage3._setup_for_real_optimizer": (S3, "_setup_for_real_optimizer"),
+        "stage3._finalize_offload_gradient_accumulation": (S3, "_finalize_offload_gradient_accumulation"),
         "engine.forward": (DeepSpeedEngine, "forward"),
         "PartitionedOptimizerSwapper._swap_in_pinned_gradients": (PartitionedOptimizerSwapper,
                                                                   "_swap_in_pinned_gradients"),
@@ -182,7 +184,7 @@ def test_each_flag_patches_only_its_seams():
                                         enable_arena_pinning=False, enable_fused_overflow_check=False,
                                         enable_malloc_policy=False, enable_grad_buffer_release=False,
                                         fix_unaligned_gradient_io=False, fix_exact_resume=False,
-                                        enable_host_block_cache=False))
+                                        enable_host_block_cache=False, enable_grad_streaming=False))
     during = _snapshot()
     changed = {k for k in before if during[k] is not before[k]}
     # the sizes that live in DeepSpeed's config are "auto" by default: deepspeed.initialize resolves them
@@ -192,7 +194,7 @@ def test_each_flag_patches_only_its_seams():
                                         enable_arena_pinning=False, enable_fused_overflow_check=False,
                                         enable_malloc_policy=False, enable_grad_buffer_release=True,
                                         fix_unaligned_gradient_io=False, fix_exact_resume=False,
-                                        enable_host_block_cache=False))
+                                        enable_host_block_cache=False, enable_grad_streaming=False))
     during = _snapshot()
     assert {k for k in before if during[k] is not before[k]} == {"stage3.__init__", "stage3._post_step",
                                                                   "stage3.partition_grads", INIT}
@@ -201,7 +203,7 @@ def test_each_flag_patches_only_its_seams():
                                         enable_arena_pinning=False, enable_fused_overflow_check=False,
                                         enable_malloc_policy=False, enable_grad_buffer_release=False,
                                         grad_norm_sub_group_numel=1 << 20, fix_unaligned_gradient_io=False, fix_exact_resume=False,
-                                        enable_host_block_cache=False))
+                                        enable_host_block_cache=False, enable_grad_streaming=False))
     during = _snapshot()
     assert {k for k in before if during[k] is not before[k]} == {"stage3._get_norm_groups", INIT}
     ma_ds.revert()
@@ -209,7 +211,7 @@ def test_each_flag_patches_only_its_seams():
                                         enable_arena_pinning=False, enable_fused_overflow_check=False,
                                         enable_malloc_policy=True, enable_grad_buffer_release=False,
                                         fix_unaligned_gradient_io=False, fix_exact_resume=False,
-                                        enable_host_block_cache=False))
+                                        enable_host_block_cache=False, enable_grad_streaming=False))
     during = _snapshot()
     assert {k for k in before if during[k] is not before[k]} == {"stage3.__init__", "stage3._post_step",
                                                                   "stage3.partition_grads", "engine.forward", INIT}
@@ -226,9 +228,19 @@ def test_each_flag_patches_only_its_seams():
     ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=False, enable_optimizer_pool=False,
                                         enable_arena_pinning=False, enable_fused_overflow_check=False,
                                         enable_malloc_policy=False, enable_grad_buffer_release=False,
-                                        fix_unaligned_gradient_io=False, fix_exact_resume=False, enable_host_block_cache=True))
+                                        fix_unaligned_gradient_io=False, fix_exact_resume=False, enable_host_block_cache=True, enable_grad_streaming=False))
     during = _snapshot()
     assert {k for k in before if during[k] is not before[k]} == {"engine.forward", INIT}  # installs the cache
+    ma_ds.revert()
+    ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=False, enable_optimizer_pool=False,
+                                        enable_arena_pinning=False, enable_fused_overflow_check=False,
+                                        enable_malloc_policy=False, enable_grad_buffer_release=False,
+                                        fix_unaligned_gradient_io=False, fix_exact_resume=False,
+                                        enable_host_block_cache=False, enable_grad_streaming=True))
+    during = _snapshot()  # partition_grads composed under step_memory's wrapper (one patch per attribute)
+    assert {k for k in before if during[k] is not before[k]} == {
+        "stage3._setup_for_real_optimizer", "stage3._finalize_offload_gradient_accumulation",
+        "stage3.partition_grads", "stage3.__init__", "stage3._post_step", INIT}
     ma_ds.revert()
     assert _snapshot() == before
 

@@ -62,6 +62,10 @@ What each flag patches (DeepSpeed 0.19.8 names):
   preceded by ``malloc_trim`` (malloc policy), and
   ``DeepSpeedZeroOptimizer_Stage3.__init__`` / ``._post_step`` followed by handing memory back
   (:mod:`.step_memory`: gradient-buffer pages, unused optimizer swap buffers, ``malloc_trim``).
+* ``enable_grad_streaming``: ``DeepSpeedZeroOptimizer_Stage3._setup_for_real_optimizer``,
+  ``._finalize_offload_gradient_accumulation`` and (inside :mod:`.step_memory`'s wrapper)
+  ``.partition_grads`` (:mod:`.grad_stream`: no whole-partition gradient buffer with the optimizer
+  on NVMe).
 * ``enable_host_block_cache``: ``DeepSpeedEngine.forward`` installs the host block cache
   (:mod:`memascend.memory.host_cache`) at the first forward; :func:`revert` uninstalls it.
 * ``fix_unaligned_gradient_io`` (a correctness fix, on for both engines):
@@ -324,10 +328,32 @@ def _patch_step_memory(settings: MemAscendSettings) -> None:
 
     from memascend.integrations.deepspeed import step_memory
 
-    if settings.enable_malloc_policy or settings.enable_grad_buffer_release:
-        _registry.patch(stage3, "partition_grads", step_memory.make_partition_grads(stage3.partition_grads, settings))
+    partition_grads = stage3.partition_grads
+    if settings.enable_grad_streaming:  # composed here: one patch per attribute (.grad_stream)
+        from memascend.integrations.deepspeed import grad_stream
+
+        checker = None
+        if settings.enable_fused_overflow_check:
+            from memascend.integrations.deepspeed.overflow import load_checker
+
+            checker = load_checker()
+        partition_grads = grad_stream.make_partition_grads(partition_grads, checker)
+    if settings.enable_malloc_policy or settings.enable_grad_buffer_release or settings.enable_grad_streaming:
+        _registry.patch(stage3, "partition_grads", step_memory.make_partition_grads(partition_grads, settings))
     _registry.patch(stage3, "__init__", step_memory.make_init(stage3.__init__, settings))
     _registry.patch(stage3, "_post_step", step_memory.make_post_step(stage3._post_step, settings))
+
+
+def _patch_grad_stream(settings: MemAscendSettings) -> None:
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as stage3
+
+    from memascend.integrations.deepspeed import grad_stream
+
+    _registry.patch(stage3, "_setup_for_real_optimizer",
+                    grad_stream.make_setup_for_real_optimizer(stage3._setup_for_real_optimizer, stage3))
+    _registry.patch(stage3, "_finalize_offload_gradient_accumulation",
+                    grad_stream.make_finalize_offload_gradient_accumulation(
+                        stage3._finalize_offload_gradient_accumulation))
 
 
 def _patch_aligned_io(settings: MemAscendSettings) -> None:
@@ -388,7 +414,9 @@ _FLAG_GROUPS: tuple[tuple[Callable[[MemAscendSettings], bool], Callable[[MemAsce
     (lambda s: s.grad_norm_sub_group_numel is not None, _patch_grad_norm),
     (lambda s: s.enable_malloc_policy, _set_malloc_policy),
     (lambda s: s.enable_malloc_policy or s.enable_host_block_cache, _patch_engine_forward),
-    (lambda s: s.enable_malloc_policy or s.enable_grad_buffer_release or s.enable_optimizer_pool, _patch_step_memory),
+    (lambda s: s.enable_grad_streaming, _patch_grad_stream),
+    (lambda s: (s.enable_malloc_policy or s.enable_grad_buffer_release or s.enable_optimizer_pool
+                or s.enable_grad_streaming), _patch_step_memory),
     (lambda s: s.fix_unaligned_gradient_io, _patch_aligned_io),
     (lambda s: s.fix_exact_resume, _patch_exact_resume),
     (lambda s: s.enable_fused_overflow_check, _patch_fused_overflow),
