@@ -54,6 +54,8 @@ def test_report_has_what_the_run_measured(smollm2_run):
     # memascend engine locks the adaptive pool plus states + 1 optimizer sub-group buffers.
     assert 0 < mem["peak_locked_bytes"] < 5 * 10**8 * 2
     assert rep["memascend_settings"]["enable_param_pool"] is True
+    # Streaming gradients: no whole-partition gradient buffer (grad_stream)
+    assert rep["memory_breakdown"]["gradient_buffers"]["grad_partitions_flat"]["allocated_bytes"] == 0
     assert rep["memory_breakdown"]["locked"]["optimizer_swap_buffers"] == 4  # fp32 param, 2 Adam moments, grad
     # The pool's size classes add up to its locked bytes; each class holds its peak concurrency.
     classes = rep["memory_breakdown"]["locked"]["param_pool_classes"]
@@ -107,7 +109,7 @@ def test_two_cpu_ranks(tmp_path):
     proc = run_cli(args, tmp_path, timeout_s=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rep = json.loads((tmp_path / "out" / "report.json").read_text())
-    assert rep["host"]["world_size"] == 2
+    assert rep["host"]["world_size"] == 2 and rep["host"]["dist_backend"] == "gloo"
     assert [r["rank"] for r in rep["memory"]["ranks"]] == [0, 1]
     assert all(len(s["rank_losses"]) == 1 and math.isfinite(s["loss"]) for s in rep["steps"])
     assert list((tmp_path / "swap").iterdir()) == []

@@ -233,6 +233,12 @@ def report_header(cfg: RunConfig, shape, split, info) -> dict:
     }
 
 
+def _dist_backend() -> str | None:
+    import torch.distributed as dist
+
+    return dist.get_backend() if dist.is_available() and dist.is_initialized() else None
+
+
 def _host_section(device_type: str, world_size: int) -> dict:
     return {
         "platform": platform.platform(),
@@ -242,6 +248,8 @@ def _host_section(device_type: str, world_size: int) -> dict:
         "world_size": world_size,
         # Whether torch's host tensors of >= 2 MiB were advised MADV_HUGEPAGE (enable_torch_thp).
         "torch_thp": torch_thp.status(),
+        # The collective backend DeepSpeed started (nccl on CUDA, gloo on its CPU accelerator).
+        "dist_backend": _dist_backend(),
     }
 
 
