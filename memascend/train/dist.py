@@ -89,6 +89,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def check_gpus_per_rank(local_ranks: int, num_gpus: int) -> None:
+    """One GPU per rank of this host: NCCL refuses two ranks on one device ("Duplicate GPU detected"
+    in the first collective, after the model is built).
+
+    Raises:
+        UserError: ``local_ranks`` (``--nproc`` or the launcher's ranks per node) exceeds ``num_gpus``.
+    """
+    from memascend.errors import UserError
+
+    if local_ranks > num_gpus:
+        raise UserError(f"{local_ranks} ranks on this host need {local_ranks} GPUs, it has {num_gpus}: NCCL runs "
+                        "one rank per GPU (lower --nproc / --num_gpus)")
+
+
 def setup_env() -> DistInfo:
     """Fill in the rendezvous variables of a single-process run and pick the accelerator.
 
@@ -115,6 +129,8 @@ def setup_env() -> DistInfo:
     world = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
     if cuda:
+        if "CUDA_VISIBLE_DEVICES" not in os.environ:  # else a launcher may bind each rank to its own GPU
+            check_gpus_per_rank(local_world_size(), torch.cuda.device_count())
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     else:
         # Share the cores between the ranks on this host instead of oversubscribing them.

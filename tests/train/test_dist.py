@@ -56,3 +56,37 @@ def test_setup_env_without_a_local_rank_takes_the_global_one(monkeypatch):
         finally:
             torch.set_num_threads(threads)
     assert (info.rank, info.local_rank, info.ranks_on_node, info.node_rank) == (1, 1, 2, 0)
+
+
+def test_more_ranks_than_gpus_is_one_line():
+    from memascend.train.dist import check_gpus_per_rank
+
+    check_gpus_per_rank(2, 2)
+    check_gpus_per_rank(1, 8)
+    with pytest.raises(UserError, match="2 ranks on this host need 2 GPUs, it has 1"):
+        check_gpus_per_rank(2, 1)
+
+
+def test_setup_env_refuses_two_ranks_on_one_gpu_unless_the_launcher_binds_gpus(monkeypatch):
+    import torch
+
+    from memascend.train.dist import setup_env
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    devices = []
+    monkeypatch.setattr(torch.cuda, "set_device", devices.append)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES", "GROUP_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_PORT", "29511")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    with pytest.raises(UserError, match="NCCL runs one rank per GPU"):
+        setup_env()
+    assert devices == []
+    # SLURM's --gpus-per-task (or CUDA_VISIBLE_DEVICES per rank): each rank sees its own GPU as 0
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert setup_env().device_type == "cuda" and devices == [0]
