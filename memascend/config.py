@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import tomllib
 
+from memascend import families
 from memascend.errors import UserError, read_user_text
 from memascend.settings import DS_CONFIG_SECTION, MemAscendSettings, read_ds_config
 from memascend.validate import dotted, validate_config
@@ -71,7 +72,8 @@ def _flag_name(loc: tuple) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class FromScratchConfig:
-    """A Llama-architecture model with random weights, for scaling runs."""
+    """A model with random weights, for scaling runs: a Llama unless ``arch`` names another family
+    (:data:`memascend.families.FAMILIES`)."""
 
     hidden_size: int
     """Model width (d_model)."""
@@ -90,6 +92,10 @@ class FromScratchConfig:
     tie_word_embeddings: bool = True
     """Whether the output projection (``lm_head``) shares the input embedding's weight (SmolLM2);
     ``False`` gives it its own ``vocab_size x hidden_size`` weight, as most production LLMs have."""
+    arch: str = "llama"
+    """Architecture: ``llama``, ``mistral``, ``qwen2``, ``gpt_neox`` or ``phi`` (``transformers``' config classes)."""
+    dropout: float = 0.0
+    """Dropout probability in ``[0, 1)``, set on every dropout of the family (attention, residual, embedding)."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_heads", "vocab_size", "max_position_embeddings"):
@@ -102,6 +108,7 @@ class FromScratchConfig:
         kv = self.kv_heads
         if kv <= 0 or self.num_heads % kv:
             raise UserError(f"from-scratch model: num_heads {self.num_heads} is not divisible by num_kv_heads {kv}")
+        families.check(self)
 
     @property
     def kv_heads(self) -> int:
@@ -109,18 +116,12 @@ class FromScratchConfig:
 
     @property
     def mlp_size(self) -> int:
-        if self.intermediate_size:
-            return self.intermediate_size
-        return -(-int(self.hidden_size * 8 / 3) // 256) * 256
+        return self.intermediate_size or families.default_intermediate(self.arch, self.hidden_size)
 
     @property
     def param_numel(self) -> int:
-        """Parameter count (elements): tied input/output embeddings counted once, an untied
-        ``lm_head`` (``vocab_size x hidden_size``) on top."""
-        h, kv_dim = self.hidden_size, self.kv_heads * (self.hidden_size // self.num_heads)
-        per_layer = 2 * h * h + 2 * h * kv_dim + 3 * h * self.mlp_size + 2 * h
-        embeddings = (1 if self.tie_word_embeddings else 2) * self.vocab_size * h
-        return embeddings + self.num_layers * per_layer + h
+        """Parameter count (elements), :func:`memascend.families.param_numel`."""
+        return families.param_numel(self)
 
 
 # Presets for scaling runs (the llama-* up to 3b: 49,152-token vocabulary, tied embeddings). llama-7b
@@ -140,32 +141,18 @@ FROM_SCRATCH_PRESETS: dict[str, FromScratchConfig] = {
     "llama-70b": FromScratchConfig(hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
                                    intermediate_size=28672, vocab_size=32000, max_position_embeddings=4096,
                                    tie_word_embeddings=False),
+    # The other families of the regression suite (issue 21): memascend.families.PRESETS.
+    **{name: FromScratchConfig(**sizes) for name, sizes in families.PRESETS.items()},
 }
-
-
-_FROM_SCRATCH_BOOL_KEYS = frozenset({"tie_word_embeddings"})
-
-
-def _parse_bool(key: str, value: str) -> bool:
-    """``true``/``false`` (also ``1``/``0``, ``yes``/``no``; any case) of a ``--from-scratch`` key.
-
-    Raises:
-        UserError: any other value.
-    """
-    word = value.strip().lower()
-    if word in ("true", "1", "yes"):
-        return True
-    if word in ("false", "0", "no"):
-        return False
-    raise UserError(f"--from-scratch: value of '{key}' must be true or false, got '{value}'")
 
 
 def parse_from_scratch(spec: str) -> FromScratchConfig:
     """Parse ``--from-scratch``: a preset name, ``key=value,...`` or a TOML/JSON file.
 
     Keys: ``hidden`` (or ``hidden_size``), ``layers``, ``heads``, ``kv_heads``, ``vocab``,
-    ``intermediate``, ``max_positions`` (integers) and ``tie_word_embeddings`` (``true``/``false``;
-    default true).
+    ``intermediate``, ``max_positions`` (integers), ``tie_word_embeddings`` (``true``/``false``;
+    default true), ``arch`` (a family of :data:`memascend.families.FAMILIES`; default ``llama``)
+    and ``dropout`` (a fraction; default 0).
 
     Raises:
         UserError: unknown preset/key or invalid sizes.
@@ -204,13 +191,7 @@ def parse_from_scratch(spec: str) -> FromScratchConfig:
             key, sep, value = item.partition("=")
             if not sep:
                 raise UserError(f"--from-scratch: expected key=value, got '{item}'")
-            if key.strip() in _FROM_SCRATCH_BOOL_KEYS:
-                raw[key.strip()] = _parse_bool(key.strip(), value)
-                continue
-            try:
-                raw[key.strip()] = int(float(value))
-            except (ValueError, OverflowError):  # OverflowError: inf
-                raise UserError(f"--from-scratch: value of '{key}' is not a finite number: '{value}'") from None
+            raw[key.strip()] = families.parse_value(key.strip(), value)
     else:
         raise UserError(
             f"--from-scratch: unknown preset '{spec}' (presets: {', '.join(FROM_SCRATCH_PRESETS)}; "

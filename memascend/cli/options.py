@@ -123,9 +123,11 @@ MODEL = OptionGroup("model", (
     flag("--revision", section="model", field="revision", default=None, metavar="REV",
          help="Branch, tag or commit of a Hugging Face model id [default: main]"),
     flag("--from-scratch", section="model", field="from_scratch", default=None, metavar="SPEC",
-         help="Random-weight Llama instead of the model's weights: a preset (llama-tiny, llama-0.1b .. llama-3b; "
-         "llama-7b and llama-70b with Llama-2's untied shapes and 32000-token vocabulary), "
-         "'hidden=2048,layers=16,heads=32,vocab=49152,tie_word_embeddings=false', or a .toml/.json file"),
+         help="Random-weight model instead of the model's weights: a preset (llama-tiny, llama-0.1b .. llama-3b; "
+         "llama-7b and llama-70b with Llama-2's untied shapes and 32000-token vocabulary; mistral-0.07b, "
+         "qwen2-0.1b, gpt-neox-0.1b, phi-0.1b), "
+         "'hidden=2048,layers=16,heads=32,vocab=49152,tie_word_embeddings=false' (also arch=llama|mistral|"
+         "qwen2|gpt_neox|phi [default: llama] and dropout=0.1 [default: 0]), or a .toml/.json file"),
 ))
 
 DATA = OptionGroup("data", (

@@ -19,6 +19,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from memascend import families
 from memascend.config import FromScratchConfig, ModelConfig
 from memascend.errors import UserError
 from memascend.models import hub
@@ -258,24 +259,15 @@ def max_positions(src: ModelSource, from_scratch: FromScratchConfig | None) -> i
     return int(cfg.get("max_position_embeddings") or cfg.get("n_positions") or 1 << 30)
 
 
-def llama_config(fs: FromScratchConfig):
-    """A ``transformers.LlamaConfig`` for a from-scratch model (embeddings tied, like SmolLM2, unless
-    ``fs.tie_word_embeddings`` is false: then ``lm_head`` has its own weight)."""
-    from transformers import LlamaConfig
+def from_scratch_config(fs: FromScratchConfig):
+    """The ``transformers`` config of a from-scratch model: ``LlamaConfig`` (embeddings tied, like
+    SmolLM2, unless ``fs.tie_word_embeddings`` is false: then ``lm_head`` has its own weight), or the
+    config class of ``fs.arch`` (:func:`memascend.families.hf_config`)."""
+    return families.hf_config(fs)
 
-    return LlamaConfig(
-        vocab_size=fs.vocab_size,
-        hidden_size=fs.hidden_size,
-        intermediate_size=fs.mlp_size,
-        num_hidden_layers=fs.num_layers,
-        num_attention_heads=fs.num_heads,
-        num_key_value_heads=fs.kv_heads,
-        max_position_embeddings=fs.max_position_embeddings,
-        tie_word_embeddings=fs.tie_word_embeddings,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
+
+llama_config = from_scratch_config
+"""The former name of :func:`from_scratch_config` (from-scratch models were Llamas only)."""
 
 
 def build_model(src: ModelSource, cfg: ModelConfig, ds_config: dict, seed: int, *, layerwise: bool = False):
@@ -308,7 +300,7 @@ def build_model(src: ModelSource, cfg: ModelConfig, ds_config: dict, seed: int, 
     if cfg.from_scratch is not None:
         torch.manual_seed(seed)
         with constructed_in_training_dtype(ds_config) if layerwise else contextlib.nullcontext():
-            model = AutoModelForCausalLM.from_config(llama_config(cfg.from_scratch))
+            model = AutoModelForCausalLM.from_config(from_scratch_config(cfg.from_scratch))
     else:
         from safetensors import SafetensorError
 

@@ -501,8 +501,9 @@ def plan_for_report(report: dict) -> EnginePlan:
 
 
 def plan_presets(cfg: RunConfig, world_size: int = 1) -> list[tuple[str, int, dict[str, EnginePlan]]]:
-    """Plan every from-scratch preset (``memascend.config.FROM_SCRATCH_PRESETS``, llama-tiny to the
-    Llama-2-70B shape) with everything else as in ``cfg``; nothing is built (meta-device layouts).
+    """Plan every from-scratch Llama preset (``memascend.config.FROM_SCRATCH_PRESETS``, llama-tiny to
+    the Llama-2-70B shape; the other families' presets are not a size series) with everything else as
+    in ``cfg``; nothing is built (meta-device layouts).
 
     Returns:
         ``[(preset name, parameter count, {"baseline": EnginePlan, "memascend": EnginePlan})]``,
@@ -512,6 +513,8 @@ def plan_presets(cfg: RunConfig, world_size: int = 1) -> list[tuple[str, int, di
 
     rows = []
     for name, preset in sorted(FROM_SCRATCH_PRESETS.items(), key=lambda kv: kv[1].param_numel):
+        if preset.arch != "llama":
+            continue
         sized = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, from_scratch=preset))
         rows.append((name, preset.param_numel, plan_run(sized, world_size)))
     return rows

@@ -27,6 +27,11 @@ class ModelDims:
             (``None``: ``hidden_size``, no grouped-query attention).
         tied_embeddings: whether the output projection shares the input embedding's weight
             (``False``: ``lm_head`` is its own parameter, registered last).
+        layer_start / layer_param_count: index in ``param_numels`` of the first decoder layer's
+            first parameter, and the parameters of one layer (``None``: not known, the Llama layout
+            is assumed: the embedding, then the layers).
+        projection_index: index in ``param_numels`` of the vocabulary projection's weight (the
+            embedding where tied; ``None``: not known, the last parameter where untied).
     """
 
     total_numel: int
@@ -39,6 +44,9 @@ class ModelDims:
     intermediate_size: int | None = None
     kv_size: int | None = None
     tied_embeddings: bool = True
+    layer_start: int | None = None
+    layer_param_count: int | None = None
+    projection_index: int | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -51,11 +59,11 @@ def model_dims(cfg: RunConfig) -> ModelDims:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from memascend.models.loading import llama_config, resolve_model
+    from memascend.models.loading import from_scratch_config, resolve_model
     from memascend.resolve import model_shape
 
     if cfg.model.from_scratch:
-        hf_cfg = llama_config(cfg.model.from_scratch)
+        hf_cfg = from_scratch_config(cfg.model.from_scratch)
     else:
         hf_cfg = AutoConfig.from_pretrained(resolve_model(cfg.model).hf_dir)
     with torch.device("meta"):
@@ -68,7 +76,28 @@ def model_dims(cfg: RunConfig) -> ModelDims:
     kv_heads = getattr(hf_cfg, "num_key_value_heads", None) or heads
     return ModelDims(shape.total_numel, shape.param_numels, shape.module_param_counts, h,
                      hf_cfg.num_hidden_layers, heads, hf_cfg.vocab_size,
-                     getattr(hf_cfg, "intermediate_size", None), kv_heads * head_dim, tied)
+                     getattr(hf_cfg, "intermediate_size", None), kv_heads * head_dim, tied,
+                     **_layer_layout(meta, out))
+
+
+def _layer_layout(meta, out) -> dict:
+    """Where the decoder layers and the vocabulary projection sit among the parameters of a model
+    (tied weights once, registration order): ``layer_start``, ``layer_param_count`` (of the module
+    list every family keeps its blocks in, ``*.layers``) and ``projection_index``; empty where the
+    model has no such list."""
+    import torch
+
+    params = list({id(p): p for p in meta.parameters()}.values())
+    index = {id(p): i for i, p in enumerate(params)}
+    blocks = next((m for name, m in meta.named_modules()
+                   if name.endswith("layers") and isinstance(m, torch.nn.ModuleList) and len(m)), None)
+    if blocks is None:
+        return {}
+    first = list(blocks[0].parameters())
+    layout = {"layer_start": index[id(first[0])], "layer_param_count": len(first)}
+    if out is not None:
+        layout["projection_index"] = index[id(out.weight)]
+    return layout
 
 
 def live_window_partitions(dims: ModelDims, world_size: int, checkpointing: bool, reuse_numel: int,
@@ -92,19 +121,22 @@ def live_window_partitions(dims: ModelDims, world_size: int, checkpointing: bool
     numels = list(dims.param_numels)
     n_layers = max(1, dims.num_layers)
     outside = 2 if dims.tied_embeddings else 3  # Llama: embedding, layers, final norm (, lm_head untied)
-    per_layer = (len(numels) - outside) // n_layers
-    if per_layer < 1 or outside + per_layer * n_layers != len(numels):
+    start = 1 if dims.layer_start is None else dims.layer_start
+    per_layer = dims.layer_param_count or (len(numels) - outside) // n_layers
+    if per_layer < 1 or start + per_layer * n_layers > len(numels) or (
+            dims.layer_param_count is None and outside + per_layer * n_layers != len(numels)):
         return []
     vocab = dims.vocab_size * dims.hidden_size
-    layer_numel = sum(numels[1:1 + per_layer])
+    layer_numel = sum(numels[start:start + per_layer])
     uses = 3 if checkpointing else 2
     kept = 0
     while kept < n_layers and 2 * vocab + uses * kept * layer_numel < reuse_numel:
         kept += 1
     parts = [math.ceil(n / world_size) for n in numels]
     offsets = [0, *itertools.accumulate(parts)]  # where each partition starts in the DRAM-copy order
-    projection = 0 if dims.tied_embeddings else len(numels) - 1
-    window = [projection] + list(range(1 + (n_layers - kept) * per_layer, 1 + n_layers * per_layer))
+    projection = dims.projection_index if dims.projection_index is not None else (
+        0 if dims.tied_embeddings else len(numels) - 1)
+    window = [projection] + list(range(start + (n_layers - kept) * per_layer, start + n_layers * per_layer))
     return [parts[i] for i in window if offsets[i] >= dram_numel and parts[i] * elem_bytes >= MIN_SWAPPABLE_BYTES]
 
 

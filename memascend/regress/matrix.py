@@ -324,14 +324,21 @@ def _cpu_full() -> Matrix:
     configs.append(BenchConfig(name="llama-1b-bf16-256x1-sub-group-1e8", from_scratch="llama-1b", micro_batch=1,
                                steps=4, activation_checkpointing=True, thresholds=LLAMA_1B_TUNED_THRESHOLDS,
                                deepspeed_settings=(("zero_optimization.sub_group_size", 100_000_000),)))
+    # The memory core's targets on other model families (issue 21), from scratch: an untied
+    # Mistral shape (the issue's ~67 M case), Qwen2 (tied, q/k/v biases) and GPT-NeoX (untied,
+    # parallel attention, LayerNorms, dropout 0.1); memascend.families.PRESETS.
+    for preset in FAMILY_PRESETS:
+        configs.append(BenchConfig(name=f"{preset}-bf16-256x2", from_scratch=preset, micro_batch=2,
+                                   thresholds=SMOLLM2_THRESHOLDS))
     for seq in (1024, 4096):
         configs.append(BenchConfig(name=f"llama-0.1b-bf16-{seq}x1", from_scratch="llama-0.1b", seq_len=seq,
                                    micro_batch=1, steps=3, activation_checkpointing=True,
                                    thresholds=SMOLLM2_THRESHOLDS))
     return Matrix(
         name="cpu-full",
-        description="scaling story on the CPU: SmolLM2-135M (bf16, fp32, 2 ranks, 2 simulated nodes) and "
-                    "from-scratch Llama 0.1B-3B, sequence lengths 256-4096; several hours on a 2-core CPU",
+        description="scaling story on the CPU: SmolLM2-135M (bf16, fp32, 2 ranks, 2 simulated nodes), "
+                    "from-scratch Llama 0.1B-3B, sequence lengths 256-4096, and from-scratch Mistral, Qwen2 and "
+                    "GPT-NeoX of ~0.1B; several hours on a 2-core CPU",
         configs=tuple(configs),
     )
 
@@ -358,6 +365,11 @@ def _gpu() -> Matrix:
                     "(dynamic loss scaling) and bf16, SmolLM2-135M and from-scratch Llama 0.1B/1B/3B",
         configs=tuple(configs),
     )
+
+
+FAMILY_PRESETS = ("mistral-0.07b", "qwen2-0.1b", "gpt-neox-0.1b")
+"""From-scratch presets of other families than Llama in ``cpu-full`` (bf16, 2 x 256 tokens,
+params and optimizer on NVMe, :data:`SMOLLM2_THRESHOLDS`)."""
 
 
 SCALING_PRESETS = ("llama-tiny", "llama-0.1b", "llama-0.3b", "llama-0.5b", "llama-1b", "llama-2b", "llama-3b")

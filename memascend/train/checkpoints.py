@@ -92,9 +92,9 @@ def meta_param_layout(src: Any, model_cfg: Any) -> dict[str, list[int]]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from memascend.models.loading import llama_config
+    from memascend.models.loading import from_scratch_config
 
-    hf_cfg = llama_config(model_cfg.from_scratch) if model_cfg.from_scratch else AutoConfig.from_pretrained(src.hf_dir)
+    hf_cfg = from_scratch_config(model_cfg.from_scratch) if model_cfg.from_scratch else AutoConfig.from_pretrained(src.hf_dir)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(hf_cfg)
     return param_layout(meta)

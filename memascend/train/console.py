@@ -119,7 +119,8 @@ def quiet_prints(verbose: bool) -> Iterator[None]:
 def run_banner(cfg) -> str:
     """The first phase line: model, data, engine and output folder of the run (a ``RunConfig``)."""
     fs = cfg.model.from_scratch
-    model = f"from-scratch Llama ({fs.hidden_size} wide, {fs.num_layers} layers)" if fs else cfg.model.name_or_path
+    family = "Llama" if fs is None or fs.arch == "llama" else fs.arch
+    model = f"from-scratch {family} ({fs.hidden_size} wide, {fs.num_layers} layers)" if fs else cfg.model.name_or_path
     return f"memascend finetune: {model} on {cfg.data.source}, engine {cfg.engine}, output {cfg.output_dir}"
 
 

@@ -79,10 +79,10 @@ def meta_shape(src, cfg: RunConfig):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from memascend.models.loading import llama_config
+    from memascend.models.loading import from_scratch_config
 
     try:
-        hf_cfg = llama_config(cfg.model.from_scratch) if cfg.model.from_scratch else AutoConfig.from_pretrained(src.hf_dir)
+        hf_cfg = from_scratch_config(cfg.model.from_scratch) if cfg.model.from_scratch else AutoConfig.from_pretrained(src.hf_dir)
         with torch.device("meta"):
             meta = AutoModelForCausalLM.from_config(hf_cfg)
     except (ValueError, KeyError, OSError) as exc:  # an architecture transformers has no causal LM for
