@@ -73,12 +73,8 @@ def finetune(**kw) -> None:
     first = "RANK" not in os.environ and not is_supervised()
     if first:
         options.show_config_notes(cfg)
-    if cfg.memascend.host_memory_budget is not None:
-        from memascend.plan.budget import apply_host_memory_budget
-
-        # every process of the run (supervised child, ranks) derives the same choice; the first prints it
-        world_size = nproc or int(os.environ.get("WORLD_SIZE", "1") or 1)
-        cfg = apply_host_memory_budget(cfg, world_size, announce=_say if first else None)
+    if cfg.memascend.host_memory_budget is not None and cfg.engine == "memascend":
+        cfg = _with_budget_choice(cfg, nproc, first)
     output_given = kw["output_dir"] is not None or cfg.output_dir != RunConfig.output_dir
     if first or ENV_OUTPUT_DIR in os.environ:
         cfg, fresh = settle_output(cfg, given=output_given, overwrite=overwrite_output, first_process=first)
@@ -109,6 +105,29 @@ def finetune(**kw) -> None:
 
 def _say(line: str) -> None:
     click.echo(f"memascend: {line}", err=True)
+
+
+_BUDGET_CHOICE_ENV = "MEMASCEND_BUDGET_CHOICE"
+"""The settings the first process chose for ``--host-memory-budget`` (JSON), for its supervised
+child and the ranks it launches."""
+
+
+def _with_budget_choice(cfg: RunConfig, nproc: int | None, first: bool) -> RunConfig:
+    """``cfg`` with the knobs chosen for its host memory budget (:mod:`memascend.plan.budget`): the
+    first process chooses (and prints) them, up front, before anything is created; the processes it
+    starts take its choice from the environment."""
+    import dataclasses
+    import json
+
+    if first or _BUDGET_CHOICE_ENV not in os.environ:
+        from memascend.plan.budget import choose_values_isolated
+
+        values, line = choose_values_isolated(cfg, nproc or int(os.environ.get("WORLD_SIZE", "1") or 1))
+        if first:
+            _say(line)
+        os.environ[_BUDGET_CHOICE_ENV] = json.dumps(values)
+    values = json.loads(os.environ[_BUDGET_CHOICE_ENV])
+    return dataclasses.replace(cfg, memascend=dataclasses.replace(cfg.memascend, **values))
 
 
 def _print_summary(rep: dict, output_dir: str) -> None:

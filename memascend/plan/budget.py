@@ -240,6 +240,49 @@ def _size(n_bytes: int) -> str:
     return f"{n_bytes / GIB:.2f}GiB" if n_bytes >= GIB else f"{n_bytes}B"
 
 
+def choose_values_isolated(cfg: RunConfig, world_size: int = 1) -> tuple[dict[str, Any], str]:
+    """:func:`choose_for_budget` of ``cfg.memascend.host_memory_budget`` in a forked child process.
+
+    Laying the model out imports torch and transformers (some 0.4 GiB resident); ``memascend
+    finetune``'s first process only supervises the run and stays light, since the run's memory cap
+    counts it too.
+
+    Returns:
+        ``(BudgetChoice.values, BudgetChoice.describe())``.
+
+    Raises:
+        UserError: nothing fits (the child's one line).
+        RuntimeError: the child failed otherwise.
+    """
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+
+    def work() -> None:
+        try:
+            choice = choose_for_budget(cfg, int(cfg.memascend.host_memory_budget), world_size)
+            send.send(("ok", choice.values, choice.describe()))
+        except UserError as exc:
+            send.send(("error", str(exc), ""))
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
+            send.send(("crash", f"{type(exc).__name__}: {exc}", ""))
+
+    proc = ctx.Process(target=work, daemon=True)
+    proc.start()
+    send.close()
+    try:
+        kind, first, second = recv.recv()
+    except EOFError:
+        kind, first, second = "crash", f"the planning process exited with {proc.exitcode}", ""
+    proc.join()
+    if kind == "error":
+        raise UserError(first)
+    if kind == "crash":
+        raise RuntimeError(f"choosing the settings for the host memory budget failed: {first}")
+    return first, second
+
+
 def apply_host_memory_budget(cfg: RunConfig, world_size: int = 1,
                              announce: Callable[[str], None] | None = None) -> RunConfig:
     """``cfg`` with the knobs :func:`choose_for_budget` picks for ``cfg.memascend.host_memory_budget``

@@ -202,3 +202,16 @@ def test_count_bounded_pool_prefetches_what_it_is_asked(tmp_path, aio_available)
     pooled.synchronize_reads()
     assert all(p.ds_tensor.status == PartitionedParamStatus.AVAILABLE for p in params)
     assert pooled.available_swap_in_buffers() == 2
+
+
+def test_a_prefetch_listing_a_partition_twice_reads_it_once(tmp_path, aio_available):
+    """A reuse distance that releases a partition between two close uses (activation checkpointing's
+    recompute and backward) makes the prefetcher list it twice; stock asserts, the pool reads it once."""
+    pooled = make_param_swapper_class(MemAscendSettings(param_pool_bytes=64 * MIB))(ds_config(tmp_path / "p", 8),
+                                                                                   torch.bfloat16)
+    params = write_params(pooled, SIZES[:3])
+    pooled.swap_in([params[0], params[1], params[0], params[2]], async_op=True)
+    pooled.synchronize_reads()
+    assert pooled.pool.in_use_count() == 3
+    for p in params:
+        assert torch.equal(p.ds_tensor, expected(p.ds_id, p.ds_numel))

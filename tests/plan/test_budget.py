@@ -102,3 +102,11 @@ def test_plan_prints_the_choice_and_plans_with_it():
                                    "--host-memory-budget", "8GiB", "--json"])
     assert res.exit_code == 0, res.output
     assert "memascend: host memory budget 8.00 GiB: param_dram_numel=" in res.stderr
+
+
+def test_the_choice_in_a_forked_process_matches_and_refuses_alike():
+    cfg = _cfg("llama-tiny", host_memory_budget="8GiB")
+    values, line = budget_mod.choose_values_isolated(cfg)
+    assert values == choose_for_budget(cfg, 8 * GIB).values and line.startswith("host memory budget 8.00 GiB")
+    with pytest.raises(UserError, match="is below the smallest workable budget"):
+        budget_mod.choose_values_isolated(_cfg("llama-tiny", host_memory_budget="1MiB"))

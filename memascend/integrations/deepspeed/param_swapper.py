@@ -184,7 +184,10 @@ class PooledParamSwapper(AsyncPartitionedParameterSwapper):
         if any(p.ds_tensor.status != PartitionedParamStatus.NOT_AVAILABLE for p in params):
             raise RuntimeError("some params are already available or in flight")
         if async_op and swap_in_buffers is None:
-            params = self._prefetch_prefix(params)
+            # The prefetcher lists a partition once per use in its window; with a reuse distance that
+            # releases it between two close uses (recompute and backward) it is listed twice, which
+            # stock 0.19.8 asserts on ("already assigned swap buffer id"): read it once.
+            params = self._prefetch_prefix(list({p.ds_id: p for p in params}.values()))
             if not params:
                 return
         paths = self._get_swap_paths(params)
