@@ -147,6 +147,14 @@ class MemAscendSettings:
             best-fit blocks of a cache that keeps their pages, so each step's activations and
             gradient temporaries reuse resident memory instead of being unmapped by glibc and
             faulted in (and zeroed) again the next step. Transparent hugepages on the cache's
+        optimizer_chunk_numel: elements per chunk of the chunked optimizer step
+            (:mod:`memascend.integrations.deepspeed.chunked_step`): every NVMe-swapped sub-group
+            (``DeepSpeedCPUAdam``, fp32 states) is stepped one chunk at a time, its master weights,
+            moments and gradient read at the chunk's file offsets into four chunk-sized locked
+            buffers instead of four of the largest sub-group; losses stay bit-identical (Adam is
+            elementwise). A multiple of 1024 (direct-I/O and SIMD alignment). ``"auto"``:
+            :data:`memascend.integrations.deepspeed.chunk_plan.AUTO_CHUNK_NUMEL` (8 Mi elements,
+            32 MiB of fp32). ``None``: stock's whole-sub-group step.
             regions follow ``enable_torch_thp``. ``revert()`` puts torch's allocator back.
         fix_unaligned_gradient_io: a correctness fix, not an optimization, on for both engines:
             read and write the optimizer's swapped gradient fragments through an aligned bounce
@@ -179,6 +187,7 @@ class MemAscendSettings:
     reduce_bucket_numel: int | Literal["auto"] | None = "auto"
     enable_torch_thp: bool = True
     enable_host_block_cache: bool = True
+    optimizer_chunk_numel: int | Literal["auto"] | None = "auto"
     enable_grad_streaming: bool = True
     fix_unaligned_gradient_io: bool = True
     fix_exact_resume: bool = True
@@ -214,6 +223,11 @@ class MemAscendSettings:
                 raise UserError(f"memascend setting host_memory_budget: {exc}") from None
             if budget_bytes < 1:
                 raise UserError(f'memascend setting host_memory_budget must be a size such as "4GiB", got {budget!r}')
+        chunk = self.optimizer_chunk_numel
+        if chunk is not None and chunk != "auto" and (isinstance(chunk, bool) or not isinstance(chunk, int)
+                                                      or chunk < 1024 or chunk % 1024):
+            raise UserError('memascend setting optimizer_chunk_numel must be a multiple of 1024 (elements) or "auto", '
+                            f"got {chunk!r}")
             object.__setattr__(self, "host_memory_budget", budget_bytes)
         dram = self.param_dram_numel
         if dram is not None and dram != "auto" and (isinstance(dram, bool) or not isinstance(dram, int) or dram < 0):
@@ -225,7 +239,7 @@ class MemAscendSettings:
         given, the correctness fixes (``fix_*``) on."""
         off = {f.name: False for f in dataclasses.fields(cls) if f.name.startswith("enable_")}
         return cls(**off, optimizer_sub_group_numel=None, reduce_bucket_numel=None, param_dram_numel=None,
-                   param_pool_bytes=None)
+                   param_pool_bytes=None, optimizer_chunk_numel=None)
 
     @classmethod
     def from_mapping(cls, section: Mapping[str, Any]) -> MemAscendSettings:

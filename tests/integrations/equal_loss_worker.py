@@ -134,6 +134,9 @@ def main() -> None:
     parser.add_argument("--ma-sub-group-numel", type=lambda v: v if v == "auto" else int(v), default=None,
                         help="memascend only: optimizer_sub_group_numel (rewrites sub_group_size); "
                              "default: keep the config's")
+    parser.add_argument("--ma-chunk-numel", type=lambda v: None if v == "none" else (v if v == "auto" else int(v)),
+                        default="auto", help="memascend only: optimizer_chunk_numel ('none': stock's whole "
+                                             "sub-group step); default: auto")
     parser.add_argument("--clip", type=float, default=0.0, help="gradient_clipping (0: off)")
     args = parser.parse_args()
     if args.dtype == "fp16" and args.device != "cuda":
@@ -173,7 +176,8 @@ def main() -> None:
             with torch.device("meta"):
                 numels = [p.numel() for p in LlamaForCausalLM(model_cfg).parameters()]
             cfg, applied = ma_ds.prepare_ds_config(
-                cfg, ma_ds.MemAscendSettings(optimizer_sub_group_numel=args.ma_sub_group_numel), param_numels=numels)
+                cfg, ma_ds.MemAscendSettings(optimizer_sub_group_numel=args.ma_sub_group_numel,
+                                             optimizer_chunk_numel=args.ma_chunk_numel), param_numels=numels)
             ma_ds.apply(applied)
         deepspeed.init_distributed(dist_backend="gloo" if args.device == "cpu" else "nccl")
         hf_ds = HfDeepSpeedConfig(cfg)  # noqa: F841 - keeps transformers' zero-3 awareness alive (fp32 route)
@@ -221,6 +225,9 @@ def main() -> None:
                     "optimizer_buffers": opt_mgr.peak_buffers_in_use,
                     "optimizer_locked_bytes": opt_mgr.peak_locked_bytes,
                     "allocator": swapper.locked_allocator.source}
+            chunked = engine.optimizer.__dict__.get("_memascend_chunked")  # memascend.integrations.deepspeed.chunked_step
+            pool["chunked_sub_groups"] = sorted(chunked.sub_groups) if chunked else []
+            pool["chunk_locked_bytes"] = chunked.peak_locked_bytes if chunked else 0
     report = {"engine": args.engine, "dtype": args.dtype, "losses_hex": [x.hex() for x in losses],
               "sub_group_numels": [int(n) for n in engine.optimizer.fp16_partitioned_groups_flat_numel],
               "losses": losses, "peak_vmlck_kib": sampler.peak_vmlck_kib, "peak_rss_kib": sampler.peak_rss_kib,

@@ -10,7 +10,7 @@ import torch
 
 import memascend.integrations.deepspeed as ma_ds
 from memascend.errors import UserError
-from memascend.integrations.deepspeed import overflow
+from memascend.integrations.deepspeed import chunked_step, overflow
 from memascend.integrations.deepspeed.patches import PatchRegistry
 
 
@@ -69,7 +69,8 @@ def test_revert_restores_identical_objects():
     ma_ds.apply(ALL_ON)
     during = _snapshot()
     assert all(during[k] is not before[k] for k in before), "every seam must be patched"
-    assert len(ma_ds.patch_records()) == len(before)
+    # plus the chunked optimizer step's stage-3 methods (checked in test_ds_chunked_step.py)
+    assert len(ma_ds.patch_records()) == len(before) + len(chunked_step.PATCHED_METHODS)
     ma_ds.revert()
     after = _snapshot()
     assert all(after[k] is before[k] for k in before)
@@ -141,7 +142,7 @@ def test_one_revert_restores_patches_raw_store_malloc_policy_and_host_cache(tmp_
     host_cache.install()  # what the engine's first forward does
     during = _everything()
     assert all(during[k] is not before[k] for k in before), "every seam must be patched"
-    assert len(ma_ds.patch_records()) == len(before)  # one registry holds both
+    assert len(ma_ds.patch_records()) == len(before) + len(chunked_step.PATCHED_METHODS)  # one registry holds both
     assert ma_ds.active_raw_store() is handle and host_cache.installed()
     assert mallopt_calls == [(ha._M_MMAP_THRESHOLD, 4 << 20), (ha._M_TRIM_THRESHOLD, 16 << 20),
                              (ha._M_ARENA_MAX, 2)]

@@ -68,6 +68,10 @@ What each flag patches (DeepSpeed 0.19.8 names):
   on NVMe).
 * ``enable_host_block_cache``: ``DeepSpeedEngine.forward`` installs the host block cache
   (:mod:`memascend.memory.host_cache`) at the first forward; :func:`revert` uninstalls it.
+* ``optimizer_chunk_numel`` (set): ``DeepSpeedZeroOptimizer_Stage3._prepare_sub_group``,
+  ``.unscale_and_clip_grads``, ``._optimizer_step``,
+  ``._reassign_or_swap_out_partitioned_parameters`` and ``._release_sub_group`` step every
+  NVMe-swapped sub-group chunk by chunk (:mod:`.chunked_step`); other sub-groups as stock.
 * ``fix_unaligned_gradient_io`` (a correctness fix, on for both engines):
   ``PartitionedOptimizerSwapper._swap_in_pinned_gradients`` and
   ``OptimizerSwapper._writeback_gradients`` (:mod:`.aligned_io`).
@@ -395,6 +399,12 @@ def _on_resolved(resolved: MemAscendSettings) -> None:
             _patch_grad_norm(resolved)
 
 
+def _patch_chunked_step(settings: MemAscendSettings) -> None:
+    from memascend.integrations.deepspeed import chunked_step
+
+    chunked_step.patch(_registry, settings)
+
+
 def _patch_fused_overflow(settings: MemAscendSettings) -> None:
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as stage3
 
@@ -420,6 +430,7 @@ _FLAG_GROUPS: tuple[tuple[Callable[[MemAscendSettings], bool], Callable[[MemAsce
     (lambda s: s.fix_unaligned_gradient_io, _patch_aligned_io),
     (lambda s: s.fix_exact_resume, _patch_exact_resume),
     (lambda s: s.enable_fused_overflow_check, _patch_fused_overflow),
+    (lambda s: s.optimizer_chunk_numel is not None, _patch_chunked_step),
     (lambda s: any(getattr(s, key) is not None for key in CONFIG_KEYS), _patch_initialize),
 )
 

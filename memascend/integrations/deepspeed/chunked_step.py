@@ -1,0 +1,427 @@
+"""Chunked optimizer sub-groups: the step of an NVMe-swapped sub-group, one bounded chunk at a time.
+
+Stock DeepSpeed 0.19.8 (``DeepSpeedZeroOptimizer_Stage3.step``: ``_prepare_sub_group`` ->
+``unscale_and_clip_grads`` -> ``_optimizer_step`` -> ``_reassign_or_swap_out_partitioned_parameters``
+-> ``_release_sub_group``) swaps a whole sub-group's fp32 master weights, ``exp_avg``,
+``exp_avg_sq`` and gradient into ``states + 1`` locked buffers of the *largest* sub-group
+(``PartitionedOptimizerSwapper.swap_in_optimizer_state``), so the step's locked memory grows with
+the largest sub-group, which is never smaller than the largest parameter (an embedding, an untied
+``lm_head``). With ``optimizer_chunk_numel`` set, every eligible swapped sub-group is instead
+stepped chunk by chunk (:mod:`.chunk_plan`): for each chunk of at most ``optimizer_chunk_numel``
+elements the chunk's master weights and moments are read at their offset of the sub-group's swap
+files, its gradient from the overlapping parts of the gradient fragments, Adam steps on the chunk
+(``DeepSpeedCPUAdam`` with the sub-group's step number for every chunk), the chunk is written back
+and copied into the 16-bit partition (in DRAM, or written to the parameters' swap files), then the
+next chunk. The four buffers are chunk-sized and the files keep stock's names and layout, so
+checkpoints (swap-folder copy or raw-store export) and exact resume are unchanged.
+
+Bit-identity: Adam is elementwise, chunk boundaries are SIMD- and I/O-aligned
+(:data:`~.chunk_plan.CHUNK_ALIGN_NUMEL`), the loss-scale/clip factor is stock's
+(``1 / combined_scale``, computed once per step as stock computes it), and the step number is the
+same for every chunk (``Adam_Optimizer::IncrementStep`` returns early for a repeated step, so
+``beta^t`` is untouched). The fp16 overflow skip happens before any sub-group is touched, and the
+clipping norm is computed before the loop (with stock's grouping, :mod:`.grad_norm`).
+
+Eligible: a sub-group that ``PartitionedOptimizerSwapper`` swaps (not the pipelined swapper), with
+``DeepSpeedCPUAdam`` (fp32 states), on the CPU (no partial offload to the accelerator), without Muon,
+ZenFlow or a torch autocast grad scaler; any other sub-group takes the stock path.
+
+Replaces (``MemAscendSettings.optimizer_chunk_numel`` set): the five
+``DeepSpeedZeroOptimizer_Stage3`` methods named above; each keeps stock's behaviour for a sub-group
+that is not chunked.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from memascend.integrations.deepspeed import chunk_plan
+from memascend.integrations.deepspeed.chunk_io import range_io_for
+from memascend.integrations.deepspeed.pinning import LockedAllocator
+from memascend.settings import MemAscendSettings
+
+_FP32_BYTES = 4
+_DIRECT_IO_BYTES = 4096
+GRAD_BOUNCE_NUMEL = 1 << 20
+"""fp32 elements of the bounce slab gradient pieces are read through (4 MiB): a fragment starts at
+its parameter's offset of the sub-group, so a chunk's part of it rarely starts on a direct-I/O
+boundary of the fragment file; it is read in aligned rounds of at most this size and copied."""
+
+STATE_KEYS = ("exp_avg", "exp_avg_sq")
+"""``DeepSpeedCPUAdam``'s per-parameter state tensors, in the order it creates them."""
+
+_ATTR = "_memascend_chunked"
+
+
+def eligible(opt: Any, sub_group_id: int) -> bool:
+    """Whether sub-group ``sub_group_id`` of stage-3 optimizer ``opt`` is stepped in chunks."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper import PartitionedOptimizerSwapper
+
+    return (isinstance(getattr(opt, "optimizer_swapper", None), PartitionedOptimizerSwapper)
+            and opt._swappable_optimizer_subgroup(sub_group_id)
+            and isinstance(opt.optimizer, DeepSpeedCPUAdam)
+            and getattr(opt.optimizer, "fp32_optimizer_states", True)
+            and opt.fp32_partitioned_groups_flat[sub_group_id].dtype == torch.float32
+            and getattr(opt, "subgroup_to_device", {}).get(sub_group_id, "cpu") == "cpu"
+            and not getattr(opt, "use_muon", False)
+            and not getattr(opt, "zenflow", False)
+            and not getattr(opt, "torch_autocast_gradscaler", None))
+
+
+class ChunkedSubGroups:
+    """The chunked step of one stage-3 optimizer: which sub-groups, their buffers, the step.
+
+    Args:
+        opt: the ``DeepSpeedZeroOptimizer_Stage3``.
+        chunk_numel: elements per chunk (a multiple of :data:`~.chunk_plan.CHUNK_ALIGN_NUMEL`).
+        settings: the applied settings (arena pinning, buffer release).
+    """
+
+    def __init__(self, opt: Any, chunk_numel: int, settings: MemAscendSettings) -> None:
+        self.chunk_numel = int(chunk_numel)
+        self.settings = settings
+        self.sub_groups = {i for i in range(len(opt.fp16_groups)) if eligible(opt, i)}
+        self.last = max(self.sub_groups, default=-1)
+        numels = [int(opt.fp16_partitioned_groups_flat_numel[i]) for i in self.sub_groups]
+        self.buffer_numel = min(self.chunk_numel,
+                                max((chunk_plan.align_up(n, chunk_plan.CHUNK_ALIGN_NUMEL) for n in numels), default=0))
+        swapper = getattr(opt, "optimizer_swapper", None)
+        self.io = range_io_for(swapper.aio_handle) if swapper is not None else None
+        self.allocator = (LockedAllocator(swapper.aio_handle, prefer_arena=settings.enable_arena_pinning)
+                          if swapper is not None else None)
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.staging: tuple[LockedAllocator, torch.Tensor] | None = None
+        self.param_io: dict[int, Any] = {}
+        self.inv_scale: Any = None
+        self.peak_locked_bytes = 0
+
+    # -- buffers ------------------------------------------------------------------------------
+    def acquire(self) -> dict[str, torch.Tensor]:
+        """The chunk buffers (``param``, ``exp_avg``, ``exp_avg_sq``, ``grad``, ``bounce``), locked."""
+        if not self.buffers:
+            for name in ("param", *STATE_KEYS, "grad"):
+                self.buffers[name] = self.allocator.allocate(self.buffer_numel, torch.float32)
+            self.buffers["bounce"] = self.allocator.allocate(
+                min(GRAD_BOUNCE_NUMEL, self.buffer_numel) + 2 * chunk_plan.CHUNK_ALIGN_NUMEL, torch.float32)
+            self._account()
+        return self.buffers
+
+    def staging_for(self, handle: Any, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """A locked buffer of at least ``numel`` elements of ``dtype`` from ``handle`` (16-bit
+        parameter pieces written to their swap files)."""
+        if self.staging is None or self.staging[1].dtype != dtype or self.staging[1].numel() < numel:
+            self._free_staging()
+            allocator = LockedAllocator(handle, prefer_arena=self.settings.enable_arena_pinning)
+            self.staging = (allocator, allocator.allocate(numel, dtype))
+            self._account()
+        return self.staging[1]
+
+    def _account(self) -> None:
+        locked = sum(b.nbytes for b in self.buffers.values())
+        locked += self.staging[1].nbytes if self.staging is not None else 0
+        self.peak_locked_bytes = max(self.peak_locked_bytes, locked)
+
+    def _free_staging(self) -> None:
+        if self.staging is not None:
+            self.staging[0].free(self.staging[1])
+            self.staging = None
+
+    def release(self) -> None:
+        """Free the chunk buffers (between steps, with ``enable_optimizer_buffer_release``)."""
+        for buffer in self.buffers.values():
+            self.allocator.free(buffer)
+        self.buffers = {}
+        self._free_staging()
+
+    # -- the step -----------------------------------------------------------------------------
+    def step(self, opt: Any, sub_group_id: int) -> None:
+        """Step sub-group ``sub_group_id`` chunk by chunk (gradients already swapped out)."""
+        fp32 = opt.fp32_partitioned_groups_flat[sub_group_id]
+        swapper = opt.optimizer_swapper
+        swap_info = swapper._get_param_swap_info(fp32)
+        numel = int(opt.fp16_partitioned_groups_flat_numel[sub_group_id])
+        state = opt.optimizer.state.setdefault(fp32, {})
+        has_moments = bool(swap_info.has_state_tensors)
+        paths = self._state_paths(swap_info, fp32, state)
+        file_numel = swapper._io_aligned_numel(numel)
+        group_id = opt.sub_group_to_group_id[sub_group_id]
+        bufs = self.acquire()
+        param_writer = _ParamWriter(self, opt, sub_group_id)
+        for name in ("param", *STATE_KEYS):
+            self.io.begin_write(paths[name], file_numel * _FP32_BYTES)
+        step_count = state.get("step", 0)
+        for start, stop in chunk_plan.chunk_bounds(numel, self.chunk_numel):
+            io_numel = chunk_plan.chunk_io_numel(start, stop, numel, swapper.numel_alignment)
+            views = {name: bufs[name].narrow(0, 0, io_numel) for name in ("param", *STATE_KEYS)}
+            reads = [(views["param"], paths["param"], start * _FP32_BYTES)]
+            if has_moments:
+                reads += [(views[k], paths[k], start * _FP32_BYTES) for k in STATE_KEYS]
+            else:
+                for k in STATE_KEYS:
+                    views[k].zero_()
+            self.io.read(reads)
+            grad = bufs["grad"].narrow(0, 0, stop - start)
+            self._read_gradient(swapper, swap_info, start, stop, grad)
+            grad.mul_(self.inv_scale)
+            new_step = _adam_on_chunk(opt.optimizer, group_id, views, grad, stop - start, step_count)
+            self.io.write([(views[name], paths[name], start * _FP32_BYTES) for name in ("param", *STATE_KEYS)])
+            param_writer.chunk(views["param"], start, stop)
+        for name in ("param", *STATE_KEYS):
+            self.io.end_write(paths[name])
+        param_writer.finish()
+        state["step"] = new_step
+
+    @staticmethod
+    def _state_paths(swap_info: Any, fp32: torch.Tensor, state: dict) -> dict[str, str]:
+        """Swap paths of the master weights and moments; registers empty placeholders for the
+        moments at the first step, as stock's swap-out leaves them (checkpoints save them)."""
+        if not swap_info.has_state_tensors:
+            placeholders = []
+            for key in STATE_KEYS:
+                placeholder = torch.empty(0, dtype=fp32.dtype)
+                placeholder.ds_id = f"{key}-{fp32.ds_id}"
+                state[key] = placeholder
+                placeholders.append(placeholder)
+            swap_info.add_state_tensors(placeholders)
+        paths = {"param": swap_info.tensors[0].swap_path}
+        for ctx in swap_info.tensors[1:]:
+            paths[str(ctx.compute_tensor.ds_id).split("-", 1)[0]] = ctx.swap_path
+        return paths
+
+    def _read_gradient(self, swapper: Any, swap_info: Any, start: int, stop: int, grad: torch.Tensor) -> None:
+        """Fill ``grad`` (the chunk's ``stop - start`` elements) from the gradient fragments."""
+        grad.zero_()
+        fragments = list(swap_info.swapped_gradients.values())
+        bounce = self.buffers["bounce"]
+        align = _DIRECT_IO_BYTES // _FP32_BYTES
+        for piece in chunk_plan.pieces_in_chunk([(f.offset, f.length) for f in fragments], start, stop):
+            fragment = fragments[piece.index]
+            file_numel = swapper._io_aligned_numel(fragment.length)
+            for lo, hi in chunk_plan.aligned_reads(piece.src_start, piece.src_stop, file_numel, align,
+                                                   bounce.numel() - align):
+                self.io.read([(bounce.narrow(0, 0, hi - lo), fragment.path, lo * _FP32_BYTES)])
+                a, b = max(lo, piece.src_start), min(hi, piece.src_stop)
+                grad.narrow(0, piece.dest_start + a - piece.src_start, b - a).copy_(bounce.narrow(0, a - lo, b - a))
+        unswapped = sorted(swap_info.unswapped_gradients.items())
+        for piece in chunk_plan.pieces_in_chunk([(off, t.numel()) for off, t in unswapped], start, stop):
+            src = unswapped[piece.index][1]
+            grad.narrow(0, piece.dest_start, piece.numel).copy_(src.narrow(0, piece.src_start, piece.numel))
+
+
+def _adam_on_chunk(optimizer: Any, group_id: int, views: dict[str, torch.Tensor], grad: torch.Tensor,
+                   numel: int, step_count: Any) -> Any:
+    """One ``DeepSpeedCPUAdam`` step on a chunk, with the sub-group's step number ``step_count + 1``.
+
+    Returns:
+        The state's ``step`` after the update.
+    """
+    param = views["param"].narrow(0, 0, numel)
+    param.grad = grad
+    state = {"step": step_count, **{k: views[k].narrow(0, 0, numel) for k in STATE_KEYS}}
+    optimizer.state[param] = state
+    group = optimizer.param_groups[group_id]
+    group["params"] = [param]
+    try:
+        optimizer.step()
+    finally:
+        group["params"] = []
+        optimizer.state.pop(param, None)
+        param.grad = None
+    return state["step"]
+
+
+class _ParamWriter:
+    """Copies each stepped chunk into the sub-group's 16-bit partition: its DRAM flat buffer, or the
+    parameters' partitions (in DRAM, or written to their swap files)."""
+
+    def __init__(self, owner: ChunkedSubGroups, opt: Any, sub_group_id: int) -> None:
+        self.owner, self.opt, self.sub_group_id = owner, opt, sub_group_id
+        self.flat = opt.fp16_partitioned_groups_flat[sub_group_id]
+        self.params = list(zip(opt.fp16_groups[sub_group_id], opt.fp16_partitioned_groups[sub_group_id]))
+        offsets, pos = [], 0
+        for _, part in self.params:
+            offsets.append((pos, int(part.ds_numel)))
+            pos += int(part.ds_numel)
+        self.sources = offsets
+        self.carry: dict[int, torch.Tensor] = {}
+
+    def chunk(self, fp32: torch.Tensor, start: int, stop: int) -> None:
+        """Copy the stepped master weights ``fp32`` of elements ``[start, stop)`` to 16 bits."""
+        if self.flat is not None:
+            self.flat.narrow(0, start, stop - start).copy_(fp32.narrow(0, 0, stop - start))
+            return
+        from deepspeed.runtime.zero.partition_parameters import PartitionedParamStatus
+
+        whole_params, whole_src = [], []
+        for piece in chunk_plan.pieces_in_chunk(self.sources, start, stop):
+            param, part = self.params[piece.index]
+            src = fp32.narrow(0, piece.dest_start, piece.numel)
+            if part.status == PartitionedParamStatus.AVAILABLE:
+                part.data.narrow(0, piece.src_start, piece.numel).copy_(src)
+            elif piece.src_start == 0 and piece.src_stop == int(part.ds_numel):
+                whole_params.append(param)
+                whole_src.append(src)
+            else:
+                self._write_piece(param, part, piece, src)
+        if whole_params:
+            whole_params[0].nvme_swapper.swap_out_partitioned_params(dst_fp16_params=whole_params,
+                                                                     src_fp32_params=whole_src)
+
+    def _write_piece(self, param: Any, part: Any, piece: chunk_plan.Piece, src: torch.Tensor) -> None:
+        """Write one piece of a parameter partition that spans chunks to its swap file, in order;
+        the unaligned tail waits in ``carry`` for the next piece."""
+        swapper = param.nvme_swapper
+        swapper.synchronize_writes()
+        handle = swapper.aio_write_handle
+        io = self.owner.param_io.setdefault(id(handle), range_io_for(handle))
+        path = swapper.get_path(param, must_exist=True)
+        numel = int(part.ds_numel)
+        # The swapper's dtype: a released partition's placeholder tensor may carry another one.
+        dtype = swapper.dtype
+        elem = torch.empty(0, dtype=dtype).element_size()
+        align = _DIRECT_IO_BYTES // elem
+        file_numel = swapper._io_aligned_numel(numel)
+        lo, hi = chunk_plan.param_writes(piece.src_start, piece.src_stop, numel, file_numel, align)
+        staging = self.owner.staging_for(handle, dtype, self.owner.buffer_numel + 4 * align)
+        if piece.src_start == 0:
+            io.begin_write(path, file_numel * elem)
+        carried = self.carry.pop(id(param), None)
+        if carried is not None:
+            staging.narrow(0, 0, carried.numel()).copy_(carried)
+        staging.narrow(0, piece.src_start - lo, piece.numel).copy_(src)
+        if hi > lo:
+            io.write([(staging.narrow(0, 0, hi - lo), path, lo * elem)])
+        if piece.src_stop < numel:
+            if piece.src_stop > hi:
+                self.carry[id(param)] = staging.narrow(0, hi - lo, piece.src_stop - hi).clone()
+        else:
+            io.end_write(path)
+
+    def finish(self) -> None:
+        """After the last chunk: point the partitions at the DRAM flat buffer, as stock does."""
+        if self.flat is not None:
+            self.opt._unflatten_partitioned_parameters(self.sub_group_id)
+
+
+# ---- the patched stage-3 methods ----------------------------------------------------------------
+
+
+def _chunked(opt: Any, settings: MemAscendSettings) -> ChunkedSubGroups | None:
+    plan = opt.__dict__.get(_ATTR)
+    if plan is None:
+        chunk = chunk_plan.resolve_chunk_numel(settings.optimizer_chunk_numel)
+        plan = ChunkedSubGroups(opt, chunk, settings) if chunk else False
+        opt.__dict__[_ATTR] = plan
+    return plan or None
+
+
+def _is_chunked(opt: Any, sub_group_id: int, settings: MemAscendSettings) -> ChunkedSubGroups | None:
+    plan = _chunked(opt, settings)
+    return plan if plan is not None and sub_group_id in plan.sub_groups else None
+
+
+def make_prepare_sub_group(original: Any, settings: MemAscendSettings) -> Any:
+    """``_prepare_sub_group``: for a chunked sub-group only the gradient swap-out is finished
+    (stock's swap-in does that first) and the idle whole-sub-group buffers are handed back."""
+
+    @functools.wraps(original)
+    def _prepare_sub_group(self, sub_group_id, timer_names):
+        plan = _is_chunked(self, sub_group_id, settings)
+        if plan is None:
+            return original(self, sub_group_id, timer_names)
+        self.optimizer_swapper.flush_gradients()
+        manager = self.optimizer_swapper.swap_buffer_manager
+        if settings.enable_optimizer_buffer_release and hasattr(manager, "release_free_buffers"):
+            manager.release_free_buffers()
+        return None
+
+    return _prepare_sub_group
+
+
+def make_unscale_and_clip_grads(original: Any, settings: MemAscendSettings) -> Any:
+    """``unscale_and_clip_grads``: for a chunked sub-group, stock's factor is kept and applied to
+    each chunk's gradient (``grad.mul_(1. / combined_scale)``, as stock)."""
+
+    @functools.wraps(original)
+    def unscale_and_clip_grads(self, sub_group_id, total_norm):
+        plan = _is_chunked(self, sub_group_id, settings)
+        if plan is None:
+            return original(self, sub_group_id, total_norm)
+        combined_scale = self.loss_scale
+        if self.clip_grad > 0.:
+            clip = ((total_norm / self.loss_scale) + 1e-6) / self.clip_grad
+            clip = torch.clamp(clip, min=1.0)
+            combined_scale = clip * self.loss_scale
+        plan.inv_scale = 1. / combined_scale
+        return None
+
+    return unscale_and_clip_grads
+
+
+def make_optimizer_step(original: Any, settings: MemAscendSettings) -> Any:
+    """``_optimizer_step``: the chunk loop for a chunked sub-group (:meth:`ChunkedSubGroups.step`)."""
+
+    @functools.wraps(original)
+    def _optimizer_step(self, sub_group_id):
+        plan = _is_chunked(self, sub_group_id, settings)
+        if plan is None:
+            return original(self, sub_group_id)
+        return plan.step(self, sub_group_id)
+
+    return _optimizer_step
+
+
+def make_reassign_or_swap_out(original: Any, settings: MemAscendSettings) -> Any:
+    """``_reassign_or_swap_out_partitioned_parameters``: nothing left for a chunked sub-group
+    (each chunk went to the 16-bit partition as it was stepped)."""
+
+    @functools.wraps(original)
+    def _reassign_or_swap_out_partitioned_parameters(self, sub_group_id):
+        if _is_chunked(self, sub_group_id, settings) is None:
+            return original(self, sub_group_id)
+        return None
+
+    return _reassign_or_swap_out_partitioned_parameters
+
+
+def make_release_sub_group(original: Any, settings: MemAscendSettings) -> Any:
+    """``_release_sub_group``: drops the DRAM gradient fragments as stock's swap-out does, and after
+    the last chunked sub-group frees the chunk buffers (``enable_optimizer_buffer_release``)."""
+
+    @functools.wraps(original)
+    def _release_sub_group(self, sub_group_id, timer_names):
+        plan = _is_chunked(self, sub_group_id, settings)
+        if plan is None:
+            return original(self, sub_group_id, timer_names)
+        fp32 = self.fp32_partitioned_groups_flat[sub_group_id]
+        swap_info = self.optimizer_swapper._get_param_swap_info(fp32)
+        if swap_info is not None:
+            swap_info.release_unswapped_gradients()
+        fp32.grad = None
+        if sub_group_id == plan.last and settings.enable_optimizer_buffer_release:
+            plan.release()
+        return None
+
+    return _release_sub_group
+
+
+#: (stage-3 method, factory) pairs patched by :func:`patch` (the package's ``_patch_chunked_step``).
+PATCHED_METHODS = (
+    ("_prepare_sub_group", make_prepare_sub_group),
+    ("unscale_and_clip_grads", make_unscale_and_clip_grads),
+    ("_optimizer_step", make_optimizer_step),
+    ("_reassign_or_swap_out_partitioned_parameters", make_reassign_or_swap_out),
+    ("_release_sub_group", make_release_sub_group),
+)
+
+
+def patch(registry: Any, settings: MemAscendSettings) -> None:
+    """Patch the stage-3 methods of :data:`PATCHED_METHODS` through ``registry`` (reversible)."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as stage3
+
+    for name, factory in PATCHED_METHODS:
+        registry.patch(stage3, name, factory(getattr(stage3, name), settings))
