@@ -283,8 +283,12 @@ def _stream_bucket(optimizer: Any, live: list, previous: list, check: Callable[[
     for (param, grad_partition), prev in zip(live, previous):
         optimizer._offload_boundary_param_ids.add(param.ds_id)
         streamed_numel[param.ds_id] = grad_partition.numel()
-        if prev is None:  # micro step 0: stock copies into the accumulation dtype (never an alias:
-            # the reduced partition may be a view of the reused bucket buffer)
+        if prev is None and acc_dtype != optimizer.master_weights_and_grads_dtype:
+            # micro step 0: stock copies into the accumulation dtype; the swapper gets a master-dtype
+            # copy of it (.to in _offload_grad_partition_at_boundary / _write_back), so no own copy
+            grad_buffer = grad_partition.to(acc_dtype)
+        elif prev is None:  # the swapper may keep the very tensor (a fragment kept in DRAM), and the
+            # reduced partition may be a view of the reused bucket buffer: a copy, as stock's buffer
             grad_buffer = torch.empty(grad_partition.shape, dtype=acc_dtype, device=grad_partition.device)
             grad_buffer.copy_(grad_partition)
         else:  # stock: cuda_grad_buffer = buffer.to(device); add_(partition.to(acc dtype))

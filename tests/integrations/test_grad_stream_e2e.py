@@ -1,0 +1,53 @@
+"""End to end: ``memascend finetune`` with streaming gradients, gradient accumulation 2.
+
+One run in the default suite (llama-tiny, 2 steps of 2 micro-batches of 2 x 32 tokens, bf16): the
+gradient partitions buffer is never allocated and the per-step losses are the ones stock
+DeepSpeed (``--engine baseline``, same command) computes, recorded in :data:`BASELINE_LOSSES_HEX`.
+The slow test runs the baseline live beside it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import run_cli
+
+pytest.importorskip("deepspeed")
+
+ARGS = ["--from-scratch", "llama-tiny", "--grad-accum", "2", "--steps", "2", "--seq-len", "32", "--micro-batch", "2",
+        "--eval-blocks", "0", "--no-save-model", "--report-to", "none"]
+BASELINE_LOSSES_HEX = ["0x1.5948d10000000p+3", "0x1.5822450000000p+3"]
+"""``memascend finetune --engine baseline`` with :data:`ARGS` (this repository's CPU host)."""
+
+
+def _finetune(tmp_path, name: str, *extra: str) -> dict:
+    out = tmp_path / name
+    proc = run_cli(["finetune", *ARGS, *extra, "--output", str(out), "--nvme-path", str(tmp_path / f"swap-{name}")],
+                   tmp_path, timeout_s=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads((out / "report.json").read_text())
+    report["losses_hex"] = [step["loss"].hex() for step in report["steps"]]
+    return report
+
+
+@pytest.fixture(scope="module")
+def streamed(tmp_path_factory):
+    return _finetune(tmp_path_factory.mktemp("grad-stream"), "memascend")
+
+
+def test_no_gradient_buffer_and_stock_losses(streamed):
+    assert streamed["memascend_settings"]["enable_grad_streaming"] is True
+    assert streamed["memory_breakdown"]["gradient_buffers"]["grad_partitions_flat"]["allocated_bytes"] == 0
+    assert streamed["losses_hex"] == BASELINE_LOSSES_HEX
+
+
+@pytest.mark.slow
+def test_baseline_live_and_streaming_off(tmp_path, streamed):
+    baseline = _finetune(tmp_path, "baseline", "--engine", "baseline")
+    off_config = tmp_path / "off.json"
+    off_config.write_text(json.dumps({"memascend": {"enable_grad_streaming": False}}))
+    off = _finetune(tmp_path, "off", "--deepspeed-config", str(off_config))
+    assert baseline["losses_hex"] == BASELINE_LOSSES_HEX == streamed["losses_hex"] == off["losses_hex"]
+    assert off["memory_breakdown"]["gradient_buffers"]["grad_partitions_flat"]["allocated_bytes"] > 0
