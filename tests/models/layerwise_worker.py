@@ -7,7 +7,10 @@ in bf16 or fp32) it writes a random-weight Llama with ``save_pretrained``, build
 ``memascend.models.loading.build_model`` stock (``layerwise=False``) and layer by layer, gathers both
 and compares every parameter and buffer bit for bit, plus the training flag, config and generation
 config. One JSON line ``LAYERWISE_REPORT {...}`` per case: ``differ`` (names whose tensors differ),
-``unlike_file`` (checkpoint tensors the layer-wise model does not hold, cast to its dtype), ``calls`` (how often ``transformers``' zero3 copy ran) and ``largest_call_keys`` (most keys in one).
+``unlike_file`` (checkpoint tensors the layer-wise model does not hold, cast to its dtype),
+``cached_bytes`` (the files' page cache after the stock and after the layer-wise load), ``calls``
+(how often ``transformers``' zero3 copy ran) and ``largest_call_keys`` (most keys in one). Then one
+``FROM_SCRATCH_REPORT {...}`` per family and dtype: a from-scratch model built both ways, compared.
 """
 
 from __future__ import annotations
@@ -45,7 +48,21 @@ def _write_folder(root: Path, name: str, tied: bool, shard: str | None, dtype: s
     out = root / name
     kwargs = {"max_shard_size": shard} if shard else {}
     model.save_pretrained(out, safe_serialization=True, **kwargs)
+    os.sync()  # written back, so that the loader's POSIX_FADV_DONTNEED can drop the pages
     return out
+
+
+def _resident_bytes(folder: Path) -> int | None:
+    """Page-cache bytes of the folder's safetensors files (util-linux ``fincore``; ``None`` without it)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("fincore") is None:
+        return None
+    files = [str(f) for f in sorted(folder.glob("*.safetensors"))]
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *files],
+                         capture_output=True, text=True, check=True).stdout
+    return sum(int(x) for x in out.split())
 
 
 def _gathered(model) -> dict:
@@ -88,7 +105,9 @@ def run_case(root: Path, name: str, tied: bool, shard: str | None, ckpt_dtype: s
     stock_calls: list = []
     mine_calls: list = []
     stock = _build(folder, dtype, False, stock_calls)
+    cached_after_stock = _resident_bytes(folder)
     mine = _build(folder, dtype, True, mine_calls)
+    cached_after_mine = _resident_bytes(folder)
     a, b = _gathered(stock), _gathered(mine)
     from safetensors.torch import load_file
 
@@ -109,6 +128,7 @@ def run_case(root: Path, name: str, tied: bool, shard: str | None, ckpt_dtype: s
         "training": [stock.training, mine.training],
         "config_equal": stock.config.to_dict() == mine.config.to_dict(),
         "generation_config_equal": stock.generation_config.to_dict() == mine.generation_config.to_dict(),
+        "cached_bytes": [cached_after_stock, cached_after_mine],
         "calls": len(mine_calls),
         "stock_calls": len(stock_calls),
         "largest_call_keys": max((len(c) for c in mine_calls), default=0),

@@ -8,6 +8,8 @@ the gathered parameters and buffers of the two models bit for bit.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +60,26 @@ def test_context_restores_transformers():
     assert (mu.load_state_dict, mu._load_state_dict_into_zero3_model) == before
 
 
+def _resident_bytes(path) -> int:
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
+                         capture_output=True, text=True, check=True).stdout
+    return int(out.split()[0])
+
+
+@pytest.mark.skipif(shutil.which("fincore") is None, reason="needs util-linux fincore")
+def test_drop_cached_pages_empties_the_page_cache(tmp_path):
+    path = tmp_path / "shard.safetensors"
+    with open(path, "wb") as f:
+        f.write(os.urandom(8 << 20))
+        f.flush()
+        os.fsync(f.fileno())  # dirty pages cannot be dropped
+    path.read_bytes()
+    if _resident_bytes(path) == 0:
+        pytest.skip("this filesystem keeps no page cache for the file")
+    layerwise.drop_cached_pages(str(path))
+    assert _resident_bytes(path) == 0
+
+
 def test_drop_cached_pages_tolerates_a_missing_file(tmp_path):
     layerwise.drop_cached_pages(str(tmp_path / "absent.safetensors"))
     (tmp_path / "x.bin").write_bytes(b"x" * 4096)
@@ -99,6 +121,16 @@ def test_layerwise_copies_one_layer_or_module_at_a_time(reports):
         assert sorted(g[0] for g in groups if g[0].isdigit()) == ["0", "1", "2"], name
         assert r["calls"] == (5 if r["tied"] else 6), name
         assert r["largest_call_keys"] == 9, name  # one decoder layer: 7 matrices + 2 norms
+
+
+def test_layerwise_leaves_no_checkpoint_pages_cached(reports):
+    """POSIX_FADV_DONTNEED after each layer: the shards' pages that stock's load left in the page
+    cache (and the layer-wise load read again) are gone once it is done."""
+    for name, r in reports[0].items():
+        stock, mine = r["cached_bytes"]
+        if stock is None or stock == 0:
+            pytest.skip("no fincore, or a filesystem without a page cache for the files")
+        assert mine == 0, (name, r["cached_bytes"])
 
 
 def test_from_scratch_built_in_training_dtype_is_unchanged(reports):
