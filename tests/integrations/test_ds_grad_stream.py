@@ -69,7 +69,8 @@ class FakeSwapper:
                 info.unswapped_gradients[offset] = tensor
                 continue
             path = info.get_or_create_gradient_paths([offset], [tensor.numel()])[0]
-            self.disk[path] = tensor.detach().clone()
+            # SwapBuffer.insert_tensor: copy_ into the swapper's fp32 pinned buffer
+            self.disk[path] = torch.empty(tensor.numel(), dtype=torch.float32).copy_(tensor)
 
 
 class FakeStage3:

@@ -17,16 +17,18 @@ With streaming (``MemAscendSettings.enable_grad_streaming``) the buffer is alloc
 * later micro steps: the bucket's regions are read back from the swap target (fp32 holds every
   bf16/fp16 value exactly), converted to the accumulation dtype and the new partition is added
   there, as stock's ``add_``, then written back;
-* at the boundary, the accumulated partition goes through stock's own
-  ``_offload_grad_partition_at_boundary`` (same norm, same fp32 copy, same swap-out), so clipping
-  sees stock's per-parameter norms and the gradient norm grouping of :mod:`.grad_norm` still holds;
+* at the boundary, the accumulated partition is handed over as stock's
+  ``_offload_grad_partition_at_boundary`` does (same norm, same fp32 values, same swap-out calls;
+  :func:`stage_partition`), so clipping sees stock's per-parameter norms and the gradient norm
+  grouping of :mod:`.grad_norm` still holds; the fp32 values are made by the copy into the
+  swapper's pinned buffers, not by a bucket-sized ``.to(float32)`` first;
 * fp16: each accumulated partition is checked for inf/nan as it streams and the result ORed into
   ``inf_or_nan_tracker``, which stock's (or memascend's fused) ``has_overflow`` reads beside the
   now empty buffer, so an overflowing step is still skipped. Checking every micro step equals
   checking the final sums: an inf or nan stays one under further additions.
 
-Host memory for gradients is then one reduce bucket of partitions plus the swapper's pinned window,
-whatever the model size. The values every micro step computes are stock's, so losses are
+Host memory for gradients is then the reduced bucket itself (plus, accumulating, its fp32 regions
+read back and their sums) and the swapper's pinned window, whatever the model size. The values every micro step computes are stock's, so losses are
 bit-identical wherever every parameter gets a gradient in every micro step (stock's buffer keeps a
 stale partition for a parameter that a micro step skips; streaming keeps the swap target's).
 
@@ -217,16 +219,35 @@ def read_regions(optimizer: Any, regions: Sequence[tuple[int, int, int]]) -> lis
     return out
 
 
-def _write_back(optimizer: Any, param: Any, grad_buffer: torch.Tensor, gradients: dict, offsets: dict) -> None:
-    """Stage a not-yet-final partition for the swap target (the boundary's path without the norm)."""
-    sub_group_id, dest_offset, _ = optimizer.grad_position[optimizer.get_param_id(param)]
-    fp32 = grad_buffer.to(dtype=optimizer.master_weights_and_grads_dtype)
-    if optimizer._swappable_optimizer_subgroup(sub_group_id):
-        gradients.setdefault(sub_group_id, []).append(fp32)
-        offsets.setdefault(sub_group_id, []).append(dest_offset)
-    else:
-        target = optimizer.fp32_partitioned_groups_flat[sub_group_id].grad.narrow(0, dest_offset, fp32.numel())
-        target.copy_(fp32, non_blocking=True)
+def stage_partition(optimizer: Any, param: Any, grad_buffer: torch.Tensor, gradients: dict, offsets: dict,
+                    boundary: bool) -> None:
+    """Hand one accumulated partition to the swap target: stock's ``_offload_grad_partition_at_boundary``
+    (at the boundary: the norm of ``grad_buffer`` into ``norm_for_param_grads``, as stock), less its
+    master-dtype copy of the whole partition.
+
+    The pieces the swapper writes are converted into its pinned buffers by the copy it makes anyway
+    (``SwapBuffer.insert_tensor``: ``copy_`` widens exactly as ``.to`` does); only the pieces it
+    keeps in DRAM (below ``min_aio_bytes``, split as ``_adjust_for_misaligned_lengths`` splits) get
+    their own master-dtype copy, since the swapper holds on to them and ``grad_buffer`` may be a
+    view of a buffer the next bucket reuses. A sub-group kept in DRAM gets the values copied into
+    its fp32 ``.grad``. ``gradients``/``offsets``: per swapped sub-group, the lists
+    ``_swap_out_offload_fp32_gradients`` sends.
+    """
+    param_id = optimizer.get_param_id(param)
+    sub_group_id, dest_offset, _ = optimizer.grad_position[param_id]
+    if boundary:
+        optimizer.norm_for_param_grads[param_id] = optimizer._constant_buffered_norm2(grad_buffer)
+    if not optimizer._swappable_optimizer_subgroup(sub_group_id):
+        fp32_grad = optimizer.fp32_partitioned_groups_flat[sub_group_id].grad
+        fp32_grad.narrow(0, dest_offset, grad_buffer.numel()).copy_(grad_buffer, non_blocking=True)
+        return
+    swapper = optimizer.optimizer_swapper
+    pieces, starts = swapper._adjust_for_misaligned_lengths(tensors=[grad_buffer], offsets=[dest_offset])
+    for piece, start in zip(pieces, starts):
+        if not swapper.is_swappable_tensor(tensor=piece):
+            piece = piece.to(dtype=optimizer.master_weights_and_grads_dtype, copy=True)
+        gradients.setdefault(sub_group_id, []).append(piece)
+        offsets.setdefault(sub_group_id, []).append(start)
 
 
 # ---- backward: partition_grads per reduced bucket
@@ -283,23 +304,15 @@ def _stream_bucket(optimizer: Any, live: list, previous: list, check: Callable[[
     for (param, grad_partition), prev in zip(live, previous):
         optimizer._offload_boundary_param_ids.add(param.ds_id)
         streamed_numel[param.ds_id] = grad_partition.numel()
-        if prev is None and acc_dtype != optimizer.master_weights_and_grads_dtype:
-            # micro step 0: stock copies into the accumulation dtype; the swapper gets a master-dtype
-            # copy of it (.to in _offload_grad_partition_at_boundary / _write_back), so no own copy
+        if prev is None:  # micro step 0: stock copies into its buffer (values in the accumulation
+            # dtype); stage_partition copies whatever it keeps, so no copy of the bucket here
             grad_buffer = grad_partition.to(acc_dtype)
-        elif prev is None:  # the swapper may keep the very tensor (a fragment kept in DRAM), and the
-            # reduced partition may be a view of the reused bucket buffer: a copy, as stock's buffer
-            grad_buffer = torch.empty(grad_partition.shape, dtype=acc_dtype, device=grad_partition.device)
-            grad_buffer.copy_(grad_partition)
         else:  # stock: cuda_grad_buffer = buffer.to(device); add_(partition.to(acc dtype))
             grad_buffer = prev.to(dtype=acc_dtype).to(grad_partition.device)
             grad_buffer.add_(grad_partition.to(acc_dtype).view(grad_buffer.shape))
         if optimizer.dtype == torch.float16 and check(grad_buffer):
             optimizer.inf_or_nan_tracker.fill_(True)
-        if boundary:
-            optimizer._offload_grad_partition_at_boundary(param, grad_buffer, gradients, offsets)
-        else:
-            _write_back(optimizer, param, grad_buffer, gradients, offsets)
+        stage_partition(optimizer, param, grad_buffer, gradients, offsets, boundary)
         if not get_accelerator().is_synchronized_device() and param.grad is not None:
             param.grad.record_stream(get_accelerator().current_stream())
         param.grad = None
@@ -324,7 +337,7 @@ def make_finalize_offload_gradient_accumulation(original: Callable[..., Any]) ->
         offsets: dict[int, list] = {}
         for param, region in zip(params, read_regions(self, regions)):
             grad_buffer = region.to(dtype=self.gradient_accumulation_dtype)
-            self._offload_grad_partition_at_boundary(param, grad_buffer, gradients, offsets)
+            stage_partition(self, param, grad_buffer, gradients, offsets, boundary=True)
         self._swap_out_offload_fp32_gradients(gradients, offsets)
 
     _finalize_offload_gradient_accumulation.__wrapped__ = original  # type: ignore[attr-defined]
