@@ -343,11 +343,12 @@ def _add_gradients(add, cfg: RunConfig, dims: ModelDims, z: dict, e: int, w: int
     add(f"reduce bucket ({min(bucket_numel, dims.total_numel):,} of {bucket_numel:,} elements touched)",
         min(bucket_numel, dims.total_numel) * e, False, "DeepSpeedZeroOptimizer_Stage3 ipg_buckets (reduce_bucket_size)")
     if release_grads == "stream":
-        # grad_stream: no whole-partition buffer; per reduced bucket the fp32 copies of its partitions
-        # for the swapper, and accumulating, the fp32 regions read back and their 16-bit sums.
+        # grad_stream: no whole-partition buffer; the reduced bucket's partitions go to the swapper's
+        # pinned buffers as they are (converted by its copy), and accumulating, the fp32 regions
+        # read back and their sums in the gradient dtype join them.
         bucket = min(part, math.ceil(bucket_numel / w))
-        accumulating = _FP32 + (e if e != _FP32 else 0) if cfg.train.grad_accum > 1 else 0
-        add("streamed gradient partitions (one reduce bucket)", bucket * (_FP32 + accumulating), False,
+        accumulating = _FP32 + e if cfg.train.grad_accum > 1 else 0
+        add("streamed gradient partitions (one reduce bucket)", bucket * (e + accumulating), False,
             "grad_stream.make_partition_grads (enable_grad_streaming)", "backward")
         return
     if release_grads:
