@@ -325,8 +325,9 @@ def _cpu_full() -> Matrix:
                                steps=4, activation_checkpointing=True, thresholds=LLAMA_1B_TUNED_THRESHOLDS,
                                deepspeed_settings=(("zero_optimization.sub_group_size", 100_000_000),)))
     # The memory core's targets on other model families (issue 21), from scratch: an untied
-    # Mistral shape (the issue's ~67 M case), Qwen2 (tied, q/k/v biases) and GPT-NeoX (untied,
-    # parallel attention, LayerNorms, dropout 0.1); memascend.families.PRESETS.
+    # Mistral shape (the issue's ~67 M case), Qwen2 (tied, q/k/v biases), GPT-NeoX (untied,
+    # parallel attention, LayerNorms, dropout 0.1) and Phi (untied with an lm_head bias, one
+    # LayerNorm per block, dropout 0.1); memascend.families.PRESETS.
     for preset in FAMILY_PRESETS:
         configs.append(BenchConfig(name=f"{preset}-bf16-256x2", from_scratch=preset, micro_batch=2,
                                    thresholds=SMOLLM2_THRESHOLDS))
@@ -337,8 +338,8 @@ def _cpu_full() -> Matrix:
     return Matrix(
         name="cpu-full",
         description="scaling story on the CPU: SmolLM2-135M (bf16, fp32, 2 ranks, 2 simulated nodes), "
-                    "from-scratch Llama 0.1B-3B, sequence lengths 256-4096, and from-scratch Mistral, Qwen2 and "
-                    "GPT-NeoX of ~0.1B; several hours on a 2-core CPU",
+                    "from-scratch Llama 0.1B-3B, sequence lengths 256-4096, and from-scratch Mistral, Qwen2, "
+                    "GPT-NeoX and Phi of ~0.1B; several hours on a 2-core CPU",
         configs=tuple(configs),
     )
 
@@ -367,7 +368,7 @@ def _gpu() -> Matrix:
     )
 
 
-FAMILY_PRESETS = ("mistral-0.07b", "qwen2-0.1b", "gpt-neox-0.1b")
+FAMILY_PRESETS = ("mistral-0.07b", "qwen2-0.1b", "gpt-neox-0.1b", "phi-0.1b")
 """From-scratch presets of other families than Llama in ``cpu-full`` (bf16, 2 x 256 tokens,
 params and optimizer on NVMe, :data:`SMOLLM2_THRESHOLDS`)."""
 

@@ -18,8 +18,9 @@ HELD_OUT = sorted((Path(__file__).parent / "data" / "heldout").glob("*.json"))
 """Reports no planner constant was calibrated on, all 2 x 256 tokens, bf16, params and optimizer on
 NVMe: from-scratch Llamas with untied embeddings (576 wide, 24 and 20 layers, 3 steps; the 20-layer
 one's last optimizer sub-group, three layers and lm_head, is 1.5x the sub-group size) and the
-regression suite's other families (``cpu-full``'s mistral-0.07b, qwen2-0.1b and gpt-neox-0.1b rows,
-4 steps; ``memascend regress --matrix cpu-full --only '<preset>-bf16-256x2'``)."""
+regression suite's other families (``cpu-full``'s mistral-0.07b, qwen2-0.1b, gpt-neox-0.1b and
+phi-0.1b rows, 4 steps; ``memascend regress --matrix cpu-full --only '<preset>-bf16-256x2'``, phi's
+pair from ``memascend finetune --engine baseline/memascend`` with that row's arguments)."""
 TOLERANCE = 0.15
 
 
@@ -56,9 +57,9 @@ def test_plan_within_15_percent_of_held_out_run(path):
     _assert_close(report, path.name)
 
 
-def test_held_out_runs_cover_four_families():
+def test_held_out_runs_cover_five_families():
     archs = {json.loads(p.read_text())["config"]["model"]["from_scratch"].get("arch", "llama") for p in HELD_OUT}
-    assert archs == {"llama", "mistral", "qwen2", "gpt_neox"}
+    assert archs == {"llama", "mistral", "qwen2", "gpt_neox", "phi"}
 
 
 def test_held_out_untied_run_needs_deepspeeds_sub_group_rule():
@@ -352,7 +353,7 @@ def test_bounce_slab_covers_unaligned_gradient_fragments():
     assert _bounce_slab_numel([[144, 1000]], 512) == 0  # under 1 MiB: stays in DRAM
     # The held-out stock runs measure exactly the planned slab over the step's swap buffers: the
     # 576-wide Llamas' lm_head behind a 576-element norm; none where the norm before lm_head ends on
-    # the alignment (mistral-0.07b: 512 elements, gpt-neox-0.1b: 2 x 640) or the model is tied.
+    # the alignment (mistral-0.07b: 512 elements, gpt-neox-0.1b and phi-0.1b: 2 x 640) or the model is tied.
     for path in (p for p in HELD_OUT if "baseline" in p.name):
         report = json.loads(path.read_text())
         phases = report["memory"]["phase_peak_locked_bytes"]
