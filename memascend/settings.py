@@ -113,7 +113,6 @@ class MemAscendSettings:
             bucket (:mod:`memascend.integrations.deepspeed.grad_stream`). Elsewhere (optimizer in
             DRAM or on the device) stock's buffer is kept. Supersedes ``enable_grad_buffer_release``
             where it applies.
-
         enable_optimizer_buffer_release: with ``enable_optimizer_pool``, unlock the optimizer's
             swap buffers after every step (and after construction) and hand their pages back, so
             the forward and backward run without them; the next step locks them again. The aio
@@ -147,6 +146,7 @@ class MemAscendSettings:
             best-fit blocks of a cache that keeps their pages, so each step's activations and
             gradient temporaries reuse resident memory instead of being unmapped by glibc and
             faulted in (and zeroed) again the next step. Transparent hugepages on the cache's
+            regions follow ``enable_torch_thp``. ``revert()`` puts torch's allocator back.
         optimizer_chunk_numel: elements per chunk of the chunked optimizer step
             (:mod:`memascend.integrations.deepspeed.chunked_step`): every NVMe-swapped sub-group
             (``DeepSpeedCPUAdam``, fp32 states) is stepped one chunk at a time, its master weights,
@@ -155,7 +155,6 @@ class MemAscendSettings:
             elementwise). A multiple of 1024 (direct-I/O and SIMD alignment). ``"auto"``:
             :data:`memascend.integrations.deepspeed.chunk_plan.AUTO_CHUNK_NUMEL` (8 Mi elements,
             32 MiB of fp32). ``None``: stock's whole-sub-group step.
-            regions follow ``enable_torch_thp``. ``revert()`` puts torch's allocator back.
         fix_unaligned_gradient_io: a correctness fix, not an optimization, on for both engines:
             read and write the optimizer's swapped gradient fragments through an aligned bounce
             buffer where the fragment's host address is not O_DIRECT-aligned; stock DeepSpeed
@@ -187,8 +186,8 @@ class MemAscendSettings:
     reduce_bucket_numel: int | Literal["auto"] | None = "auto"
     enable_torch_thp: bool = True
     enable_host_block_cache: bool = True
-    optimizer_chunk_numel: int | Literal["auto"] | None = "auto"
     enable_grad_streaming: bool = True
+    optimizer_chunk_numel: int | Literal["auto"] | None = "auto"
     fix_unaligned_gradient_io: bool = True
     fix_exact_resume: bool = True
 
@@ -223,12 +222,12 @@ class MemAscendSettings:
                 raise UserError(f"memascend setting host_memory_budget: {exc}") from None
             if budget_bytes < 1:
                 raise UserError(f'memascend setting host_memory_budget must be a size such as "4GiB", got {budget!r}')
+            object.__setattr__(self, "host_memory_budget", budget_bytes)
         chunk = self.optimizer_chunk_numel
         if chunk is not None and chunk != "auto" and (isinstance(chunk, bool) or not isinstance(chunk, int)
                                                       or chunk < 1024 or chunk % 1024):
             raise UserError('memascend setting optimizer_chunk_numel must be a multiple of 1024 (elements) or "auto", '
                             f"got {chunk!r}")
-            object.__setattr__(self, "host_memory_budget", budget_bytes)
         dram = self.param_dram_numel
         if dram is not None and dram != "auto" and (isinstance(dram, bool) or not isinstance(dram, int) or dram < 0):
             raise UserError(f'memascend setting param_dram_numel must be an integer >= 0 or "auto", got {dram!r}')
