@@ -370,10 +370,47 @@ def _add_gradients(add, cfg: RunConfig, dims: ModelDims, z: dict, e: int, w: int
         add("grad_partitions_flat_buffer", part * e, False, "DeepSpeedZeroOptimizer_Stage3 gradient partition")
 
 
+def _step_chunk_numel(z: dict, sub: int, ma: bool, settings) -> int | None:
+    """Elements of the chunked step's buffers (:mod:`memascend.integrations.deepspeed.chunked_step`:
+    every NVMe-swapped sub-group is stepped in chunks of at most ``optimizer_chunk_numel``), or
+    ``None`` when the step swaps whole sub-groups (stock, or the setting ``None``)."""
+    from memascend.integrations.deepspeed.chunk_plan import CHUNK_ALIGN_NUMEL, align_up, resolve_chunk_numel
+
+    chunk = resolve_chunk_numel(getattr(settings, "optimizer_chunk_numel", None)) if ma else None
+    if chunk is None or z.get("offload_optimizer", {}).get("device") != "nvme":
+        return None
+    return min(chunk, align_up(sub, CHUNK_ALIGN_NUMEL))
+
+
+def _add_chunked_step(add, chunk: int, released: bool) -> None:
+    """The chunked step's locked buffers: master weights, two moments and gradient of one chunk, and
+    the slab gradient pieces are read through (no whole-sub-group buffer, no fp32 gradient copy);
+    freed after each step when ``released``, else kept."""
+    from memascend.integrations.deepspeed.chunk_plan import CHUNK_ALIGN_NUMEL, GRAD_BOUNCE_NUMEL
+
+    bounce = min(GRAD_BOUNCE_NUMEL, chunk) + 2 * CHUNK_ALIGN_NUMEL
+    add(f"chunked optimizer step buffers ({OPTIMIZER_BUFFERS_IN_USE} x {chunk:,} fp32 + gradient bounce)",
+        (OPTIMIZER_BUFFERS_IN_USE * chunk + bounce) * _FP32, True, "chunked_step.ChunkedSubGroups",
+        "step" if released else "resident")
+    add("optimizer step temporaries", chunk * MEMASCEND_STEP_TEMP_BYTES_PER_SUB_GROUP_NUMEL, False,
+        "calibrated (MEMASCEND_STEP_TEMP_BYTES_PER_SUB_GROUP_NUMEL), per chunk", "step")
+
+
 def _add_optimizer(add, z: dict, part: int, sub: int, ma: bool, settings) -> None:
     """The optimizer side of ``offload_optimizer`` and the step's temporaries."""
     oo = z.get("offload_optimizer", {})
-    if oo.get("device") == "nvme":
+    chunk = _step_chunk_numel(z, sub, ma, settings)
+    if chunk is not None:
+        released = settings.enable_optimizer_pool and settings.enable_optimizer_buffer_release
+        _add_chunked_step(add, chunk, released)
+        staging = STAGING_BUFFERS_IN_USE * _aligned(sub, _FP32) * _FP32
+        for what, source, phase in (("the fp32 write-out", "initialize_parameters", "initialize"),
+                                    ("gradients out", "swap_out_gradients", "backward")):
+            add(f"optimizer swap buffers streaming {what} ({STAGING_BUFFERS_IN_USE} x {sub:,} fp32)", staging, True,
+                f"OnDemandSwapBufferManager.allocate_all ({source})", phase if released else "resident")
+            if not released:  # kept, the same two buffers serve both
+                break
+    elif oo.get("device") == "nvme":
         count = int(oo.get("buffer_count", DS_OPTIMIZER_BUFFER_COUNT))
         # memascend unlocks and frees its buffers between steps (enable_optimizer_buffer_release):
         # they exist in the step only; kept, they stay from the first step on, like stock's.
@@ -437,7 +474,8 @@ def plan_engine(cfg: RunConfig, dims: ModelDims, run: ResolvedRun, world_size: i
     _add_param_offload(add, cfg, dims, z, e, w, part, sub, ma, settings)
     _add_gradients(add, cfg, dims, z, e, w, part, release_grads)
     _add_optimizer(add, z, part, sub, ma, settings)
-    if oo.get("device") == "nvme" and getattr(settings, "fix_unaligned_gradient_io", False):
+    if oo.get("device") == "nvme" and getattr(settings, "fix_unaligned_gradient_io", False) \
+            and _step_chunk_numel(z, sub, ma, settings) is None:  # chunked: read through its own slab
         slab = _bounce_slab_numel(_sub_groups(run.ds_config, dims.param_numels, w),
                                   _swap_align_bytes(cfg.offload.nvme_path))
         add("gradient bounce slab (unaligned fragments)", slab * _FP32, True,
@@ -494,6 +532,7 @@ def plan_for_report(report: dict) -> EnginePlan:
     # Baseline reports record the baseline's settings (every optimization off): plan memascend
     # with them only for memascend's own reports.
     settings = report.get("memascend_settings") if report["engine"] == "memascend" else None
+    settings = settings and {"optimizer_chunk_numel": None, **settings}  # before it: whole sub-groups
     if settings is not None:  # reports from before param_pool_bytes ran with a count-bounded pool
         settings = {"param_pool_bytes": None, **settings}
         settings = {"enable_grad_streaming": False, **settings}  # from before it: the gradient buffer

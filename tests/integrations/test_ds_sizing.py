@@ -121,3 +121,20 @@ def test_auto_param_pool_bounds_the_reuse_window_only_without_a_dram_copy():
     cfg["zero_optimization"]["stage3_max_reuse_distance"] = 1000
     ds, _ = prepare_ds_config(cfg, MemAscendSettings(param_pool_bytes=1 << 30), param_numels=numels)
     assert ds["zero_optimization"]["stage3_max_reuse_distance"] == 1000
+
+
+def test_chunked_sub_groups_do_not_balloon_behind_an_untied_lm_head():
+    from memascend.integrations.deepspeed.sizing import auto_chunked_sub_group_numel
+
+    # embedding, 8 layers of 2.1 M, final norm, untied lm_head (the mistral-0.07b shape).
+    embed, layer = 49152 * 512, 2_100_000
+    numels = [embed] + [layer] * 8 + [512, embed]
+    old = auto_sub_group_numel(numels)
+    new = auto_chunked_sub_group_numel(numels, 8 << 20)
+    largest = {size: max(sum(g) for g in stock_sub_groups(numels, size, int)) for size in (old, new)}
+    assert largest[old] > 1.6 * embed  # the layers before lm_head join it
+    assert largest[new] == embed + 512  # only the final norm does
+    groups = stock_sub_groups(numels, new, int)
+    assert min(sum(g) for g in groups) * 4 >= MIN_SWAPPABLE_BYTES  # every sub-group swapped
+    # Nothing to gain: the unchunked size is kept (a tiny model, one sub-group).
+    assert auto_chunked_sub_group_numel([64_000, 4096], 8 << 20, 2) == auto_sub_group_numel([64_000, 4096], 2)

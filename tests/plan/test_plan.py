@@ -147,7 +147,10 @@ def test_plan_cli_scaling_reaches_the_llama2_shapes_without_building_them():
     assert rows["llama-70b"]["memascend"]["nvme_bytes"] >= 18 * 68_976_648_192
     for engine in ("baseline", "memascend"):
         peaks = [r[engine]["peak_rss_bytes"] for r in doc["scaling"]]
-        assert peaks == sorted(peaks) and all(r[engine]["peak_locked_bytes"] > 0 for r in doc["scaling"])
+        # Stock grows with the model; memascend's chunked step and DRAM-copy switch make its peak
+        # follow the largest layer more than the parameter count (the 70B shape still the largest).
+        assert (peaks == sorted(peaks) if engine == "baseline" else max(peaks) == peaks[-1])
+        assert all(r[engine]["peak_locked_bytes"] > 0 for r in doc["scaling"])
         assert rows["llama-70b"][engine]["peak_rss_bytes"] == doc[engine]["peak_rss_bytes"]
     assert rows["llama-7b"]["memascend"]["peak_rss_bytes"] < rows["llama-7b"]["baseline"]["peak_rss_bytes"]
     table = CliRunner().invoke(cli, ["plan", "--from-scratch", "llama-tiny", "--seq-len", "64", "--scaling"])
@@ -273,8 +276,9 @@ def test_kept_optimizer_buffers_are_resident_released_ones_exist_in_the_step_onl
     from memascend.plan import plan_run
 
     cfg = build_run_config({}, {"data": {"seq_len": 256}, "train": {"micro_batch": 4}})
-    released = plan_run(cfg)["memascend"]
-    kept = plan_run(cfg, memascend_settings={"enable_optimizer_buffer_release": False})["memascend"]
+    whole = {"optimizer_chunk_numel": None}  # the whole-sub-group step (the chunked one: its own buffers)
+    released = plan_run(cfg, memascend_settings=whole)["memascend"]
+    kept = plan_run(cfg, memascend_settings={**whole, "enable_optimizer_buffer_release": False})["memascend"]
 
     def buffers(plan):
         return {c.phase: c.bytes for c in plan.components if c.name.startswith("optimizer swap buffers (")}

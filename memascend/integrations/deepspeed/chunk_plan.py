@@ -33,6 +33,11 @@ sequential bandwidth with requests of a few MiB, so larger chunks buy no I/O spe
 locked memory stays the same whatever the model (a 49152 x 2048 embedding alone is 100.7 M elements:
 12 chunks)."""
 
+GRAD_BOUNCE_NUMEL = 1 << 20
+"""fp32 elements of the bounce slab gradient pieces are read through (4 MiB): a fragment starts at
+its parameter's offset of the sub-group, so a chunk's part of it rarely starts on a direct-I/O
+boundary of the fragment file; it is read in aligned rounds of at most this size and copied."""
+
 
 def resolve_chunk_numel(value: int | str | None) -> int | None:
     """Elements per chunk for a setting value: ``"auto"`` -> :data:`AUTO_CHUNK_NUMEL`, an integer

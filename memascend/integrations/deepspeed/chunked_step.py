@@ -45,10 +45,6 @@ from memascend.settings import MemAscendSettings
 
 _FP32_BYTES = 4
 _DIRECT_IO_BYTES = 4096
-GRAD_BOUNCE_NUMEL = 1 << 20
-"""fp32 elements of the bounce slab gradient pieces are read through (4 MiB): a fragment starts at
-its parameter's offset of the sub-group, so a chunk's part of it rarely starts on a direct-I/O
-boundary of the fragment file; it is read in aligned rounds of at most this size and copied."""
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 """``DeepSpeedCPUAdam``'s per-parameter state tensors, in the order it creates them."""
@@ -106,7 +102,7 @@ class ChunkedSubGroups:
             for name in ("param", *STATE_KEYS, "grad"):
                 self.buffers[name] = self.allocator.allocate(self.buffer_numel, torch.float32)
             self.buffers["bounce"] = self.allocator.allocate(
-                min(GRAD_BOUNCE_NUMEL, self.buffer_numel) + 2 * chunk_plan.CHUNK_ALIGN_NUMEL, torch.float32)
+                min(chunk_plan.GRAD_BOUNCE_NUMEL, self.buffer_numel) + 2 * chunk_plan.CHUNK_ALIGN_NUMEL, torch.float32)
             self._account()
         return self.buffers
 

@@ -18,6 +18,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from memascend.integrations.deepspeed.chunk_plan import resolve_chunk_numel
 from memascend.integrations.deepspeed.grad_norm import stock_sub_groups
 from memascend.settings import MemAscendSettings
 
@@ -66,15 +67,59 @@ def auto_sub_group_numel(param_numels: Iterable[int], world_size: int = 1,
     parts = [math.ceil(int(n) / max(1, world_size)) for n in param_numels]
     if not parts:
         return 1
-    size, total = max(parts), sum(parts)
+    return max(1, _grow_until_swappable(parts, max(parts), -(-min_swappable_bytes // _FP32_BYTES)))
+
+
+def auto_chunked_sub_group_numel(param_numels: Iterable[int], chunk_numel: int, world_size: int = 1,
+                                 min_swappable_bytes: int = MIN_SWAPPABLE_BYTES) -> int:
+    """Sub-group size for ``optimizer_sub_group_numel="auto"`` when the step is chunked
+    (:mod:`.chunked_step`): the one whose largest sub-group is smallest.
+
+    With a chunked step the optimizer's step buffers no longer depend on the sub-groups, but the
+    whole-sub-group buffers that remain (the gradient swap-out staging during backward, the initial
+    fp32 write-out, the 16-bit write-back buffer) hold the largest one. Stock grouping closes a
+    sub-group only once it reaches the size, so at the largest partition ``P`` (the unchunked rule,
+    :func:`auto_sub_group_numel`) the layers before an untied ``lm_head`` join it (up to ~2 ``P``).
+    A size ``S`` below ``P`` bounds every sub-group by ``P + S - 1`` and usually closes one right
+    before a large parameter. Candidates are ``P`` and the chunk halved down to the smallest
+    swappable size (each grown, as :func:`auto_sub_group_numel` grows ``P``, until no sub-group stays
+    in DRAM); :func:`auto_sub_group_numel`'s size is kept unless a candidate makes the largest
+    sub-group strictly smaller (then the largest such candidate: fewer, larger swap files).
+
+    Args:
+        param_numels, world_size, min_swappable_bytes: as :func:`auto_sub_group_numel`.
+        chunk_numel: elements per chunk of the step.
+
+    Returns:
+        Elements per sub-group, at least 1.
+    """
+    parts = [math.ceil(int(n) / max(1, world_size)) for n in param_numels]
+    if not parts:
+        return 1
     min_numel = -(-min_swappable_bytes // _FP32_BYTES)
+    unchunked = auto_sub_group_numel(parts, 1, min_swappable_bytes)
+    best = (max(sum(group) for group in stock_sub_groups(parts, unchunked, int)), unchunked)
+    candidates, size = set(), min(int(chunk_numel), sum(parts))
+    while size >= min_numel:
+        candidates.add(size)
+        size //= 2
+    for candidate in sorted(candidates, reverse=True):
+        grown = _grow_until_swappable(parts, candidate, min_numel)
+        largest = max(sum(group) for group in stock_sub_groups(parts, grown, int))
+        if largest < best[0]:
+            best = (largest, grown)
+    return max(1, best[1])
+
+
+def _grow_until_swappable(parts: list[int], size: int, min_numel: int) -> int:
+    total = sum(parts)
     while size < total:
         groups = stock_sub_groups(parts, size, int)
         smallest = min(sum(group) for group in groups)
         if len(groups) == 1 or smallest >= min_numel:
             break
         size = min(total, size + smallest)
-    return max(1, size)
+    return size
 
 
 def auto_param_dram_numel(ds_config: Mapping[str, Any], param_numels: Iterable[int] | None,
@@ -196,7 +241,8 @@ def prepare_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings,
                       world_size: int = 1) -> tuple[dict[str, Any], MemAscendSettings]:
     """Resolve ``settings`` against the model and return (DeepSpeed config, settings to apply).
 
-    * ``optimizer_sub_group_numel="auto"`` becomes :func:`auto_sub_group_numel` when the optimizer
+    * ``optimizer_sub_group_numel="auto"`` becomes :func:`auto_sub_group_numel` (with a chunked
+      step, ``optimizer_chunk_numel`` set: :func:`auto_chunked_sub_group_numel`) when the optimizer
       state is swapped to NVMe and ``param_numels`` are given (else the config's size is kept);
     * when the sub-group size changes, ``grad_norm_sub_group_numel`` is set to the config's
       original size (so clipping sees the stock norm, :mod:`.grad_norm`), unless already set;
@@ -222,8 +268,13 @@ def prepare_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings,
     optimizer_on_nvme = (zero.get("offload_optimizer") or {}).get("device") == "nvme"
     sub_group = settings.optimizer_sub_group_numel
     if sub_group == "auto":
-        sub_group = (auto_sub_group_numel(param_numels, world_size)
-                     if optimizer_on_nvme and param_numels is not None else None)
+        chunk = resolve_chunk_numel(settings.optimizer_chunk_numel)
+        if not optimizer_on_nvme or param_numels is None:
+            sub_group = None
+        elif chunk is not None:
+            sub_group = auto_chunked_sub_group_numel(param_numels, chunk, world_size)
+        else:
+            sub_group = auto_sub_group_numel(param_numels, world_size)
     bucket = settings.reduce_bucket_numel
     if bucket == "auto":
         # One whole (unpartitioned) gradient must fit; the stock size is kept if it is smaller.
