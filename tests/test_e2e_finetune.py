@@ -56,8 +56,6 @@ def test_report_has_what_the_run_measured(smollm2_run):
     assert rep["memascend_settings"]["enable_param_pool"] is True
     # Streaming gradients: no whole-partition gradient buffer (grad_stream)
     assert rep["memory_breakdown"]["gradient_buffers"]["grad_partitions_flat"]["allocated_bytes"] == 0
-    # Streaming gradients: no whole-partition gradient buffer (grad_stream)
-    assert rep["memory_breakdown"]["gradient_buffers"]["grad_partitions_flat"]["allocated_bytes"] == 0
     assert rep["memory_breakdown"]["locked"]["optimizer_swap_buffers"] == 4  # fp32 param, 2 Adam moments, grad
     # The pool's size classes add up to its locked bytes; each class holds its peak concurrency.
     classes = rep["memory_breakdown"]["locked"]["param_pool_classes"]
