@@ -93,6 +93,10 @@ class ChunkedSubGroups:
         self.staging: tuple[LockedAllocator, torch.Tensor] | None = None
         self.param_io: dict[int, Any] = {}
         self.inv_scale: Any = None
+        self.deferred: set[int] = set()
+        """Chunked sub-groups whose ``_prepare_sub_group`` ran and whose swap-in is deferred."""
+        self.stepping: set[int] = set()
+        """Chunked sub-groups being stepped in chunks (from ``unscale_and_clip_grads`` to release)."""
         self.peak_locked_bytes = 0
 
     # -- buffers ------------------------------------------------------------------------------
@@ -320,9 +324,12 @@ def _is_chunked(opt: Any, sub_group_id: int, settings: MemAscendSettings) -> Chu
     return plan if plan is not None and sub_group_id in plan.sub_groups else None
 
 
-def make_prepare_sub_group(original: Any, settings: MemAscendSettings) -> Any:
-    """``_prepare_sub_group``: for a chunked sub-group only the gradient swap-out is finished
-    (stock's swap-in does that first) and the idle whole-sub-group buffers are handed back."""
+def make_prepare_sub_group(originals: dict[str, Any], settings: MemAscendSettings) -> Any:
+    """``_prepare_sub_group``: for a chunked sub-group the gradient swap-out is finished (stock's
+    swap-in does that first) and the whole-sub-group swap-in deferred: in the step
+    (``unscale_and_clip_grads`` follows) it never happens; elsewhere (``reset_swap_buffers``,
+    ``checkpoint_event_prologue``: prepare, reassign, release) the reassign does it first."""
+    original = originals["_prepare_sub_group"]
 
     @functools.wraps(original)
     def _prepare_sub_group(self, sub_group_id, timer_names):
@@ -330,23 +337,28 @@ def make_prepare_sub_group(original: Any, settings: MemAscendSettings) -> Any:
         if plan is None:
             return original(self, sub_group_id, timer_names)
         self.optimizer_swapper.flush_gradients()
-        manager = self.optimizer_swapper.swap_buffer_manager
-        if settings.enable_optimizer_buffer_release and hasattr(manager, "release_free_buffers"):
-            manager.release_free_buffers()
+        plan.deferred.add(sub_group_id)
         return None
 
     return _prepare_sub_group
 
 
-def make_unscale_and_clip_grads(original: Any, settings: MemAscendSettings) -> Any:
-    """``unscale_and_clip_grads``: for a chunked sub-group, stock's factor is kept and applied to
-    each chunk's gradient (``grad.mul_(1. / combined_scale)``, as stock)."""
+def make_unscale_and_clip_grads(originals: dict[str, Any], settings: MemAscendSettings) -> Any:
+    """``unscale_and_clip_grads`` (the step only): a deferred chunked sub-group is stepped in chunks;
+    stock's factor is kept and applied to each chunk's gradient (``grad.mul_(1. / combined_scale)``,
+    as stock), and the idle whole-sub-group buffers are handed back."""
+    original = originals["unscale_and_clip_grads"]
 
     @functools.wraps(original)
     def unscale_and_clip_grads(self, sub_group_id, total_norm):
         plan = _is_chunked(self, sub_group_id, settings)
-        if plan is None:
+        if plan is None or sub_group_id not in plan.deferred:
             return original(self, sub_group_id, total_norm)
+        plan.deferred.discard(sub_group_id)
+        plan.stepping.add(sub_group_id)
+        manager = self.optimizer_swapper.swap_buffer_manager
+        if settings.enable_optimizer_buffer_release and hasattr(manager, "release_free_buffers"):
+            manager.release_free_buffers()
         combined_scale = self.loss_scale
         if self.clip_grad > 0.:
             clip = ((total_norm / self.loss_scale) + 1e-6) / self.clip_grad
@@ -358,41 +370,53 @@ def make_unscale_and_clip_grads(original: Any, settings: MemAscendSettings) -> A
     return unscale_and_clip_grads
 
 
-def make_optimizer_step(original: Any, settings: MemAscendSettings) -> Any:
-    """``_optimizer_step``: the chunk loop for a chunked sub-group (:meth:`ChunkedSubGroups.step`)."""
+def make_optimizer_step(originals: dict[str, Any], settings: MemAscendSettings) -> Any:
+    """``_optimizer_step``: the chunk loop for a sub-group being stepped in chunks
+    (:meth:`ChunkedSubGroups.step`)."""
+    original = originals["_optimizer_step"]
 
     @functools.wraps(original)
     def _optimizer_step(self, sub_group_id):
         plan = _is_chunked(self, sub_group_id, settings)
-        if plan is None:
+        if plan is None or sub_group_id not in plan.stepping:
             return original(self, sub_group_id)
         return plan.step(self, sub_group_id)
 
     return _optimizer_step
 
 
-def make_reassign_or_swap_out(original: Any, settings: MemAscendSettings) -> Any:
-    """``_reassign_or_swap_out_partitioned_parameters``: nothing left for a chunked sub-group
-    (each chunk went to the 16-bit partition as it was stepped)."""
+def make_reassign_or_swap_out(originals: dict[str, Any], settings: MemAscendSettings) -> Any:
+    """``_reassign_or_swap_out_partitioned_parameters``: nothing left for a sub-group stepped in
+    chunks (each chunk went to the 16-bit partition as it was stepped); a deferred one (outside the
+    step) is swapped in whole first, as stock's ``_prepare_sub_group`` would have."""
+    original = originals["_reassign_or_swap_out_partitioned_parameters"]
+    prepare = originals["_prepare_sub_group"]
 
     @functools.wraps(original)
     def _reassign_or_swap_out_partitioned_parameters(self, sub_group_id):
-        if _is_chunked(self, sub_group_id, settings) is None:
-            return original(self, sub_group_id)
-        return None
+        plan = _is_chunked(self, sub_group_id, settings)
+        if plan is not None and sub_group_id in plan.stepping:
+            return None
+        if plan is not None and sub_group_id in plan.deferred:
+            plan.deferred.discard(sub_group_id)
+            prepare(self, sub_group_id, set())
+        return original(self, sub_group_id)
 
     return _reassign_or_swap_out_partitioned_parameters
 
 
-def make_release_sub_group(original: Any, settings: MemAscendSettings) -> Any:
-    """``_release_sub_group``: drops the DRAM gradient fragments as stock's swap-out does, and after
-    the last chunked sub-group frees the chunk buffers (``enable_optimizer_buffer_release``)."""
+def make_release_sub_group(originals: dict[str, Any], settings: MemAscendSettings) -> Any:
+    """``_release_sub_group``: after a chunked step, drops the DRAM gradient fragments as stock's
+    swap-out does, and after the last chunked sub-group frees the chunk buffers
+    (``enable_optimizer_buffer_release``); otherwise stock's."""
+    original = originals["_release_sub_group"]
 
     @functools.wraps(original)
     def _release_sub_group(self, sub_group_id, timer_names):
         plan = _is_chunked(self, sub_group_id, settings)
-        if plan is None:
+        if plan is None or sub_group_id not in plan.stepping:
             return original(self, sub_group_id, timer_names)
+        plan.stepping.discard(sub_group_id)
         fp32 = self.fp32_partitioned_groups_flat[sub_group_id]
         swap_info = self.optimizer_swapper._get_param_swap_info(fp32)
         if swap_info is not None:
@@ -419,5 +443,6 @@ def patch(registry: Any, settings: MemAscendSettings) -> None:
     """Patch the stage-3 methods of :data:`PATCHED_METHODS` through ``registry`` (reversible)."""
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as stage3
 
+    originals = {name: getattr(stage3, name) for name, _ in PATCHED_METHODS}
     for name, factory in PATCHED_METHODS:
-        registry.patch(stage3, name, factory(getattr(stage3, name), settings))
+        registry.patch(stage3, name, factory(originals, settings))
