@@ -1,6 +1,6 @@
 """``--host-memory-budget``: the planner picks the sizing knobs that fit, fastest first, or refuses
 with the smallest workable budget (memascend.plan.budget); nothing is trained here (the run under a
-cgroup cap equal to the budget is tests/host/test_budget_cap.py, slow)."""
+cgroup cap equal to the budget is tests/host/test_budget_cap.py, -m slow)."""
 
 from __future__ import annotations
 
