@@ -45,6 +45,8 @@ BLOCKS: dict[str, Callable[[rb.Baselines], str]] = {
     "store-e2e-table": rb.store_e2e_table,
     "store-e2e-notes": rb.store_e2e_notes,
     "gpu-golden-table": rb.gpu_golden_table,
+    "families-table": rb.families_table,
+    "families-notes": rb.families_notes,
 }
 """Block name -> renderer (a function of the profile's baselines, returning markdown)."""
 

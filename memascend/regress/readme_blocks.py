@@ -507,3 +507,18 @@ def gpu_golden_table(b: Baselines) -> str:
               "locked ratio", "base s/step", "ma s/step", "time ratio"]
 
     return _md(header, rows)
+
+
+def families_table(b: Baselines) -> str:
+    """cpu-full's model-family rows (untied Mistral, Qwen2, GPT-NeoX and Phi with dropout), from scratch."""
+    return markdown_table(b.results("cpu-full/families/results.json"))
+
+
+def families_notes(b: Baselines) -> str:
+    rs = b.results("cpu-full/families/results.json")
+    memory_ok = [r for r in rs if r.check("peak_rss_ratio").ok and r.check("peak_locked_ratio").ok]
+    return (f"{len(memory_ok)} of {len(rs)} families meet both memory targets (RSS <= 0.40x, locked <= 0.25x); "
+            f"{sum(r.ok for r in rs)} of {len(rs)} rows pass every check. Losses {_losses_word(rs)}; peak RSS "
+            f"{_pct_span([_ratio(r, 'peak_rss_ratio') for r in rs])} of stock's, locked memory "
+            f"{_pct_span([_ratio(r, 'peak_locked_ratio') for r in rs])}, step time "
+            f"{_span([_ratio(r, 'step_time_ratio') for r in rs])}x (one run each on a loaded 2-core VM).")
