@@ -24,10 +24,15 @@ def swap_buffer_breakdown(engine: Any) -> dict[str, int]:
         ``param_writeback_buffer_bytes``: the fp32->fp16 write-back buffer
         (``reserve_partitioned_swap_space``);
         ``optimizer_swap_buffers_bytes``: the optimizer swapper's buffers (memascend: at their
-        peak; they are freed between steps); ``optimizer_swap_buffers``: how many of them. Components absent in this run are 0.
+        peak; they are freed between steps); ``optimizer_swap_buffers``: how many of them;
+        ``optimizer_chunk_buffers_bytes``: the chunked step's own locked buffers at their peak
+        (:mod:`~memascend.integrations.deepspeed.chunked_step`). Components absent in this run are 0.
     """
+    from memascend.integrations.deepspeed.chunked_step import chunk_buffers_peak_bytes
+
     out = {"param_swap_buffers_bytes": 0, "param_writeback_buffer_bytes": 0,
-           "optimizer_swap_buffers_bytes": 0, "optimizer_swap_buffers": 0}
+           "optimizer_swap_buffers_bytes": 0, "optimizer_swap_buffers": 0,
+           "optimizer_chunk_buffers_bytes": chunk_buffers_peak_bytes(getattr(engine, "optimizer", None))}
     swapper = _param_swapper(engine)
     if swapper is not None:
         pool = getattr(swapper, "pool", None)

@@ -310,6 +310,13 @@ class _ParamWriter:
 # ---- the patched stage-3 methods ----------------------------------------------------------------
 
 
+def chunk_buffers_peak_bytes(opt: Any) -> int:
+    """Peak bytes of ``opt``'s chunk buffers (the four fp32 chunks, the gradient bounce buffer and the
+    16-bit staging buffer, all locked); 0 where the step was never chunked."""
+    plan = getattr(opt, "__dict__", {}).get(_ATTR)
+    return int(plan.peak_locked_bytes) if plan else 0
+
+
 def _chunked(opt: Any, settings: MemAscendSettings) -> ChunkedSubGroups | None:
     plan = opt.__dict__.get(_ATTR)
     if plan is None:
