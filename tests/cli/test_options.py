@@ -21,11 +21,14 @@ def test_finetune_takes_every_group_and_plan_doctor_the_run_shape():
     every = {n for g in options.GROUPS for n in g.names}
     shape = {n for g in options.RUN_SHAPE for n in g.names}
     assert every <= set(_opts(finetune))
+    # plan also takes --host-memory-budget: it shows the choice (or the refusal) finetune would make
+    also = {"plan": set(options.BUDGET.names), "doctor": set()}
     for cmd in (plan, doctor):
         names = set(_opts(cmd))
-        assert shape <= names, cmd.name
-        assert not (every - shape) & names, f"{cmd.name} takes run-time-only flags {(every - shape) & names}"
-        for name in shape:  # the same declaration, help and default
+        assert shape | also[cmd.name] <= names, cmd.name
+        extra = (every - shape - also[cmd.name]) & names
+        assert not extra, f"{cmd.name} takes run-time-only flags {extra}"
+        for name in shape | also[cmd.name]:  # the same declaration, help and default
             mine = next(p for p in cmd.params if p.name == name)
             theirs = next(p for p in finetune.params if p.name == name)
             assert (mine.opts, mine.help, mine.default) == (theirs.opts, theirs.help, theirs.default)

@@ -84,6 +84,7 @@ class StoreRangeIO:
         self.handle = handle
         self.store = handle.store
         self._writing: dict[str, list[Any]] = {}  # key -> [reservation, crc, dtype, next offset]
+        self._reading: dict[str, list[int]] = {}  # key -> [next offset, crc of the bytes read from 0]
 
     def file_bytes(self, path: str) -> int | None:
         """Bytes written under the key of ``path``, ``None`` when there is none."""
@@ -91,14 +92,43 @@ class StoreRangeIO:
         return self.store.record(key).nbytes if key in self.store else None
 
     def read(self, requests: list[tuple[torch.Tensor, str, int]]) -> None:
-        """Fill each ``buffer`` from the key of ``path`` at ``offset_bytes`` (not CRC-checked).
+        """Fill each ``buffer`` from the key of ``path`` at ``offset_bytes``.
+
+        A key read in order from offset 0 to its end (the chunked step's fp32 weights and moments)
+        is CRC32C-checked against its record when the last piece arrives, before that piece is used;
+        pieces read out of order are not checked.
 
         Raises:
             KeyError: nothing written under the key. StoreIOError: the read failed.
+            ChecksumError: a key read whole in order does not match its recorded CRC32C.
         """
         for buffer, path, offset in requests:
-            rec = self.store.record(self.handle.key(path))
-            self.store.read_extent(rec, buffer.view(torch.uint8), int(offset), buffer.nbytes)
+            key = self.handle.key(path)
+            rec = self.store.record(key)
+            data = buffer.view(torch.uint8)
+            self.store.read_extent(rec, data, int(offset), buffer.nbytes)
+            if self.store.enable_crc and rec.crc32c is not None:
+                self._check_in_order(key, rec, data, int(offset), buffer.nbytes)
+
+    def _check_in_order(self, key: str, rec: Any, data: torch.Tensor, offset: int, nbytes: int) -> None:
+        from memascend.io.errors import ChecksumError
+        from memascend.ops import nvme_io
+
+        state = [0, 0] if offset == 0 else self._reading.get(key)
+        if state is None or state[0] != offset:
+            self._reading.pop(key, None)
+            return
+        state[1] = nvme_io.load().crc32c(data, nbytes, state[1])
+        state[0] = offset + nbytes
+        self._reading[key] = state
+        if state[0] < rec.nbytes:
+            return
+        del self._reading[key]
+        if state[1] != rec.crc32c:
+            raise ChecksumError(
+                f"checksum mismatch reading tensor '{key}' at device offset {rec.offset_bytes} ({rec.nbytes} bytes) "
+                f"of {self.store.path}: expected crc32c 0x{rec.crc32c:08x}, read 0x{state[1]:08x}",
+                key=key, offset_bytes=rec.offset_bytes, expected_crc32c=rec.crc32c, actual_crc32c=state[1])
 
     def begin_write(self, path: str, total_bytes: int) -> None:
         """Start writing the key of ``path`` whole: in place when it holds ``total_bytes`` already,
