@@ -135,3 +135,28 @@ def test_image_finetunes_on_the_defaults(aio_container):
         f"in-image finetune: loss {report['eval']['loss_before']:.4f} -> {report['eval']['loss_after']:.4f}, "
         f"peak RSS {report['memory']['peak_rss_bytes'] / 2**30:.2f} GiB, wall {report['wall_s']:.0f} s"
     )
+
+
+def test_image_runs_the_regression_smoke(aio_container, tmp_path):
+    """The workflow's step with the CPU image standing in for the CUDA one: `memascend regress` inside
+    the image, the repository's baselines mounted at /work/baselines (golden compare) and the runs
+    written to a host folder, as `just regress-image` does with `docker run`. Swaps to the image's
+    /swap volume: the raw-partition half of the workflow is the runner role's test
+    (tests/ansible/test_runner_role.py), which `buildah run` cannot be given here as a device.
+    Root with CAP_IPC_LOCK again stands in for `--ulimit memlock=-1` (stock locks ~3 GiB)."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    cmd = ["buildah", "run", "--isolation", "chroot", "--user", "0:0", "--cap-add", "CAP_IPC_LOCK",
+           "--workingdir", "/work", "-v", f"{REPO / 'baselines'}:/work/baselines:ro", "-v", f"{runs}:/work/runs",
+           aio_container, "--", "memascend", "regress", "--matrix", "smoke", "--only", "smollm2-shakespeare-r1",
+           "--output", "runs/regress-smoke", "--nvme-path", "/swap"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=3000)
+    log = run.stdout + run.stderr
+    assert run.returncode == 0, log[-8000:]
+    assert "no regression" in log and "golden /work/baselines/cpu-2c-24g/smoke.json" in log, log[-8000:]
+    assert not [m for m in _JIT_MARKERS if m in log], log[-8000:]
+    results = json.loads((runs / "regress-smoke" / "results.json").read_text())
+    (row,) = results["configs"]
+    assert results["ok"] and row["config"]["name"] == "smollm2-shakespeare-r1" and row["ok"], row["checks"]
+    reports = sorted((runs / "regress-smoke").glob("**/report.json"))
+    assert len(reports) == 2 and all(json.loads(p.read_text())["complete"] for p in reports), reports
