@@ -153,7 +153,7 @@ def test_image_runs_the_regression_smoke(aio_container, tmp_path):
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=3000)
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-8000:]
-    assert "no regression" in log and "golden /work/baselines/cpu-2c-24g/smoke.json" in log, log[-8000:]
+    assert "no regression" in log and "golden baselines/cpu-2c-24g/smoke.json" in log, log[-8000:]
     assert not [m for m in _JIT_MARKERS if m in log], log[-8000:]
     results = json.loads((runs / "regress-smoke" / "results.json").read_text())
     (row,) = results["configs"]
