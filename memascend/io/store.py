@@ -395,15 +395,19 @@ class TensorStore:
         check_job(result, ticket.key, ticket.record.offset_bytes, self.path, op=ticket.op)
         rec = ticket.record
         if ticket.op == "read" and result.has_crc and rec.crc32c is not None and result.crc32c != rec.crc32c:
-            raise ChecksumError(
-                f"checksum mismatch reading tensor '{ticket.key}' at device offset {rec.offset_bytes} "
-                f"({rec.nbytes} bytes) of {self.path}: expected crc32c 0x{rec.crc32c:08x}, read 0x{result.crc32c:08x}",
-                key=ticket.key,
-                offset_bytes=rec.offset_bytes,
-                expected_crc32c=rec.crc32c,
-                actual_crc32c=result.crc32c,
-            )
+            raise self.checksum_error(ticket.key, rec, result.crc32c)
         return rec
+
+    def checksum_error(self, key: str, rec: ExtentRecord, actual_crc32c: int) -> ChecksumError:
+        """The error for tensor ``key`` (record ``rec``) read back with CRC32C ``actual_crc32c``."""
+        return ChecksumError(
+            f"checksum mismatch reading tensor '{key}' at device offset {rec.offset_bytes} "
+            f"({rec.nbytes} bytes) of {self.path}: expected crc32c 0x{rec.crc32c:08x}, read 0x{actual_crc32c:08x}",
+            key=key,
+            offset_bytes=rec.offset_bytes,
+            expected_crc32c=rec.crc32c,
+            actual_crc32c=actual_crc32c,
+        )
 
     def wait_all(self) -> None:
         """Wait for every submitted transfer; raises the first error after all have finished."""

@@ -111,7 +111,6 @@ class StoreRangeIO:
                 self._check_in_order(key, rec, data, int(offset), buffer.nbytes)
 
     def _check_in_order(self, key: str, rec: Any, data: torch.Tensor, offset: int, nbytes: int) -> None:
-        from memascend.io.errors import ChecksumError
         from memascend.ops import nvme_io
 
         state = [0, 0] if offset == 0 else self._reading.get(key)
@@ -125,10 +124,7 @@ class StoreRangeIO:
             return
         del self._reading[key]
         if state[1] != rec.crc32c:
-            raise ChecksumError(
-                f"checksum mismatch reading tensor '{key}' at device offset {rec.offset_bytes} ({rec.nbytes} bytes) "
-                f"of {self.store.path}: expected crc32c 0x{rec.crc32c:08x}, read 0x{state[1]:08x}",
-                key=key, offset_bytes=rec.offset_bytes, expected_crc32c=rec.crc32c, actual_crc32c=state[1])
+            raise self.store.checksum_error(key, rec, state[1])
 
     def begin_write(self, path: str, total_bytes: int) -> None:
         """Start writing the key of ``path`` whole: in place when it holds ``total_bytes`` already,
