@@ -92,6 +92,9 @@ class MemorySampler:
         self._t0 = time.monotonic()
         self._phase = "start"
         self._lock = threading.Lock()
+        # Held across a whole sample (reads + attribution) and by phase(): a sample belongs to the
+        # phase that was current during all of its reads, never to one that began mid-read.
+        self._sample_lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._n = 0
@@ -126,11 +129,16 @@ class MemorySampler:
         self.stream_csv(None)
 
     def phase(self, name: str) -> None:
-        """Mark the start of phase ``name`` (and take a sample right away)."""
-        with self._lock:
-            self._phase = name
-            self.marks.append(PhaseMark(time.monotonic() - self._t0, name))
-        self.sample()
+        """Mark the start of phase ``name`` (and take a sample right away).
+
+        Waits for a sample in flight in the sampler thread, so memory touched after this returns is
+        never attributed to the phase before.
+        """
+        with self._sample_lock:
+            with self._lock:
+                self._phase = name
+                self.marks.append(PhaseMark(time.monotonic() - self._t0, name))
+            self.sample()
 
     @property
     def current_phase(self) -> str:
@@ -144,6 +152,11 @@ class MemorySampler:
                 return
 
     def sample(self) -> Sample:
+        """Read this process's memory and I/O counters now and attribute them to the current phase."""
+        with self._sample_lock:
+            return self._sample()
+
+    def _sample(self) -> Sample:
         status = read_proc_status()
         io = read_proc_io()
         uss = None

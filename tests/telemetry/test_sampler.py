@@ -40,3 +40,39 @@ def test_sampler_sees_rss_and_locked_memory_grow_in_the_right_phase(tmp_path):
     plot_timelines({"a": csv_path, "b": csv_path}, png, title="two runs")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     del buf
+
+
+def test_a_sample_in_flight_keeps_the_phase_it_started_in(monkeypatch):
+    """CI flake of 2026-11-26: the sampler thread read VmLck after the main thread had moved on to
+    the next phase and mlocked, yet booked the value to the phase before. phase() must wait for
+    a sample in flight."""
+    import threading
+
+    import memascend.telemetry.sampler as sampler_mod
+
+    reading, release = threading.Event(), threading.Event()
+    real = sampler_mod.read_proc_status
+
+    def slow_read(pid="self"):
+        if threading.current_thread().name == "in-flight":
+            reading.set()
+            assert release.wait(10)
+        return real(pid)
+
+    monkeypatch.setattr(sampler_mod, "read_proc_status", slow_read)
+    s = MemorySampler(interval_s=3600)
+    out = {}
+    t_sample = threading.Thread(target=lambda: out.update(s=s.sample()), name="in-flight")
+    t_sample.start()
+    assert reading.wait(10)
+    t_phase = threading.Thread(target=s.phase, args=("grow",))
+    t_phase.start()
+    time.sleep(0.1)
+    assert t_phase.is_alive(), "phase() returned while a sample was in flight"
+    assert s.current_phase == "start"
+    release.set()
+    t_sample.join(10)
+    t_phase.join(10)
+    assert out["s"].phase == "start"
+    assert s.current_phase == "grow"
+    assert [x.phase for x in s.samples] == ["start", "grow"]
