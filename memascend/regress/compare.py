@@ -180,7 +180,8 @@ class GoldenTolerances:
     Attributes:
         memory_rel: relative increase allowed on peak RSS and peak locked bytes.
         ratio_abs: absolute increase allowed on the memascend/baseline memory ratios.
-        step_time_rel: relative increase allowed on memascend's median step time.
+        step_time_rel: relative increase allowed on the step time ratio memascend / stock (both
+            measured in the same run; the golden's ratio from its two recorded medians).
         loss_rel: relative difference allowed on each step's loss (same hardware, same seed).
     """
 
@@ -226,10 +227,15 @@ def compare_golden(entry: dict, base: RunMetrics, mine: RunMetrics, tol: GoldenT
         limit = entry[key] + tol.ratio_abs
         out.append(Check(f"golden.{key}", val <= limit, val, limit,
                          f"{key} {val:.3f} vs golden {entry[key]:.3f} (+{tol.ratio_abs:.2f} allowed)"))
-    limit = g["median_step_s"] * (1 + tol.step_time_rel)
-    out.append(Check("golden.median_step_s", mine.median_step_s <= limit, mine.median_step_s, limit,
-                     f"memascend step {mine.median_step_s:.2f} s vs golden {g['median_step_s']:.2f} s "
-                     f"(+{tol.step_time_rel:.0%} allowed)"))
+    # Step time against the golden as the same-run ratio memascend / stock, not as seconds: an
+    # absolute step time moves with the host's load (+43 % between two idle runs of the image smoke
+    # on the 2-core VM), the ratio only with what memascend does.
+    golden_time = _ratio(g["median_step_s"], entry["baseline"]["median_step_s"])
+    val = _ratio(mine.median_step_s, base.median_step_s)
+    limit = golden_time * (1 + tol.step_time_rel)
+    out.append(Check("golden.step_time_ratio", val <= limit, val, limit,
+                     f"step time ratio {val:.3f} ({mine.median_step_s:.2f} / {base.median_step_s:.2f} s) vs golden "
+                     f"{golden_time:.3f} (+{tol.step_time_rel:.0%} allowed)"))
     gl = g.get("losses") or []
     golden_isa = entry.get("cpu_isa")
     if golden_isa and cpu_isa and golden_isa != cpu_isa:

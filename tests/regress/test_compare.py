@@ -103,9 +103,15 @@ def test_golden_within_tolerance_passes_and_beyond_fails():
     res = evaluate(CFG, base, worse, golden=gold, tol=TOL)
     assert res.check("peak_rss_ratio").ok
     assert "golden.peak_rss_bytes" in _failed(res)
+    # A slower host slows both engines: the same-run ratio holds, the golden passes.
     slower = make_report(rss_gib=2.0, locked_gib=0.6, step_s=7.1 * 1.4, losses=LOSSES)
     base_slow = make_report(rss_gib=6.4, locked_gib=2.9, step_s=7.0 * 1.4, losses=LOSSES)
-    assert _failed(evaluate(CFG, base_slow, slower, golden=gold, tol=TOL)) == {"golden.median_step_s"}
+    assert evaluate(CFG, base_slow, slower, golden=gold, tol=TOL).ok
+    # memascend alone 1.4x slower: the ratio 1.42 is 40 % above the golden's 1.014.
+    mine_slow = make_report(rss_gib=2.0, locked_gib=0.6, step_s=7.1 * 1.4, losses=LOSSES)
+    res = evaluate(CFG, base, mine_slow, golden=gold, tol=TOL)
+    assert "golden.step_time_ratio" in _failed(res)
+    assert res.check("golden.step_time_ratio").measured == pytest.approx(1.42, rel=1e-6)
     drift = [x * (1 + 1e-2) for x in LOSSES]
     res = evaluate(CFG, make_report(rss_gib=6.4, locked_gib=2.9, step_s=7.0, losses=drift),
                    make_report(rss_gib=2.0, locked_gib=0.6, step_s=7.1, losses=drift), golden=gold, tol=TOL)
