@@ -273,6 +273,9 @@ class ConfigResult:
     errors: list[str] = field(default_factory=list)
     commands: dict[str, str] = field(default_factory=dict)
     runs: dict[str, dict] = field(default_factory=dict)
+    golden_key: str | None = None
+    """The key of its golden entry (:func:`memascend.regress.golden.golden_key`: the config's name,
+    suffixed with the raw store's kind where the runs swapped to one)."""
 
     @property
     def ok(self) -> bool:
@@ -291,6 +294,7 @@ class ConfigResult:
             "errors": self.errors,
             "commands": self.commands,
             "runs": self.runs,
+            "golden_key": self.golden_key,
         }
 
 

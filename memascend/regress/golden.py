@@ -69,6 +69,20 @@ def golden_path(baselines_dir: Path, profile: str, matrix: str) -> Path:
     return Path(baselines_dir) / profile / f"{matrix}.json"
 
 
+def golden_key(config_name: str, report: dict | None) -> str:
+    """The key of a configuration's golden entry for the swap target its run used.
+
+    Memory and step time differ between a swap folder and memascend's raw store (a store file or a
+    block device: its own extents and I/O path), so each kind has its own entry: ``<config>`` for a
+    swap folder (and reports that do not record the kind), ``<config>@store_file`` or
+    ``<config>@block_device`` otherwise. The kind is read from the report's
+    ``memory.ranks[].swap_kind`` (:func:`memascend.train.report.rank_record`).
+    """
+    ranks = ((report or {}).get("memory") or {}).get("ranks") or []
+    kinds = sorted({r.get("swap_kind") for r in ranks} - {None, "folder"})
+    return f"{config_name}@{kinds[0]}" if kinds else config_name
+
+
 def load_golden(path: Path) -> dict[str, dict]:
     """``{config name: golden entry}`` from a golden file; empty when the file does not exist."""
     path = Path(path)

@@ -54,7 +54,8 @@ def load_results(doc: dict) -> list[ConfigResult]:
         out.append(ConfigResult(config=bench_config(c["config"]), baseline=_metrics(c.get("baseline")),
                                 memascend=_metrics(c.get("memascend")),
                                 checks=[Check(**k) for k in c.get("checks", [])], errors=list(c.get("errors", [])),
-                                commands=dict(c.get("commands", {})), runs=dict(c.get("runs", {}))))
+                                commands=dict(c.get("commands", {})), runs=dict(c.get("runs", {})),
+                                golden_key=c.get("golden_key")))
     return out
 
 

@@ -67,8 +67,10 @@ def _results(configs: list[BenchConfig], outcomes: dict, golden: dict, tol: Gold
         reports = {e: o.report() for e, o in pair.items()}
         errors += [f"{e}: per-step losses differ between repeats (same seed and data)" for e, r in reports.items()
                    if r is not None and not r.get("repeats", {}).get("losses_equal", True)]
+        key = gold.golden_key(cfg.name, reports["memascend"] or reports["baseline"])
         res = evaluate(cfg, reports["baseline"], reports["memascend"],
-                       None if update_golden else golden.get(cfg.name), tol, errors, stopped, gold.cpu_isa())
+                       None if update_golden else golden.get(key), tol, errors, stopped, gold.cpu_isa())
+        res.golden_key = key
         res.commands = {e: command_line(cfg, e, o.output_dir, swap) for e, o in pair.items()}
         res.runs = {e: {"status": o.status, "outcome": o.describe(), "wall_s": o.wall_s,
                         "cap": o.cap.to_dict() if o.cap else None,
@@ -153,9 +155,10 @@ def run_regress(matrix: Matrix, opts: RegressOptions) -> bool:
     write_outputs(results, out_root, meta, timelines)
     _print_results(console, results, matrix, configs, prof, cap_meta)
     if opts.update_golden:
-        entries = {r.config.name: golden_entry(r.baseline, r.memascend, gold.cpu_isa()) for r in results
+        entries = {r.golden_key: golden_entry(r.baseline, r.memascend, gold.cpu_isa()) for r in results
                    if r.baseline and r.memascend}
-        gold.save_golden(gpath, prof, matrix.name, entries, commands)
+        gold.save_golden(gpath, prof, matrix.name, entries,
+                         {r.golden_key: commands[r.config.name] for r in results if r.golden_key in entries})
         console.print(f"golden results written: {gpath} ({len(entries)} configs)")
     ok = all(r.ok for r in results)
     console.print(f"results: {out_root / 'results.json'}, {out_root / 'results.md'}; "

@@ -76,6 +76,41 @@ def test_update_golden_then_worse_than_golden_fails(tmp_path, monkeypatch, good_
     assert "golden.peak_rss_bytes" in res.output
 
 
+def _on(report: dict, kind: str) -> dict:
+    """``report`` as if its ranks had swapped to a target of ``kind`` (report.rank_record)."""
+    mem = dict(report["memory"])
+    mem["ranks"] = [{"rank": 0, "peak_rss_bytes": mem["peak_rss_bytes"], "peak_locked_bytes": mem["peak_locked_bytes"],
+                     "swap_kind": kind}]
+    return {**report, "memory": mem}
+
+
+def test_raw_store_runs_have_their_own_golden_entry(tmp_path, monkeypatch, good_pair):
+    """Issue 24: the runner's smoke on a raw partition is compared with a raw-store golden, not with the
+    swap folder's (memascend's peak RSS differs between the two targets)."""
+    base, mine = good_pair
+    _fake_runs(monkeypatch, {"baseline": base, "memascend": mine}, [])
+    assert _invoke(tmp_path, "--update-golden").exit_code == 0  # the folder golden
+    raw_base, raw_mine = _on(base, "block_device"), _on(make_report(rss_gib=2.4 * 1.10, locked_gib=0.6, step_s=7.1,
+                                                                    losses=LOSSES), "block_device")
+    _fake_runs(monkeypatch, {"baseline": raw_base, "memascend": raw_mine}, [])
+    res = _invoke(tmp_path)  # no raw golden yet: nothing to compare against, the pair passes
+    assert res.exit_code == 0, res.output
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert doc["configs"][0]["golden_key"] == f"{ONLY}@block_device"
+    assert not [c for c in doc["configs"][0]["checks"] if c["name"].startswith("golden.")]
+    assert _invoke(tmp_path, "--update-golden").exit_code == 0
+    entries = json.loads((tmp_path / "baselines" / "test-host" / "smoke.json").read_text())["configs"]
+    assert set(entries) == {ONLY, f"{ONLY}@block_device"}
+    assert entries[ONLY]["memascend"]["peak_rss_bytes"] < entries[f"{ONLY}@block_device"]["memascend"]["peak_rss_bytes"]
+    # the raw run is held to its own entry: 10 % more again fails there, the folder run still passes
+    _fake_runs(monkeypatch, {"baseline": raw_base, "memascend": _on(make_report(
+        rss_gib=2.4 * 1.21, locked_gib=0.6, step_s=7.1, losses=LOSSES), "block_device")}, [])
+    res = _invoke(tmp_path)
+    assert res.exit_code == 1 and "golden.peak_rss_bytes" in res.output, res.output
+    _fake_runs(monkeypatch, {"baseline": base, "memascend": mine}, [])
+    assert _invoke(tmp_path).exit_code == 0
+
+
 def test_unknown_only_pattern_is_a_user_error(tmp_path):
     res = _invoke(tmp_path.joinpath("x"), "--only", "no-such-config")
     assert res.exit_code == 2
