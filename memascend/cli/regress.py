@@ -34,7 +34,8 @@ from memascend.regress.matrix import MATRICES
 @click.option("--nvme-path", default=None, help="Folder for swap files [default: <output>/swap or $MEMASCEND_NVME_PATH]")
 @click.option("--resume", is_flag=True, help="Reuse each run's report.json already in --output (an interrupted "
               "or partial regress into the same folder; under --memory-cap the recorded outcome of a run with the "
-              "same cap, OOM kills included) and run only what is missing")
+              "same cap, OOM kills included, or one that carries over: a fit under a smaller cap, an OOM kill "
+              "under a larger one) and run only what is missing")
 @click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
               help="Run each baseline/memascend pair this many times in alternating order (not with --memory-cap); "
               "step time and memory peaks are the medians over the repeats, losses must agree in every repeat")

@@ -50,7 +50,7 @@ import sys
 import time
 import uuid
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import psutil
@@ -110,6 +110,9 @@ class CappedResult:
     wall_s: float
     launcher: str = "direct"
     """``systemd-run`` where a systemd scope made the capped cgroup, ``direct`` where memcap wrote it."""
+    inferred_from_cap_bytes: int | None = None
+    """Set where this outcome was not run under ``cap_bytes`` but inferred from a run under this
+    other cap (:meth:`under_cap`)."""
 
     @property
     def enforced(self) -> bool:
@@ -160,7 +163,14 @@ class CappedResult:
 
     @property
     def verdict(self) -> str:
-        """One line, e.g. ``OOM-killed under the 16 GiB cap (cgroup peak 16 GiB)``."""
+        """One line, e.g. ``OOM-killed under the 16 GiB cap (cgroup peak 16 GiB)``; an inferred
+        outcome (:meth:`under_cap`) names the cap it was measured under."""
+        line = self._verdict()
+        if self.inferred_from_cap_bytes is not None:
+            line += f" (inferred: measured under the {format_size(self.inferred_from_cap_bytes)} cap)"
+        return line
+
+    def _verdict(self) -> str:
         cap, peak, out = self.cap, format_size(self.peak_bytes), self.outcome
         if not self.enforced:
             head = f"cap NOT enforced ({self.mechanism.removeprefix('none: ')}): "
@@ -182,6 +192,21 @@ class CappedResult:
         if out == "failed":
             return f"failed with exit {self.returncode} under the {cap} cap (not an OOM kill; cgroup peak {peak})"
         return f"fit under the {cap} cap: cgroup peak {peak}"
+
+    def under_cap(self, cap_bytes: int) -> CappedResult | None:
+        """This enforced outcome carried over to another hard limit, where it is certain, else ``None``.
+
+        A run that fit under a cgroup limit fits under any larger one, and a run the cgroup's OOM
+        killer stopped (its memory that cannot be reclaimed passed the limit) is stopped under any
+        smaller one; the same limit is this outcome itself. Nothing else carries over: a timeout,
+        a failure, an unenforced cap (its verdict compares a sampled peak with the cap).
+        """
+        if cap_bytes == self.cap_bytes:
+            return self
+        if not self.enforced or not ((self.fit and cap_bytes > self.cap_bytes)
+                                     or (self.oom_killed and cap_bytes < self.cap_bytes)):
+            return None
+        return replace(self, cap_bytes=cap_bytes, inferred_from_cap_bytes=self.inferred_from_cap_bytes or self.cap_bytes)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "cap": self.cap, "enforced": self.enforced, "outcome": self.outcome,

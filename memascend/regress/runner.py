@@ -269,8 +269,10 @@ def run_one(cfg: BenchConfig, engine: str, out_root: Path, nvme_path: Path, time
     (see :mod:`memascend.host.memcap`); its outcome is written to ``<cfg.name>/<engine>.cap.json``.
 
     With ``resume``, an earlier run into the same folder is taken instead of running again: its
-    ``report.json`` (uncapped), or under a cap the ``.cap.json`` of a run with the same cap that
-    completed or was stopped by the cap.
+    ``report.json`` (uncapped), or under a cap the ``.cap.json`` of a run that completed or was
+    stopped by the cap, under the same cap or one whose outcome carries over
+    (:meth:`~memascend.host.memcap.CappedResult.under_cap`: fit under a smaller cap, OOM-killed
+    under a larger one), so one folder resumed with 4, 8 then 16 GiB runs only what is new.
 
     With ``cfg.nnodes`` > 1 every node's launcher runs at once (:func:`node_commands`,
     :func:`run_nodes`): node 0 logs to ``<engine>.log``, node ``k`` to ``<engine>.node<k>.log``, and
@@ -383,7 +385,8 @@ def _earlier(out_dir: Path, log_path: Path, cap_path: Path, engine: str, memory_
         cap = CappedResult.from_dict(json.loads(cap_path.read_text()))
     except (OSError, ValueError, TypeError):
         return None
-    if cap.cap_bytes != memory_cap or not (cap.stopped_by_cap or (cap.fit and has_report)):
+    cap = cap.under_cap(memory_cap)
+    if cap is None or not (cap.stopped_by_cap or (cap.fit and has_report)):
         return None
     return RunOutcome(engine, cap.returncode, out_dir, log_path, 0.0, cap)
 

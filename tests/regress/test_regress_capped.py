@@ -155,9 +155,38 @@ def test_resume_under_a_cap_reuses_oom_kills_of_the_same_cap_only(tmp_path):
     # resume must not start a process (the nvme path is not even creatable)
     out = runner_mod.run_one(cfg, "baseline", tmp_path, Path("/proc/no-such"), 1.0, resume=True, memory_cap=CAP)
     assert out.status == "capped" and out.wall_s == 0.0 and out.cap.outcome == "oom-killed"
-    earlier = runner_mod._earlier(tmp_path / cfg.name / "baseline", tmp_path / "log",
-                                  tmp_path / cfg.name / "baseline.cap.json", "baseline", 8 * GIB)
-    assert earlier is None  # another cap: run again
+    assert out.cap.inferred_from_cap_bytes is None
+
+
+def _earlier_under(tmp_path, cap: CappedResult, memory_cap: int, report: bool = False):
+    cfg = get_matrix("scaling").configs[4]
+    folder = tmp_path / f"{cap.outcome}-{memory_cap}-{report}" / cfg.name
+    (folder / "memascend").mkdir(parents=True)
+    (folder / "memascend.cap.json").write_text(json.dumps(cap.to_dict()))
+    if report:
+        (folder / "memascend" / "report.json").write_text("{}")
+    return runner_mod._earlier(folder / "memascend", folder / "memascend.log", folder / "memascend.cap.json",
+                               "memascend", memory_cap)
+
+
+def test_resume_carries_a_capped_outcome_over_to_another_cap_where_it_is_certain(tmp_path):
+    """A fit under 16 GiB fits under 32 GiB, an OOM kill under 16 GiB is one under 8 GiB; the other
+    directions, failures and a missing report run again. One folder resumed with 4, 8 and 16 GiB
+    caps then runs only what is new (issue 21's cap table)."""
+    assert CAP == 16 * GIB
+    fit, oom, crash = _cap("fit", 3.0), _cap("oom", 16), _cap("crash", 2.0)
+    bigger = _earlier_under(tmp_path, fit, 32 * GIB, report=True)
+    assert bigger.status == "ok" and bigger.cap.cap_bytes == 32 * GIB and bigger.cap.fit
+    assert bigger.cap.inferred_from_cap_bytes == 16 * GIB
+    assert bigger.cap.verdict == "fit under the 32 GiB cap: cgroup peak 3 GiB (inferred: measured under the 16 GiB cap)"
+    assert _earlier_under(tmp_path, fit, 8 * GIB, report=True) is None  # may not fit under less
+    assert _earlier_under(tmp_path, fit, 32 * GIB, report=False) is None  # no report to compare
+    smaller = _earlier_under(tmp_path, oom, 8 * GIB)
+    assert smaller.status == "capped" and smaller.cap.oom_killed and smaller.cap.cap_bytes == 8 * GIB
+    assert _earlier_under(tmp_path, oom, 32 * GIB) is None  # may fit under more
+    assert _earlier_under(tmp_path, crash, 32 * GIB) is None and _earlier_under(tmp_path, crash, 8 * GIB) is None
+    # carried over twice, it still names the cap it was measured under
+    assert bigger.cap.under_cap(64 * GIB).inferred_from_cap_bytes == 16 * GIB
 
 
 def test_swap_folders_of_killed_runs_are_removed_live_ones_kept(tmp_path):
