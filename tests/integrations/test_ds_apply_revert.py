@@ -50,6 +50,9 @@ def _seam_objects():
         "PartitionedOptimizerSwapper._swap_in_pinned_gradients": (PartitionedOptimizerSwapper,
                                                                   "_swap_in_pinned_gradients"),
         "OptimizerSwapper._writeback_gradients": (optimizer_utils.OptimizerSwapper, "_writeback_gradients"),
+        # chunked_swap_out (optimizer_chunk_numel with enable_optimizer_pool)
+        "PartitionedOptimizerSwapper.swap_out_gradients": (PartitionedOptimizerSwapper, "swap_out_gradients"),
+        "PartitionedOptimizerSwapper.initialize_parameters": (PartitionedOptimizerSwapper, "initialize_parameters"),
         "engine._load_checkpoint": (DeepSpeedEngine, "_load_checkpoint"),
         "deepspeed.initialize": (deepspeed, "initialize"),
     }

@@ -72,6 +72,9 @@ What each flag patches (DeepSpeed 0.19.8 names):
   ``.unscale_and_clip_grads``, ``._optimizer_step``,
   ``._reassign_or_swap_out_partitioned_parameters`` and ``._release_sub_group`` step every
   NVMe-swapped sub-group chunk by chunk (:mod:`.chunked_step`); other sub-groups as stock.
+* ``optimizer_chunk_numel`` (set) with ``enable_optimizer_pool``:
+  ``PartitionedOptimizerSwapper.swap_out_gradients`` and ``.initialize_parameters`` write through a
+  chunk-sized window instead of buffers of the largest sub-group (:mod:`.chunked_swap_out`).
 * ``fix_unaligned_gradient_io`` (a correctness fix, on for both engines):
   ``PartitionedOptimizerSwapper._swap_in_pinned_gradients`` and
   ``OptimizerSwapper._writeback_gradients`` (:mod:`.aligned_io`).
@@ -405,6 +408,12 @@ def _patch_chunked_step(settings: MemAscendSettings) -> None:
     chunked_step.patch(_registry, settings)
 
 
+def _patch_chunked_swap_out(settings: MemAscendSettings) -> None:
+    from memascend.integrations.deepspeed import chunk_plan, chunked_swap_out
+
+    chunked_swap_out.patch(_registry, chunk_plan.resolve_chunk_numel(settings.optimizer_chunk_numel))
+
+
 def _patch_fused_overflow(settings: MemAscendSettings) -> None:
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as stage3
 
@@ -431,6 +440,7 @@ _FLAG_GROUPS: tuple[tuple[Callable[[MemAscendSettings], bool], Callable[[MemAsce
     (lambda s: s.fix_exact_resume, _patch_exact_resume),
     (lambda s: s.enable_fused_overflow_check, _patch_fused_overflow),
     (lambda s: s.optimizer_chunk_numel is not None, _patch_chunked_step),
+    (lambda s: s.optimizer_chunk_numel is not None and s.enable_optimizer_pool, _patch_chunked_swap_out),
     (lambda s: any(getattr(s, key) is not None for key in CONFIG_KEYS), _patch_initialize),
 )
 

@@ -15,6 +15,9 @@ the largest I/O-aligned sub-group, handed out narrowed to the request), but
 * ``allocate_all`` hands out the free buffers it already has (at least two): callers of it
   (initial fp32 write-out, gradient swap-out staging) only stream through them, and move the same
   bytes to the same files with fewer buffers;
+* hands out *window* buffers of a requested, smaller size (``allocate_window``: the chunk-sized
+  buffers :mod:`.chunked_swap_out` streams gradients and the initial fp32 write-out through),
+  kept apart from the sub-group buffers and counted in :meth:`locked_bytes`;
 * between optimizer steps (``release_free_buffers``, with ``enable_optimizer_buffer_release``)
   unlocks the buffers and hands their pages back to the OS, keeping their mappings (parked), and
   locks them again when the next step asks for them: the forward and backward run without them,
@@ -68,6 +71,10 @@ class OnDemandSwapBufferManager(SwapBufferManager):
         self.peak_locked_bytes = 0
         self.gigabytes = 0.0
         self.parked_buffer_index: set[int] = set()
+        self.window_buffers: list[torch.Tensor] = []
+        self.free_window_index: list[int] = []
+        self.used_window_index: dict[int, int] = {}
+        self.peak_window_bytes = 0
 
     @property
     def buffer_bytes(self) -> int:
@@ -160,6 +167,64 @@ class OnDemandSwapBufferManager(SwapBufferManager):
         for key in keys:
             self.free_buffer_index.append(self.used_buffer_index.pop(key))
 
+    def allocate_window(self, num_elems: int, count: int) -> list[torch.Tensor]:
+        """``count`` locked 1-D buffers of exactly ``num_elems`` elements of the manager's dtype,
+        apart from the sub-group buffers (contents undefined): idle window buffers of that size are
+        reused, others created. Return them with :meth:`free_window`.
+
+        Raises:
+            ValueError: ``num_elems`` or ``count`` below 1.
+        """
+        if num_elems < 1 or count < 1:
+            raise ValueError(f"a window of {count} buffer(s) of {num_elems} elements")
+        fitting = [i for i in self.free_window_index if self.window_buffers[i].numel() == num_elems]
+        missing = count - len(fitting)
+        if missing > 0:
+            nbytes = num_elems * torch.empty(0, dtype=self.dtype).element_size()
+            self._make_room(missing * nbytes)
+            for _ in range(missing):
+                self.window_buffers.append(self.allocator.allocate(num_elems, self.dtype))
+                fitting.append(len(self.window_buffers) - 1)
+        handed = fitting[:count]
+        self.free_window_index = [i for i in self.free_window_index if i not in handed]
+        buffers = []
+        for index in handed:
+            buffer = self.window_buffers[index]
+            self.used_window_index[id(buffer)] = index
+            buffers.append(buffer)
+        self.peak_window_bytes = max(self.peak_window_bytes, self._window_bytes(self.used_window_index.values()))
+        self._account()
+        return buffers
+
+    def free_window(self, buffers: list[torch.Tensor]) -> None:
+        """Return buffers from :meth:`allocate_window` (kept locked for reuse until
+        :meth:`release_free_buffers`).
+
+        Raises:
+            KeyError: a buffer that is not handed out.
+        """
+        keys = [id(b) for b in buffers]
+        if any(k not in self.used_window_index for k in keys):
+            raise KeyError("window buffer(s) not allocated by this manager")
+        for key in keys:
+            self.free_window_index.append(self.used_window_index.pop(key))
+
+    def _window_bytes(self, indices: Any) -> int:
+        return sum(self.window_buffers[i].nbytes for i in indices)
+
+    def _release_window(self) -> int:
+        """Free the idle window buffers (none is handed out between steps); the bytes freed."""
+        released = self._window_bytes(self.free_window_index)
+        idle = set(self.free_window_index)
+        for index in idle:
+            self.allocator.free(self.window_buffers[index])
+        kept = [b for i, b in enumerate(self.window_buffers) if i not in idle]
+        if self.used_window_index:  # re-index the ones still handed out
+            position = {id(b): n for n, b in enumerate(kept)}
+            self.used_window_index = {key: position[key] for key in self.used_window_index}
+        self.window_buffers, self.free_window_index = kept, []
+        return released
+
     def parkable(self) -> bool:
         """Whether idle buffers are parked (kept mapped, unlocked, pages released) rather than freed.
 
@@ -176,11 +241,14 @@ class OnDemandSwapBufferManager(SwapBufferManager):
         (:func:`~memascend.memory.host_allocator.park_locked_pages`: same
         address, pages released, marked for huge pages with ``enable_torch_thp``) and locked
         again by the :meth:`allocate` that hands them out; other buffers are freed and
-        allocated anew. Returns the bytes released (0 while any buffer is in use).
+        allocated anew. Idle window buffers (:meth:`allocate_window`) are freed in any case.
+        Returns the bytes released (only the window's while any sub-group buffer is in use).
         """
+        released_window = self._release_window()
         if self.used_buffer_index or not self.all_buffers:
-            return 0
-        released = self.locked_bytes()
+            self.gigabytes = self.locked_bytes() / 1024**3
+            return released_window
+        released = self.locked_bytes() - self._window_bytes(range(len(self.window_buffers)))
         if self.parkable():
             for index, buffer in enumerate(self.all_buffers):
                 if index not in self.parked_buffer_index:
@@ -190,16 +258,17 @@ class OnDemandSwapBufferManager(SwapBufferManager):
             for buffer in self.all_buffers:
                 self.allocator.free(buffer)
             self.all_buffers, self.free_buffer_index = [], []
-        self.gigabytes = 0.0
-        return released
+        self.gigabytes = self.locked_bytes() / 1024**3
+        return released + released_window
 
     def locked_bytes(self) -> int:
-        """Bytes locked by this manager's buffers now (parked ones excluded)."""
+        """Bytes locked by this manager's buffers now (parked ones excluded, window buffers included)."""
         return sum(b.numel() * b.element_size() for i, b in enumerate(self.all_buffers)
-                   if i not in self.parked_buffer_index)
+                   if i not in self.parked_buffer_index) + self._window_bytes(range(len(self.window_buffers)))
 
     def __del__(self) -> None:
-        buffers = getattr(self, "all_buffers", None)
+        buffers = getattr(self, "all_buffers", None) or []
+        buffers = buffers + (getattr(self, "window_buffers", None) or [])
         allocator = getattr(self, "allocator", None)
         if not buffers or allocator is None:
             return
@@ -208,7 +277,7 @@ class OnDemandSwapBufferManager(SwapBufferManager):
                 allocator.free(buf)
             except Exception:  # noqa: BLE001 - interpreter teardown may have dropped the handle
                 pass
-        self.all_buffers = []
+        self.all_buffers, self.window_buffers = [], []
 
 
 def make_swap_buffer_manager_class(settings: MemAscendSettings) -> type[OnDemandSwapBufferManager]:
