@@ -155,6 +155,13 @@ class MemAscendSettings:
             elementwise). A multiple of 1024 (direct-I/O and SIMD alignment). ``"auto"``:
             :data:`memascend.integrations.deepspeed.chunk_plan.AUTO_CHUNK_NUMEL` (8 Mi elements,
             32 MiB of fp32). ``None``: stock's whole-sub-group step.
+        enable_chunk_prefetch: read-ahead and write-behind in the chunked optimizer step (on a swap
+            folder, whose aio handle does the I/O on its own threads): two sets of chunk buffers, the
+            next chunk's master weights, moments and gradient are read while Adam steps the current
+            one, and a chunk's writes are waited for only before its buffers are reused. Costs one
+            more set of chunk buffers (locked); losses unchanged (same arithmetic, only the I/O order
+            differs). Off: each chunk is read, stepped and written in turn. No effect on the raw
+            store (its ranged transfers are synchronous: one buffer set, in turn).
         fix_unaligned_gradient_io: a correctness fix, not an optimization, on for both engines:
             read and write the optimizer's swapped gradient fragments through an aligned bounce
             buffer where the fragment's host address is not O_DIRECT-aligned; stock DeepSpeed
@@ -188,6 +195,7 @@ class MemAscendSettings:
     enable_host_block_cache: bool = True
     enable_grad_streaming: bool = True
     optimizer_chunk_numel: int | Literal["auto"] | None = "auto"
+    enable_chunk_prefetch: bool = True
     fix_unaligned_gradient_io: bool = True
     fix_exact_resume: bool = True
 

@@ -382,15 +382,17 @@ def _step_chunk_numel(z: dict, sub: int, ma: bool, settings) -> int | None:
     return min(chunk, align_up(sub, CHUNK_ALIGN_NUMEL))
 
 
-def _add_chunked_step(add, chunk: int, released: bool) -> None:
-    """The chunked step's locked buffers: master weights, two moments and gradient of one chunk, and
-    the slab gradient pieces are read through (no whole-sub-group buffer, no fp32 gradient copy);
-    freed after each step when ``released``, else kept."""
-    from memascend.integrations.deepspeed.chunk_plan import CHUNK_ALIGN_NUMEL, GRAD_BOUNCE_NUMEL
+def _add_chunked_step(add, chunk: int, released: bool, read_ahead: bool = True) -> None:
+    """The chunked step's locked buffers: master weights, two moments and a gradient slab per buffer
+    set (two with read-ahead, ``enable_chunk_prefetch``; the raw store takes one, so this is an upper
+    bound there) and one chunk gradient (no whole-sub-group buffer, no fp32 gradient copy); freed
+    after each step when ``released``, else kept."""
+    from memascend.integrations.deepspeed.chunk_plan import buffer_sets, chunk_buffers_numel
 
-    bounce = min(GRAD_BOUNCE_NUMEL, chunk) + 2 * CHUNK_ALIGN_NUMEL
-    add(f"chunked optimizer step buffers ({OPTIMIZER_BUFFERS_IN_USE} x {chunk:,} fp32 + gradient bounce)",
-        (OPTIMIZER_BUFFERS_IN_USE * chunk + bounce) * _FP32, True, "chunked_step.ChunkedSubGroups",
+    sets = buffer_sets(read_ahead)
+    add(f"chunked optimizer step buffers ({sets} x 3 x {chunk:,} fp32 + gradient slab{'s' if sets > 1 else ''}, "
+        f"+ {chunk:,} fp32 gradient)",
+        chunk_buffers_numel(chunk, read_ahead) * _FP32, True, "chunked_step.ChunkedSubGroups",
         "step" if released else "resident")
     add("optimizer step temporaries", chunk * MEMASCEND_STEP_TEMP_BYTES_PER_SUB_GROUP_NUMEL, False,
         "calibrated (MEMASCEND_STEP_TEMP_BYTES_PER_SUB_GROUP_NUMEL), per chunk", "step")
@@ -402,7 +404,7 @@ def _add_optimizer(add, z: dict, part: int, sub: int, ma: bool, settings) -> Non
     chunk = _step_chunk_numel(z, sub, ma, settings)
     if chunk is not None:
         released = settings.enable_optimizer_pool and settings.enable_optimizer_buffer_release
-        _add_chunked_step(add, chunk, released)
+        _add_chunked_step(add, chunk, released, getattr(settings, "enable_chunk_prefetch", True))
         staging = STAGING_BUFFERS_IN_USE * _aligned(sub, _FP32) * _FP32
         for what, source, phase in (("the fp32 write-out", "initialize_parameters", "initialize"),
                                     ("gradients out", "swap_out_gradients", "backward")):

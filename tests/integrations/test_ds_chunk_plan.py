@@ -104,3 +104,36 @@ def test_setting_defaults_and_section():
     assert MemAscendSettings.baseline().optimizer_chunk_numel is None
     section = {"memascend": {"optimizer_chunk_numel": 8 * A}}
     assert MemAscendSettings.from_ds_config(section).optimizer_chunk_numel == 8 * A
+
+
+@pytest.mark.parametrize("slab", [2 * A, 3 * A + 5, 40 * A])
+def test_slab_rounds_fit_the_slab_and_cover_every_piece(slab):
+    sources = [(0, 300), (300, 5000), (5300, 7), (5307, 2000), (7307, 9000)]
+    file_numels = [chunk_plan.align_up(n, 256) for _, n in sources]
+    start, stop = 1024, 12 * A
+    pieces = chunk_plan.pieces_in_chunk(sources, start, stop)
+    rounds = chunk_plan.slab_rounds(pieces, file_numels, A, slab)
+    covered = []
+    for reads in rounds:
+        taken = []
+        for r in reads:
+            assert r.read_start % A == 0 and r.slab_start % A == 0
+            assert r.read_stop % A == 0 or r.read_stop == file_numels[r.index]
+            assert r.read_start <= r.copy_start < r.copy_stop <= r.read_stop <= file_numels[r.index]
+            assert r.slab_start + r.read_stop - r.read_start <= slab
+            taken.append((r.slab_start, r.slab_start + r.read_stop - r.read_start))
+            off = sources[r.index][0]
+            covered += [(off + e, start + r.dest_start + e - r.copy_start) for e in range(r.copy_start, r.copy_stop)]
+        taken.sort()
+        assert all(a[1] <= b[0] for a, b in zip(taken, taken[1:]))  # no two reads of a round share the slab
+    assert all(src == dst for src, dst in covered)
+    assert sorted(src for src, _ in covered) == list(range(start, stop))
+    assert (len(rounds) > 1) == (slab < 12 * A)
+
+
+def test_chunk_buffers_numel_adds_one_set_for_read_ahead():
+    chunk = 8 * A
+    serial = chunk_plan.chunk_buffers_numel(chunk, read_ahead=False)
+    ahead = chunk_plan.chunk_buffers_numel(chunk, read_ahead=True)
+    assert serial == 4 * chunk + chunk_plan.grad_slab_numel(chunk, False)  # as before read-ahead
+    assert ahead == 2 * (3 * chunk + chunk + chunk_plan.GRAD_READ_AHEAD_SLACK_NUMEL) + chunk

@@ -13,8 +13,19 @@ time. :func:`range_io_for` picks the implementation for the swapper's handle:
   (:meth:`~memascend.io.store.TensorStore.read_extent` / ``write_extent``). A file is always
   written whole, in order, within one :meth:`begin_write` .. :meth:`end_write`, so the CRC32C of
   its bytes is accumulated as the pieces go out and recorded at the end, as a whole-tensor write
-  records it (checkpoint export and later whole reads check it). Ranged *reads* are not checked
-  (the record's CRC covers the whole tensor).
+  records it (checkpoint export and later whole reads check it). A key read in order from 0 to its
+  end is CRC32C-checked when its last piece arrives.
+
+Both offer a synchronous API (:meth:`~AioRangeIO.read`, :meth:`~AioRangeIO.begin_write` /
+:meth:`~AioRangeIO.write` / :meth:`~AioRangeIO.end_write`) and a split one for read-ahead and
+write-behind (:meth:`~AioRangeIO.submit_read` / :meth:`~AioRangeIO.submit_write`, then
+:meth:`~AioRangeIO.wait`). :attr:`~AioRangeIO.asynchronous` says whether a submitted transfer runs
+while the caller computes: DeepSpeed's aio handle does the I/O on its own C++ threads and its
+``wait`` waits for *every* operation outstanding on the handle (``deepspeed_io_handle_t::wait``), so
+:class:`AioRangeIO` counts what it submitted and checks that count; the raw store's ranged transfers
+(:meth:`~memascend.io.store.TensorStore.read_extent` / ``write_extent``) are synchronous, so
+:class:`StoreRangeIO` completes each request when it is submitted (same order, same CRC32C checks)
+and its :meth:`~StoreRangeIO.wait` has nothing left to wait for.
 
 Every buffer is a contiguous CPU tensor whose first byte is direct-I/O aligned (a view at an
 aligned offset of a locked buffer), and every byte offset is a multiple of 4 KiB.
@@ -31,12 +42,20 @@ import torch
 class AioRangeIO:
     """Ranged transfers through a DeepSpeed aio handle (a swap folder).
 
+    Nothing else may submit to ``handle`` while this object has transfers outstanding (its
+    ``wait`` would complete them and the counts would not match).
+
     Args:
         handle: the aio handle whose buffers are given (its ``is_pinned`` accepts them).
     """
 
+    asynchronous = True
+    """Submitted transfers run on the handle's threads until :meth:`wait`."""
+
     def __init__(self, handle: Any) -> None:
         self.handle = handle
+        self.pending = 0
+        """Transfers submitted and not yet waited for."""
 
     def file_bytes(self, path: str) -> int | None:
         """Size of the swap file ``path`` in bytes, ``None`` when it does not exist."""
@@ -46,31 +65,57 @@ class AioRangeIO:
             return None
 
     def read(self, requests: list[tuple[torch.Tensor, str, int]]) -> None:
-        """Fill each ``buffer`` from ``path`` at ``offset_bytes`` (``buffer.nbytes`` bytes) and wait.
+        """Fill each ``buffer`` from ``path`` at ``offset_bytes`` (``buffer.nbytes`` bytes) and wait
+        (for every outstanding transfer, see :meth:`wait`).
 
         Raises:
             RuntimeError: the handle refused a request or completed fewer than submitted.
         """
-        self._run(requests, self.handle.async_pread, "read")
+        self.submit_read(requests)
+        self.wait()
+
+    def submit_read(self, requests: list[tuple[torch.Tensor, str, int]]) -> None:
+        """Start filling each ``buffer`` from ``path`` at ``offset_bytes``; the buffers may be used
+        only after :meth:`wait`.
+
+        Raises:
+            RuntimeError: the handle refused a request.
+        """
+        self._submit(requests, self.handle.async_pread, "read")
 
     def begin_write(self, path: str, total_bytes: int) -> None:
         """Start writing ``path`` (``total_bytes`` long once complete); nothing to do for a file."""
 
     def write(self, requests: list[tuple[torch.Tensor, str, int]]) -> None:
         """Write each ``buffer`` to ``path`` at ``offset_bytes`` and wait (raises as :meth:`read`)."""
-        self._run(requests, self.handle.async_pwrite, "write")
+        self.submit_write(requests)
+        self.wait()
+
+    def submit_write(self, requests: list[tuple[torch.Tensor, str, int]]) -> None:
+        """Start writing each ``buffer`` to ``path`` at ``offset_bytes``; the buffers must stay
+        unchanged until :meth:`wait` (raises as :meth:`submit_read`)."""
+        self._submit(requests, self.handle.async_pwrite, "write")
 
     def end_write(self, path: str) -> None:
         """Finish writing ``path``; nothing to do for a file."""
 
-    def _run(self, requests: list[tuple[torch.Tensor, str, int]], submit: Any, verb: str) -> None:
+    def wait(self) -> None:
+        """Wait for every transfer submitted and not yet waited for.
+
+        Raises:
+            RuntimeError: the handle completed another number of transfers than were submitted.
+        """
+        pending, self.pending = self.pending, 0
+        done = self.handle.wait() if pending else 0
+        if done != pending:
+            raise RuntimeError(f"chunked optimizer step: aio completed {done} of {pending} transfers")
+
+    def _submit(self, requests: list[tuple[torch.Tensor, str, int]], submit: Any, verb: str) -> None:
         for buffer, path, offset in requests:
             if submit(buffer, path, int(offset)) != 0:
                 raise RuntimeError(f"chunked optimizer step: aio {verb} of {buffer.nbytes} bytes at offset "
                                    f"{offset} of {path} was refused")
-        done = self.handle.wait() if requests else 0
-        if done != len(requests):
-            raise RuntimeError(f"chunked optimizer step: aio completed {done} of {len(requests)} {verb}s")
+            self.pending += 1
 
 
 class StoreRangeIO:
@@ -79,6 +124,9 @@ class StoreRangeIO:
     Args:
         handle: the rank's :class:`~memascend.integrations.deepspeed.swap_backend.StoreSwapHandle`.
     """
+
+    asynchronous = False
+    """Each request completes when it is submitted (the store's ranged transfers are synchronous)."""
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle
@@ -109,6 +157,17 @@ class StoreRangeIO:
             self.store.read_extent(rec, data, int(offset), buffer.nbytes)
             if self.store.enable_crc and rec.crc32c is not None:
                 self._check_in_order(key, rec, data, int(offset), buffer.nbytes)
+
+    def submit_read(self, requests: list[tuple[torch.Tensor, str, int]]) -> None:
+        """:meth:`read` (completed now; raises as it)."""
+        self.read(requests)
+
+    def submit_write(self, requests: list[tuple[torch.Tensor, str, int]]) -> None:
+        """:meth:`write` (completed now; raises as it)."""
+        self.write(requests)
+
+    def wait(self) -> None:
+        """Nothing to wait for: every request completed when it was submitted."""
 
     def _check_in_order(self, key: str, rec: Any, data: torch.Tensor, offset: int, nbytes: int) -> None:
         from memascend.ops import nvme_io

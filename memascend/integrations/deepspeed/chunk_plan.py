@@ -39,6 +39,36 @@ its parameter's offset of the sub-group, so a chunk's part of it rarely starts o
 boundary of the fragment file; it is read in aligned rounds of at most this size and copied."""
 
 
+GRAD_READ_AHEAD_SLACK_NUMEL = 16 * CHUNK_ALIGN_NUMEL
+"""fp32 elements a read-ahead gradient slab holds beyond its chunk (64 KiB): a piece's aligned reads
+cover at most ``2 * CHUNK_ALIGN_NUMEL`` elements more than the piece, so the whole gradient of a
+chunk made of up to 8 fragment pieces is read ahead; the rest of a chunk of more pieces is read
+through the slab when the chunk is stepped."""
+
+
+def grad_slab_numel(chunk_numel: int, read_ahead: bool) -> int:
+    """fp32 elements of one gradient slab (what a chunk's gradient fragments are read into before
+    they are copied to the chunk's gradient): a chunk plus slack with read-ahead, else the bounce
+    slab (:data:`GRAD_BOUNCE_NUMEL`, at most a chunk, plus two alignments)."""
+    if read_ahead:
+        return int(chunk_numel) + GRAD_READ_AHEAD_SLACK_NUMEL
+    return min(GRAD_BOUNCE_NUMEL, int(chunk_numel)) + 2 * CHUNK_ALIGN_NUMEL
+
+
+def buffer_sets(read_ahead: bool) -> int:
+    """Chunk buffer sets of the chunked step: two with read-ahead (one stepped, one being read or
+    written), else one."""
+    return 2 if read_ahead else 1
+
+
+def chunk_buffers_numel(chunk_numel: int, read_ahead: bool) -> int:
+    """fp32 elements of the chunked step's locked buffers for chunks of ``chunk_numel`` elements:
+    per buffer set (:func:`buffer_sets`) the master weights, two moments and a gradient slab
+    (:func:`grad_slab_numel`), plus one chunk gradient that Adam reads (shared by the sets)."""
+    per_set = 3 * int(chunk_numel) + grad_slab_numel(chunk_numel, read_ahead)
+    return buffer_sets(read_ahead) * per_set + int(chunk_numel)
+
+
 def resolve_chunk_numel(value: int | str | None) -> int | None:
     """Elements per chunk for a setting value: ``"auto"`` -> :data:`AUTO_CHUNK_NUMEL`, an integer
     as given, ``None`` -> ``None`` (no chunking)."""
@@ -157,3 +187,58 @@ def plan_summary(numels: Iterable[int], chunk_numel: int) -> dict[str, int]:
     counts = [len(chunk_bounds(int(n), chunk_numel)) for n in numels]
     largest = max((min(int(n), chunk_numel) for n in numels), default=0)
     return {"sub_groups": len(counts), "chunks": sum(counts), "largest_chunk_numel": largest}
+
+
+@dataclasses.dataclass(frozen=True)
+class SlabRead:
+    """One direct-I/O read of a gradient fragment into a gradient slab, and what of it to copy.
+
+    Attributes:
+        index: which fragment (position in the sources given to :func:`pieces_in_chunk`).
+        read_start: first element of the fragment file read (aligned).
+        read_stop: one past the last element read (aligned, or the file's end).
+        slab_start: where the read lands in the slab (elements, aligned).
+        copy_start: first element of the fragment wanted (inside the read).
+        copy_stop: one past the last element wanted.
+        dest_start: where ``copy_start`` goes in the chunk's gradient.
+    """
+
+    index: int
+    read_start: int
+    read_stop: int
+    slab_start: int
+    copy_start: int
+    copy_stop: int
+    dest_start: int
+
+
+def slab_rounds(pieces: Sequence[Piece], file_numels: Sequence[int], align_numel: int,
+                slab_numel: int) -> list[list[SlabRead]]:
+    """Pack the aligned reads of a chunk's gradient pieces into rounds that each fit a slab of
+    ``slab_numel`` elements (every read starts on an ``align_numel`` boundary of the slab).
+
+    Args:
+        pieces: the chunk's pieces of the fragments (:func:`pieces_in_chunk`).
+        file_numels: elements of each fragment's file (by ``Piece.index``).
+
+    Returns:
+        The rounds in order; the reads of a round are all in the slab at once. Empty for no pieces.
+
+    Raises:
+        ValueError: ``slab_numel`` below ``2 * align_numel`` (as :func:`aligned_reads`).
+    """
+    rounds: list[list[SlabRead]] = []
+    current: list[SlabRead] = []
+    pos = 0
+    for piece in pieces:
+        for lo, hi in aligned_reads(piece.src_start, piece.src_stop, file_numels[piece.index], align_numel,
+                                    slab_numel):
+            if current and pos + (hi - lo) > slab_numel:
+                rounds.append(current)
+                current, pos = [], 0
+            a, b = max(lo, piece.src_start), min(hi, piece.src_stop)
+            current.append(SlabRead(piece.index, lo, hi, pos, a, b, piece.dest_start + a - piece.src_start))
+            pos = align_up(pos + hi - lo, align_numel)
+    if current:
+        rounds.append(current)
+    return rounds

@@ -33,6 +33,7 @@ that is not chunked.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -87,9 +88,15 @@ class ChunkedSubGroups:
                                 max((chunk_plan.align_up(n, chunk_plan.CHUNK_ALIGN_NUMEL) for n in numels), default=0))
         swapper = getattr(opt, "optimizer_swapper", None)
         self.io = range_io_for(swapper.aio_handle) if swapper is not None else None
+        self.read_ahead = bool(getattr(settings, "enable_chunk_prefetch", True) and self.io is not None
+                               and self.io.asynchronous)
+        """Read-ahead and write-behind (two buffer sets); off on a synchronous target (the raw store)."""
         self.allocator = (LockedAllocator(swapper.aio_handle, prefer_arena=settings.enable_arena_pinning)
                           if swapper is not None else None)
-        self.buffers: dict[str, torch.Tensor] = {}
+        self.sets: list[dict[str, torch.Tensor]] = []
+        """Per buffer set: ``param``, ``exp_avg``, ``exp_avg_sq`` (chunk) and ``slab`` (gradient reads)."""
+        self.grad: torch.Tensor | None = None
+        """The chunk gradient Adam reads (one for all sets)."""
         self.staging: tuple[LockedAllocator, torch.Tensor] | None = None
         self.param_io: dict[int, Any] = {}
         self.inv_scale: Any = None
@@ -100,15 +107,17 @@ class ChunkedSubGroups:
         self.peak_locked_bytes = 0
 
     # -- buffers ------------------------------------------------------------------------------
-    def acquire(self) -> dict[str, torch.Tensor]:
-        """The chunk buffers (``param``, ``exp_avg``, ``exp_avg_sq``, ``grad``, ``bounce``), locked."""
-        if not self.buffers:
-            for name in ("param", *STATE_KEYS, "grad"):
-                self.buffers[name] = self.allocator.allocate(self.buffer_numel, torch.float32)
-            self.buffers["bounce"] = self.allocator.allocate(
-                min(chunk_plan.GRAD_BOUNCE_NUMEL, self.buffer_numel) + 2 * chunk_plan.CHUNK_ALIGN_NUMEL, torch.float32)
+    def acquire(self) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
+        """The chunk buffer sets (:func:`~.chunk_plan.buffer_sets`) and the chunk gradient, locked."""
+        if not self.sets:
+            slab_numel = chunk_plan.grad_slab_numel(self.buffer_numel, self.read_ahead)
+            for _ in range(chunk_plan.buffer_sets(self.read_ahead)):
+                bufs = {name: self.allocator.allocate(self.buffer_numel, torch.float32) for name in ("param", *STATE_KEYS)}
+                bufs["slab"] = self.allocator.allocate(slab_numel, torch.float32)
+                self.sets.append(bufs)
+            self.grad = self.allocator.allocate(self.buffer_numel, torch.float32)
             self._account()
-        return self.buffers
+        return self.sets, self.grad
 
     def staging_for(self, handle: Any, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """A locked buffer of at least ``numel`` elements of ``dtype`` from ``handle`` (16-bit
@@ -121,7 +130,8 @@ class ChunkedSubGroups:
         return self.staging[1]
 
     def _account(self) -> None:
-        locked = sum(b.nbytes for b in self.buffers.values())
+        locked = sum(b.nbytes for bufs in self.sets for b in bufs.values())
+        locked += self.grad.nbytes if self.grad is not None else 0
         locked += self.staging[1].nbytes if self.staging is not None else 0
         self.peak_locked_bytes = max(self.peak_locked_bytes, locked)
 
@@ -132,48 +142,89 @@ class ChunkedSubGroups:
 
     def release(self) -> None:
         """Free the chunk buffers (between steps, with ``enable_optimizer_buffer_release``)."""
-        for buffer in self.buffers.values():
-            self.allocator.free(buffer)
-        self.buffers = {}
+        for bufs in self.sets:
+            for buffer in bufs.values():
+                self.allocator.free(buffer)
+        if self.grad is not None:
+            self.allocator.free(self.grad)
+        self.sets, self.grad = [], None
         self._free_staging()
 
     # -- the step -----------------------------------------------------------------------------
     def step(self, opt: Any, sub_group_id: int) -> None:
-        """Step sub-group ``sub_group_id`` chunk by chunk (gradients already swapped out)."""
-        fp32 = opt.fp32_partitioned_groups_flat[sub_group_id]
-        swapper = opt.optimizer_swapper
-        swap_info = swapper._get_param_swap_info(fp32)
-        numel = int(opt.fp16_partitioned_groups_flat_numel[sub_group_id])
-        state = opt.optimizer.state.setdefault(fp32, {})
-        has_moments = bool(swap_info.has_state_tensors)
-        paths = self._state_paths(swap_info, fp32, state)
-        file_numel = swapper._io_aligned_numel(numel)
-        group_id = opt.sub_group_to_group_id[sub_group_id]
-        bufs = self.acquire()
+        """Step sub-group ``sub_group_id`` chunk by chunk (gradients already swapped out).
+
+        With :attr:`read_ahead`, chunk ``i + 1``'s reads are in flight while Adam steps chunk ``i``
+        (buffer set ``i % 2``), and chunk ``i``'s writes until the wait before chunk ``i + 1`` is
+        stepped (which precedes the reads into set ``i % 2`` again); else each chunk is read, stepped
+        and written in turn. Same arithmetic either way.
+        """
+        files = _SubGroupFiles.of(opt, sub_group_id)
+        sets, grad = self.acquire()
         param_writer = _ParamWriter(self, opt, sub_group_id)
         for name in ("param", *STATE_KEYS):
-            self.io.begin_write(paths[name], file_numel * _FP32_BYTES)
-        step_count = state.get("step", 0)
-        for start, stop in chunk_plan.chunk_bounds(numel, self.chunk_numel):
-            io_numel = chunk_plan.chunk_io_numel(start, stop, numel, swapper.numel_alignment)
+            self.io.begin_write(files.paths[name], files.file_numel * _FP32_BYTES)
+        step_count = files.state.get("step", 0)
+        new_step = step_count
+        chunks = chunk_plan.chunk_bounds(files.numel, self.chunk_numel)
+        rounds = self._submit_reads(files, sets[0], *chunks[0]) if self.read_ahead and chunks else []
+        for i, (start, stop) in enumerate(chunks):
+            bufs = sets[i % len(sets)]
+            if not self.read_ahead:
+                rounds = self._submit_reads(files, bufs, start, stop)
+            self.io.wait()  # chunk i's reads (and chunk i - 1's writes) are done
+            chunk_grad = self._gather_gradient(files, bufs["slab"], rounds, grad.narrow(0, 0, stop - start), start, stop)
+            if self.read_ahead and i + 1 < len(chunks):
+                rounds = self._submit_reads(files, sets[(i + 1) % len(sets)], *chunks[i + 1])
+            chunk_grad.mul_(self.inv_scale)
+            io_numel = chunk_plan.chunk_io_numel(start, stop, files.numel, files.numel_alignment)
             views = {name: bufs[name].narrow(0, 0, io_numel) for name in ("param", *STATE_KEYS)}
-            reads = [(views["param"], paths["param"], start * _FP32_BYTES)]
-            if has_moments:
-                reads += [(views[k], paths[k], start * _FP32_BYTES) for k in STATE_KEYS]
-            else:
-                for k in STATE_KEYS:
-                    views[k].zero_()
-            self.io.read(reads)
-            grad = bufs["grad"].narrow(0, 0, stop - start)
-            self._read_gradient(swapper, swap_info, start, stop, grad)
-            grad.mul_(self.inv_scale)
-            new_step = _adam_on_chunk(opt.optimizer, group_id, views, grad, stop - start, step_count)
-            self.io.write([(views[name], paths[name], start * _FP32_BYTES) for name in ("param", *STATE_KEYS)])
+            new_step = _adam_on_chunk(opt.optimizer, files.group_id, views, chunk_grad, stop - start, step_count)
+            self.io.submit_write([(views[name], files.paths[name], start * _FP32_BYTES)
+                                  for name in ("param", *STATE_KEYS)])
+            if not self.read_ahead:
+                self.io.wait()
             param_writer.chunk(views["param"], start, stop)
+        self.io.wait()
         for name in ("param", *STATE_KEYS):
-            self.io.end_write(paths[name])
+            self.io.end_write(files.paths[name])
         param_writer.finish()
-        state["step"] = new_step
+        files.state["step"] = new_step
+
+    def _submit_reads(self, files: _SubGroupFiles, bufs: dict[str, torch.Tensor], start: int,
+                      stop: int) -> list[list[chunk_plan.SlabRead]]:
+        """Submit chunk ``[start, stop)``'s reads into buffer set ``bufs``: master weights, moments
+        (zeroed instead before the first step) and the first round of its gradient reads.
+
+        Returns:
+            The chunk's gradient read rounds (the first one submitted).
+        """
+        io_numel = chunk_plan.chunk_io_numel(start, stop, files.numel, files.numel_alignment)
+        names = ("param", *STATE_KEYS) if files.has_moments else ("param",)
+        for k in STATE_KEYS if not files.has_moments else ():
+            bufs[k].narrow(0, 0, io_numel).zero_()
+        reads = [(bufs[k].narrow(0, 0, io_numel), files.paths[k], start * _FP32_BYTES) for k in names]
+        pieces = chunk_plan.pieces_in_chunk(files.fragment_sources, start, stop)
+        rounds = chunk_plan.slab_rounds(pieces, files.fragment_file_numels, _ALIGN_NUMEL, bufs["slab"].numel())
+        self.io.submit_read(reads + _slab_requests(files, bufs["slab"], rounds[0] if rounds else []))
+        return rounds
+
+    def _gather_gradient(self, files: _SubGroupFiles, slab: torch.Tensor, rounds: list[list[chunk_plan.SlabRead]],
+                         grad: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Fill ``grad`` (the chunk's ``stop - start`` elements) once the first read round is in
+        ``slab``: copy it, read and copy the further rounds (synchronously), copy the DRAM pieces."""
+        grad.zero_()
+        for n, reads in enumerate(rounds):
+            if n:
+                self.io.read(_slab_requests(files, slab, reads))
+            for r in reads:
+                grad.narrow(0, r.dest_start, r.copy_stop - r.copy_start).copy_(
+                    slab.narrow(0, r.slab_start + r.copy_start - r.read_start, r.copy_stop - r.copy_start))
+        unswapped = files.unswapped
+        for piece in chunk_plan.pieces_in_chunk([(off, t.numel()) for off, t in unswapped], start, stop):
+            src = unswapped[piece.index][1]
+            grad.narrow(0, piece.dest_start, piece.numel).copy_(src.narrow(0, piece.src_start, piece.numel))
+        return grad
 
     @staticmethod
     def _state_paths(swap_info: Any, fp32: torch.Tensor, state: dict) -> dict[str, str]:
@@ -192,24 +243,52 @@ class ChunkedSubGroups:
             paths[str(ctx.compute_tensor.ds_id).split("-", 1)[0]] = ctx.swap_path
         return paths
 
-    def _read_gradient(self, swapper: Any, swap_info: Any, start: int, stop: int, grad: torch.Tensor) -> None:
-        """Fill ``grad`` (the chunk's ``stop - start`` elements) from the gradient fragments."""
-        grad.zero_()
+
+_ALIGN_NUMEL = _DIRECT_IO_BYTES // _FP32_BYTES
+
+
+def _slab_requests(files: _SubGroupFiles, slab: torch.Tensor, reads: list[chunk_plan.SlabRead]
+                   ) -> list[tuple[torch.Tensor, str, int]]:
+    """The range-I/O requests of one round of gradient reads into ``slab``."""
+    return [(slab.narrow(0, r.slab_start, r.read_stop - r.read_start), files.fragment_paths[r.index],
+             r.read_start * _FP32_BYTES) for r in reads]
+
+
+@dataclasses.dataclass
+class _SubGroupFiles:
+    """What the chunked step of one sub-group reads and writes: its swap files (master weights,
+    moments), gradient fragments and the DRAM gradient pieces, and the optimizer state."""
+
+    numel: int
+    file_numel: int
+    numel_alignment: int
+    group_id: int
+    state: dict
+    has_moments: bool
+    paths: dict[str, str]
+    fragment_sources: list[tuple[int, int]]
+    fragment_paths: list[str]
+    fragment_file_numels: list[int]
+    unswapped: list[tuple[int, torch.Tensor]]
+
+    @classmethod
+    def of(cls, opt: Any, sub_group_id: int) -> _SubGroupFiles:
+        """Those of sub-group ``sub_group_id`` of stage-3 optimizer ``opt`` (registers the moments'
+        placeholders at the first step, :meth:`ChunkedSubGroups._state_paths`)."""
+        fp32 = opt.fp32_partitioned_groups_flat[sub_group_id]
+        swapper = opt.optimizer_swapper
+        swap_info = swapper._get_param_swap_info(fp32)
+        numel = int(opt.fp16_partitioned_groups_flat_numel[sub_group_id])
+        state = opt.optimizer.state.setdefault(fp32, {})
+        has_moments = bool(swap_info.has_state_tensors)
         fragments = list(swap_info.swapped_gradients.values())
-        bounce = self.buffers["bounce"]
-        align = _DIRECT_IO_BYTES // _FP32_BYTES
-        for piece in chunk_plan.pieces_in_chunk([(f.offset, f.length) for f in fragments], start, stop):
-            fragment = fragments[piece.index]
-            file_numel = swapper._io_aligned_numel(fragment.length)
-            for lo, hi in chunk_plan.aligned_reads(piece.src_start, piece.src_stop, file_numel, align,
-                                                   bounce.numel() - align):
-                self.io.read([(bounce.narrow(0, 0, hi - lo), fragment.path, lo * _FP32_BYTES)])
-                a, b = max(lo, piece.src_start), min(hi, piece.src_stop)
-                grad.narrow(0, piece.dest_start + a - piece.src_start, b - a).copy_(bounce.narrow(0, a - lo, b - a))
-        unswapped = sorted(swap_info.unswapped_gradients.items())
-        for piece in chunk_plan.pieces_in_chunk([(off, t.numel()) for off, t in unswapped], start, stop):
-            src = unswapped[piece.index][1]
-            grad.narrow(0, piece.dest_start, piece.numel).copy_(src.narrow(0, piece.src_start, piece.numel))
+        return cls(numel=numel, file_numel=swapper._io_aligned_numel(numel), numel_alignment=swapper.numel_alignment,
+                   group_id=opt.sub_group_to_group_id[sub_group_id], state=state, has_moments=has_moments,
+                   paths=ChunkedSubGroups._state_paths(swap_info, fp32, state),
+                   fragment_sources=[(f.offset, f.length) for f in fragments],
+                   fragment_paths=[f.path for f in fragments],
+                   fragment_file_numels=[swapper._io_aligned_numel(f.length) for f in fragments],
+                   unswapped=sorted(swap_info.unswapped_gradients.items()))
 
 
 def _adam_on_chunk(optimizer: Any, group_id: int, views: dict[str, torch.Tensor], grad: torch.Tensor,
