@@ -398,16 +398,37 @@ def _add_chunked_step(add, chunk: int, released: bool, read_ahead: bool = True) 
         "calibrated (MEMASCEND_STEP_TEMP_BYTES_PER_SUB_GROUP_NUMEL), per chunk", "step")
 
 
-def _add_optimizer(add, z: dict, part: int, sub: int, ma: bool, settings) -> None:
-    """The optimizer side of ``offload_optimizer`` and the step's temporaries."""
+def _add_swap_window(add, settings, sub: int, released: bool) -> None:
+    """:mod:`~memascend.integrations.deepspeed.chunked_swap_out`: one locked window of at most a chunk
+    streams the initial fp32 write-out and the gradients out; stage 3's ``initialize_optimizer_states``
+    still swaps each sub-group's master weights in whole, into one buffer of the largest sub-group.
+    Released: the window exists at construction and in backward, the buffer at construction; kept:
+    both resident."""
+    from memascend.integrations.deepspeed.chunk_plan import CHUNK_ALIGN_NUMEL, align_up, resolve_chunk_numel
+
+    window = min(resolve_chunk_numel(settings.optimizer_chunk_numel), align_up(_aligned(sub, _FP32), CHUNK_ALIGN_NUMEL))
+    for phase in ("initialize", "backward") if released else ("resident",):
+        add(f"optimizer swap window streaming the fp32 write-out and gradients out (1 x {window:,} fp32)",
+            window * _FP32, True, "chunked_swap_out (OnDemandSwapBufferManager.allocate_window)", phase)
+    add(f"optimizer swap buffer of the initial state swap-in (1 x {sub:,} fp32)", _aligned(sub, _FP32) * _FP32,
+        True, "stage3 initialize_optimizer_states (swap_in_optimizer_state)", "initialize" if released else "resident")
+
+
+def _add_optimizer(add, z: dict, part: int, sub: int, ma: bool, settings, chunk_window: bool = True) -> None:
+    """The optimizer side of ``offload_optimizer`` and the step's temporaries (``chunk_window``:
+    with the chunked step, gradients and the fp32 write-out stream through a chunk-sized window;
+    ``False`` for runs from before it)."""
     oo = z.get("offload_optimizer", {})
     chunk = _step_chunk_numel(z, sub, ma, settings)
     if chunk is not None:
         released = settings.enable_optimizer_pool and settings.enable_optimizer_buffer_release
         _add_chunked_step(add, chunk, released, getattr(settings, "enable_chunk_prefetch", True))
-        staging = STAGING_BUFFERS_IN_USE * _aligned(sub, _FP32) * _FP32
+        staging = STAGING_BUFFERS_IN_USE * _aligned(sub, _FP32) * _FP32  # before chunked_swap_out
         for what, source, phase in (("the fp32 write-out", "initialize_parameters", "initialize"),
                                     ("gradients out", "swap_out_gradients", "backward")):
+            if chunk_window and settings.enable_optimizer_pool:
+                _add_swap_window(add, settings, sub, released)
+                break
             add(f"optimizer swap buffers streaming {what} ({STAGING_BUFFERS_IN_USE} x {sub:,} fp32)", staging, True,
                 f"OnDemandSwapBufferManager.allocate_all ({source})", phase if released else "resident")
             if not released:  # kept, the same two buffers serve both
@@ -442,7 +463,8 @@ def _add_optimizer(add, z: dict, part: int, sub: int, ma: bool, settings) -> Non
             "DeepSpeedZeroOptimizer_Stage3.has_overflow / _has_inf_or_nan", "step")
 
 
-def plan_engine(cfg: RunConfig, dims: ModelDims, run: ResolvedRun, world_size: int) -> EnginePlan:
+def plan_engine(cfg: RunConfig, dims: ModelDims, run: ResolvedRun, world_size: int,
+                chunk_window: bool = True) -> EnginePlan:
     """Predict the host memory of ``cfg``'s engine (components summed over ``world_size`` ranks).
 
     Args:
@@ -450,6 +472,9 @@ def plan_engine(cfg: RunConfig, dims: ModelDims, run: ResolvedRun, world_size: i
         dims: the model's layout.
         run: ``resolve(cfg, shape, world_size)``: the DeepSpeed config and settings the engine runs with.
         world_size: ranks on this host.
+        chunk_window: ``False`` plans a chunked run from before the chunk-sized swap window
+            (:mod:`~memascend.integrations.deepspeed.chunked_swap_out`): two buffers of the largest
+            sub-group stream gradients and the fp32 write-out.
     """
     settings = run.settings
     ma = cfg.engine == "memascend"
@@ -475,7 +500,7 @@ def plan_engine(cfg: RunConfig, dims: ModelDims, run: ResolvedRun, world_size: i
     _add_host_baseline(add, cfg, dims, ma, settings, trimmed)
     _add_param_offload(add, cfg, dims, z, e, w, part, sub, ma, settings)
     _add_gradients(add, cfg, dims, z, e, w, part, release_grads)
-    _add_optimizer(add, z, part, sub, ma, settings)
+    _add_optimizer(add, z, part, sub, ma, settings, chunk_window)
     if oo.get("device") == "nvme" and getattr(settings, "fix_unaligned_gradient_io", False) \
             and _step_chunk_numel(z, sub, ma, settings) is None:  # chunked: read through its own slab
         slab = _bounce_slab_numel(_sub_groups(run.ds_config, dims.param_numels, w),
@@ -489,7 +514,8 @@ def plan_engine(cfg: RunConfig, dims: ModelDims, run: ResolvedRun, world_size: i
 
 
 def plan_run(cfg: RunConfig, world_size: int = 1, dims: ModelDims | None = None,
-             memascend_settings: dict | None = None, user_ds_config: dict | None = None) -> dict[str, EnginePlan]:
+             memascend_settings: dict | None = None, user_ds_config: dict | None = None,
+             chunk_window: bool = True) -> dict[str, EnginePlan]:
     """Predict both engines for ``cfg`` on ``world_size`` ranks of one host.
 
     Each engine is planned from its own :func:`memascend.resolve.resolve` (the baseline's config
@@ -500,6 +526,7 @@ def plan_run(cfg: RunConfig, world_size: int = 1, dims: ModelDims | None = None,
             ``cfg.memascend``, the section of the user's DeepSpeed JSON).
         user_ds_config: the user's DeepSpeed JSON itself, in place of ``cfg``'s (its section
             becomes the settings unless ``memascend_settings`` is given).
+        chunk_window: as :func:`plan_engine` (``False``: a run from before the chunk-sized window).
 
     Raises:
         UserError: a bad ``"memascend"`` section or contradicting settings.
@@ -517,7 +544,8 @@ def plan_run(cfg: RunConfig, world_size: int = 1, dims: ModelDims | None = None,
     plans = {}
     for engine in ("baseline", "memascend"):
         engine_cfg = dataclasses.replace(cfg, engine=engine)
-        plans[engine] = plan_engine(engine_cfg, dims, resolve(engine_cfg, shape, world_size), world_size)
+        plans[engine] = plan_engine(engine_cfg, dims, resolve(engine_cfg, shape, world_size), world_size,
+                                    chunk_window)
     return plans
 
 
@@ -538,8 +566,10 @@ def plan_for_report(report: dict) -> EnginePlan:
     if settings is not None:  # reports from before param_pool_bytes ran with a count-bounded pool
         settings = {"param_pool_bytes": None, **settings}
         settings = {"enable_grad_streaming": False, **settings}  # from before it: the gradient buffer
+    # reports from before chunked_swap_out streamed through two buffers of the largest sub-group
+    window = "optimizer_window_bytes" in report.get("memory_breakdown", {}).get("locked", {})
     return plan_run(cfg, world_size=int(report["host"]["world_size"]), memascend_settings=settings,
-                    user_ds_config=report.get("user_deepspeed_config"))[report["engine"]]
+                    user_ds_config=report.get("user_deepspeed_config"), chunk_window=window)[report["engine"]]
 
 
 def plan_presets(cfg: RunConfig, world_size: int = 1) -> list[tuple[str, int, dict[str, EnginePlan]]]:

@@ -26,13 +26,17 @@ def swap_buffer_breakdown(engine: Any) -> dict[str, int]:
         ``optimizer_swap_buffers_bytes``: the optimizer swapper's buffers (memascend: at their
         peak; they are freed between steps); ``optimizer_swap_buffers``: how many of them;
         ``optimizer_chunk_buffers_bytes``: the chunked step's own locked buffers at their peak
-        (:mod:`~memascend.integrations.deepspeed.chunked_step`). Components absent in this run are 0.
+        (:mod:`~memascend.integrations.deepspeed.chunked_step`); ``optimizer_window_bytes``: the
+        chunk-sized window gradients and the initial fp32 write-out stream through, at its peak
+        (:mod:`~memascend.integrations.deepspeed.chunked_swap_out`; part of
+        ``optimizer_swap_buffers_bytes``). Components absent in this run are 0.
     """
     from memascend.integrations.deepspeed.chunked_step import chunk_buffers_peak_bytes
 
     out = {"param_swap_buffers_bytes": 0, "param_writeback_buffer_bytes": 0,
            "optimizer_swap_buffers_bytes": 0, "optimizer_swap_buffers": 0,
-           "optimizer_chunk_buffers_bytes": chunk_buffers_peak_bytes(getattr(engine, "optimizer", None))}
+           "optimizer_chunk_buffers_bytes": chunk_buffers_peak_bytes(getattr(engine, "optimizer", None)),
+           "optimizer_window_bytes": 0}
     swapper = _param_swapper(engine)
     if swapper is not None:
         pool = getattr(swapper, "pool", None)
@@ -45,6 +49,7 @@ def swap_buffer_breakdown(engine: Any) -> dict[str, int]:
         out["optimizer_swap_buffers_bytes"] = max(sum(_nbytes(b) for b in manager.all_buffers),
                                                   int(getattr(manager, "peak_locked_bytes", 0)))
         out["optimizer_swap_buffers"] = max(len(manager.all_buffers), int(getattr(manager, "peak_buffers_in_use", 0)))
+        out["optimizer_window_bytes"] = int(getattr(manager, "peak_window_bytes", 0))
     return out
 
 
