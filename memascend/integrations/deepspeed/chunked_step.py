@@ -12,8 +12,13 @@ elements the chunk's master weights and moments are read at their offset of the 
 files, its gradient from the overlapping parts of the gradient fragments, Adam steps on the chunk
 (``DeepSpeedCPUAdam`` with the sub-group's step number for every chunk), the chunk is written back
 and copied into the 16-bit partition (in DRAM, or written to the parameters' swap files), then the
-next chunk. The four buffers are chunk-sized and the files keep stock's names and layout, so
+next chunk. The buffers are chunk-sized and the files keep stock's names and layout, so
 checkpoints (swap-folder copy or raw-store export) and exact resume are unchanged.
+
+Read-ahead and write-behind (``enable_chunk_prefetch``, on an asynchronous target: DeepSpeed's aio
+handle): two buffer sets; chunk ``i + 1``'s reads are submitted before Adam steps chunk ``i``, chunk
+``i``'s writes after it, and one ``wait`` (the handle's, which completes everything outstanding)
+before chunk ``i + 1`` is stepped covers both, so no set is read into while it is being written.
 
 Bit-identity: Adam is elementwise, chunk boundaries are SIMD- and I/O-aligned
 (:data:`~.chunk_plan.CHUNK_ALIGN_NUMEL`), the loss-scale/clip factor is stock's
@@ -390,8 +395,9 @@ class _ParamWriter:
 
 
 def chunk_buffers_peak_bytes(opt: Any) -> int:
-    """Peak bytes of ``opt``'s chunk buffers (the four fp32 chunks, the gradient bounce buffer and the
-    16-bit staging buffer, all locked); 0 where the step was never chunked."""
+    """Peak bytes of ``opt``'s chunk buffers (:func:`~.chunk_plan.chunk_buffers_numel` fp32 elements:
+    both buffer sets with read-ahead, and the 16-bit staging buffer, all locked); 0 where the step
+    was never chunked."""
     plan = getattr(opt, "__dict__", {}).get(_ATTR)
     return int(plan.peak_locked_bytes) if plan else 0
 
