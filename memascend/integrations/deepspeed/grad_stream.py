@@ -28,7 +28,9 @@ With streaming (``MemAscendSettings.enable_grad_streaming``) the buffer is alloc
   checking the final sums: an inf or nan stays one under further additions.
 
 Host memory for gradients is then the reduced bucket itself (plus, accumulating, its fp32 regions
-read back and their sums) and the swapper's pinned window, whatever the model size. The values every micro step computes are stock's, so losses are
+read back and their sums) and the swapper's pinned window, whatever the model size: one chunk
+with the chunked step (:mod:`.chunked_swap_out` writes each gradient file in chunk-sized pieces),
+else stock's two buffers of the largest sub-group. The values every micro step computes are stock's, so losses are
 bit-identical wherever every parameter gets a gradient in every micro step (stock's buffer keeps a
 stale partition for a parameter that a micro step skips; streaming keeps the swap target's).
 
