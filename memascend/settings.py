@@ -154,7 +154,10 @@ class MemAscendSettings:
             buffers instead of four of the largest sub-group; losses stay bit-identical (Adam is
             elementwise). A multiple of 1024 (direct-I/O and SIMD alignment). ``"auto"``:
             :data:`memascend.integrations.deepspeed.chunk_plan.AUTO_CHUNK_NUMEL` (8 Mi elements,
-            32 MiB of fp32). ``None``: stock's whole-sub-group step.
+            32 MiB of fp32). ``None``: stock's whole-sub-group step. With ``enable_optimizer_pool``
+            the gradient swap-out and the initial fp32 write-out also go through one window of a
+            chunk (:mod:`memascend.integrations.deepspeed.chunked_swap_out`) instead of two buffers
+            of the largest sub-group.
         enable_chunk_prefetch: read-ahead and write-behind in the chunked optimizer step (on a swap
             folder, whose aio handle does the I/O on its own threads): two sets of chunk buffers, the
             next chunk's master weights, moments and gradient are read while Adam steps the current
