@@ -171,3 +171,26 @@ def test_streaming_after_a_park_locks_only_two_buffers(handle):
     step = ours.allocate(NUMEL, 4, torch.float32)  # the optimizer step locks the other two
     assert ours.locked_bytes() == 4 * NUMEL * 4 and len(ours.all_buffers) == 4
     ours.free(step)
+
+
+def test_window_buffers_are_reused_counted_and_freed_between_steps(handle):
+    # chunked_swap_out's chunk-sized window: apart from the sub-group buffers, reused while idle,
+    # in locked_bytes and the peak, freed by release_free_buffers even while a sub-group buffer is out.
+    ours = on_demand(handle)
+    window = NUMEL // 8
+    first = ours.allocate_window(window, 1)
+    assert first[0].numel() == window and handle.is_pinned(first[0]) and ours.all_buffers == []
+    ours.free_window(first)
+    again = ours.allocate_window(window, 1)
+    assert again[0].data_ptr() == first[0].data_ptr() and len(ours.window_buffers) == 1  # reused
+    with pytest.raises(KeyError):
+        ours.free_window([torch.empty(window)])
+    step = ours.allocate(NUMEL, 1, torch.float32)
+    assert ours.locked_bytes() == (NUMEL + window) * 4 == ours.peak_locked_bytes
+    ours.free_window(again)
+    assert ours.release_free_buffers() == window * 4  # the idle window only: a sub-group buffer is out
+    assert ours.window_buffers == [] and ours.locked_bytes() == NUMEL * 4
+    ours.free(step)
+    assert ours.peak_window_bytes == window * 4
+    with pytest.raises(ValueError):
+        ours.allocate_window(0, 1)
