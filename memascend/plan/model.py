@@ -23,7 +23,12 @@ Unlocked:
   * the optimizer step's fp32 gradient of the largest sub-group (and stock's overflow check);
   * activations of one micro-batch (:func:`activation_parts`: the tensors autograd keeps, counted
     for a Hugging Face Llama with SDPA and measured, plus the three fp32 ``tokens x vocab`` tensors
-    of the loss at the start of backward) and the vocabulary projection's weight gradient;
+    of the loss at the start of backward) and the vocabulary projection's weight gradient; with tied
+    embeddings the backward ends with three ``vocab x hidden`` gradients at once (lm_head's, the
+    embedding's and autograd's sum), where that is more than the activations;
+  * memascend's host block cache keeps forward/backward's freed blocks: with the chunked optimizer
+    step (whose locked buffers do not hand idle cache regions back) they stay through the step, the
+    step's unlocked temporaries reuse them (:func:`_host_block_cache_in_step`);
   * on several ranks, every parameter all-gathered in full on every rank during forward/backward;
   * a fixed framework baseline (Python, torch, DeepSpeed, transformers, ops, tokenizer), the corpus
     and, for stock, the model build's fp32 garbage in the heap.
@@ -196,6 +201,14 @@ def _add_forward_backward(add, dims: ModelDims, cfg: RunConfig, e: int, w: int, 
     held = "held to the tied embedding's" if dims.tied_embeddings else "untied lm_head"
     add(f"vocabulary projection weight gradient ({held})", dims.vocab_size * dims.hidden_size * e,
         False, "autograd, lm_head backward", "backward")
+    if dims.tied_embeddings:
+        # The backward ends at the embedding: embedding_dense_backward's zero-filled vocab x hidden
+        # gradient and autograd's (out-of-place) sum of it with lm_head's, three vocabulary-sized
+        # tensors at once, when the activations above are already freed (torch.profiler:
+        # MmBackward0, aten::embedding_dense_backward, aten::add of [vocab, hidden]).
+        add("tied embedding's own gradient and its sum with lm_head's (end of backward, beyond the activations)",
+            max(0, 2 * dims.vocab_size * dims.hidden_size * e - transient), False,
+            "autograd, embedding backward + gradient accumulation of the tied weight", "backward")
     if w > 1:
         # Each rank all-gathers every parameter in full (one rank aliases its partition instead:
         # NoGatherCoalescedHandle); with the default reuse distance they stay until their backward use.
@@ -306,6 +319,30 @@ def _add_gradients(add, cfg: RunConfig, dims: ModelDims, z: dict, e: int, w: int
         add("grad_partitions_flat_buffer", part * e, False, "DeepSpeedZeroOptimizer_Stage3 gradient partition")
 
 
+def _host_block_cache_in_step(comps: list[Component], chunked: bool) -> list[Component]:
+    """What memascend's host block cache (:mod:`memascend.memory.host_cache`) still holds in the
+    optimizer step: the pages of forward/backward's large host tensors (activations, fp32 logits,
+    the vocabulary projection's gradient, the streamed gradient partitions), which it keeps after
+    they are freed. The step's unlocked temporaries are served from those idle blocks. Whole
+    sub-group steps take their locked swap buffers from the on-demand manager, which first unmaps
+    as many idle cache bytes as it locks (``OnDemandSwapBufferManager._make_room``); the chunked
+    step's buffers (``chunked`` true) do not, so they come on top of the idle blocks.
+
+    Returns:
+        The component that raises the step's unlocked transient to what the cache keeps (none when
+        the step's own memory covers it, as with whole sub-group steps); bytes summed over ranks.
+    """
+    def phase_bytes(phase: str, locked: bool) -> int:
+        return sum(c.bytes for c in comps if c.phase == phase and c.locked == locked)
+
+    room = 0 if chunked else phase_bytes("step", True)
+    kept = phase_bytes("backward", False) - phase_bytes("step", False) - room
+    if kept <= 0:
+        return []
+    return [Component("host block cache: forward/backward's freed blocks kept through the step", kept, False,
+                      "host_cache (freed blocks keep their pages; the step's temporaries reuse them)", "step")]
+
+
 def plan_engine(cfg: RunConfig, dims: ModelDims, run: ResolvedRun, world_size: int,
                 chunk_window: bool = True) -> EnginePlan:
     """Predict the host memory of ``cfg``'s engine (components summed over ``world_size`` ranks).
@@ -351,6 +388,8 @@ def plan_engine(cfg: RunConfig, dims: ModelDims, run: ResolvedRun, world_size: i
         add("gradient bounce slab (unaligned fragments)", slab * _FP32, True,
             "aligned_io.read_fragments (fix_unaligned_gradient_io)", "step")
     _add_forward_backward(add, dims, cfg, e, w, trimmed)
+    if ma and getattr(settings, "enable_host_block_cache", False):
+        comps.extend(_host_block_cache_in_step(comps, _step_chunk_numel(z, sub, ma, settings) is not None))
     nvme = nvme_swap_bytes(dims.total_numel, e, op.get("device") == "nvme", oo.get("device") == "nvme")
     return EnginePlan(cfg.engine, tuple(sorted(comps, key=lambda c: -c.bytes)), nvme,
                       run.nvme_bytes_per_rank, run.upfront_locked_bytes)
