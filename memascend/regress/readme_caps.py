@@ -1,0 +1,114 @@
+"""README blocks of issue 21's numbers: the largest model per engine under 4, 8 and 16 GiB caps, and
+the fitted host bytes per parameter over from-scratch Llama 0.1B-3B.
+
+Data: ``baselines/<profile>/caps/<cap>/results.json`` of ``memascend regress --matrix scaling
+--memory-cap <cap>`` (the 8 and 16 GiB folders resumed from the 4 GiB one, so outcomes that carry
+over between caps are reused: :meth:`memascend.host.memcap.CappedResult.under_cap`), with each run's
+``report.json`` under ``caps/reports/``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from memascend.regress.compare import ConfigResult, fit_line
+from memascend.regress.output import ScalingPoint, format_params, plot_scaling, scaling_points
+from memascend.regress.readme_blocks import GIB, Baselines, _md, gib
+
+CAPS = ("4g", "8g", "16g")
+"""Cap folders under ``caps/``, ascending."""
+FIT_MIN_NUMEL = 100_000_000
+"""Fit over models of at least 0.1 B parameters (issue 21: "from-scratch Llama 0.1B to 3B"): below,
+the framework's fixed memory is the whole peak and says nothing about the slope."""
+ENGINES = {"baseline": "stock", "memascend": "memascend"}
+
+
+def _folder(b: Baselines, cap: str) -> str:
+    return f"caps/{cap}/results.json"
+
+
+def _caps(b: Baselines) -> list[str]:
+    return [c for c in CAPS if (b.root / _folder(b, c)).is_file()]
+
+
+def _largest_cell(entry: dict) -> str:
+    lg, stop = entry["largest"], entry["stopped_at"]
+    if lg is None:
+        head = "none"
+    else:
+        head = f"{lg['model']} ({format_params(lg['param_numel'])}), peak RSS {gib(lg['peak_rss_bytes'])} GiB"
+    if stop is not None:
+        head += f"; {stop['model']}: {stop['outcome']}"
+    return head
+
+
+def caps_table(b: Baselines) -> str:
+    """Per cap, the largest preset each engine trained for 3 steps and the next one's outcome."""
+    rows = []
+    for cap in _caps(b):
+        doc = b.json(_folder(b, cap))
+        largest = doc["largest_under_cap"]
+        ratio = "-"
+        if largest["baseline"]["largest"] and largest["memascend"]["largest"]:
+            ratio = (f"{largest['memascend']['largest']['param_numel'] / largest['baseline']['largest']['param_numel']:.0f}"
+                     "x")
+        rows.append([doc["memory_cap"]["cap"], _largest_cell(largest["baseline"]), _largest_cell(largest["memascend"]),
+                     ratio])
+    return _md(["cap", "stock: largest trained (3 steps), then", "memascend: largest trained (3 steps), then",
+                "memascend / stock parameters"], rows)
+
+
+def _points(results: list[ConfigResult]) -> dict[str, list[tuple[int, int]]]:
+    out: dict[str, list[tuple[int, int]]] = {e: [] for e in ENGINES}
+    for r in results:
+        for e in ENGINES:
+            m = getattr(r, e)
+            if r.config.scaling and m is not None and m.param_numel >= FIT_MIN_NUMEL:
+                out[e].append((m.param_numel, m.peak_rss_bytes))
+    return out
+
+
+def bytes_per_param_fit(results: list[ConfigResult]) -> dict[str, tuple[float, float, list[tuple[int, int]]]]:
+    """Per engine with two sizes or more of at least :data:`FIT_MIN_NUMEL`: (bytes per parameter,
+    intercept bytes, the points) of the least-squares line through peak RSS against parameters."""
+    out = {}
+    for e, pts in _points(results).items():
+        if len({n for n, _ in pts}) >= 2:
+            slope, icept = fit_line([float(n) for n, _ in pts], [float(y) for _, y in pts])
+            out[e] = (slope, icept, pts)
+    return out
+
+
+def caps_notes(b: Baselines) -> str:
+    """The bytes-per-parameter fit of the largest cap's run (it holds every size either engine fit)."""
+    cap = _caps(b)[-1]
+    results = b.results(_folder(b, cap))
+    fit = bytes_per_param_fit(results)
+    lines = []
+    for e, (slope, icept, pts) in fit.items():
+        sizes = ", ".join(f"{format_params(n)}: {gib(y)}" for n, y in sorted(pts))
+        lines.append(f"- {ENGINES[e]}: {slope:.2f} bytes/param + {icept / GIB:.2f} GiB over "
+                     f"{format_params(min(n for n, _ in pts))}-{format_params(max(n for n, _ in pts))} "
+                     f"(peak RSS GiB by size: {sizes}).")
+    if "memascend" in fit:
+        target = "meets" if fit["memascend"][0] <= 0.5 else "misses"
+        lines.append(f"- memascend's slope {target} issue 21's target of at most 0.5 bytes/param"
+                     + (f"; stock's is {fit['baseline'][0] / fit['memascend'][0]:.0f}x steeper." if "baseline" in fit
+                        else "."))
+    return "\n".join(lines)
+
+
+def write_caps_png(b: Baselines) -> Path | None:
+    """Draw ``caps/scaling.png``: the largest cap's measured sizes, the fits, the cap."""
+    caps = _caps(b)
+    if not caps:
+        return None
+    doc = b.json(_folder(b, caps[-1]))
+    results = b.results(_folder(b, caps[-1]))
+    fit = {e: {"bytes_per_param": s, "intercept_bytes": i, "points": [list(p) for p in pts]}
+           for e, (s, i, pts) in bytes_per_param_fit(results).items()}
+    points: list[ScalingPoint] = scaling_points(results)
+    out = b.root / "caps" / "scaling.png"
+    plot_scaling(points, out, f"{b.root.name}: peak host RSS vs parameters (fit over >= 0.1 B)", fit or None,
+                 doc["memory_cap"]["cap_bytes"])
+    return out
