@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from memascend.regress import readme_blocks as rb
+from memascend.regress import readme_caps as rc
 
 REPO = Path(__file__).resolve().parents[2]
 PROFILE = "cpu-2c-24g"
@@ -47,6 +48,8 @@ BLOCKS: dict[str, Callable[[rb.Baselines], str]] = {
     "gpu-golden-table": rb.gpu_golden_table,
     "families-table": rb.families_table,
     "families-notes": rb.families_notes,
+    "caps-table": rc.caps_table,
+    "caps-notes": rc.caps_notes,
 }
 """Block name -> renderer (a function of the profile's baselines, returning markdown)."""
 
@@ -97,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     text = args.readme.read_text()
     if args.write:
         args.readme.write_text(rewrite(text, rendered))
-        png = rb.write_scaling_png(baselines)
-        print(f"{args.readme}: {len(rendered)} generated blocks written; {png}")
+        pngs = [rb.write_scaling_png(baselines), rc.write_caps_png(baselines)]
+        print(f"{args.readme}: {len(rendered)} generated blocks written; " + ", ".join(str(p) for p in pngs if p))
         return 0
     problems = differences(text, rendered)
     for p in problems:

@@ -39,6 +39,8 @@ def _largest_cell(entry: dict) -> str:
         head = f"{lg['model']} ({format_params(lg['param_numel'])}), peak RSS {gib(lg['peak_rss_bytes'])} GiB"
     if stop is not None:
         head += f"; {stop['model']}: {stop['outcome']}"
+    elif entry["fit_all"]:
+        head += "; every preset searched fit (the largest is llama-3b)"
     return head
 
 
