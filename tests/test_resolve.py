@@ -5,7 +5,8 @@ settings and the seam settings of the three-stage pipeline it replaced (render -
 ``tests/resolve_golden.json`` holds a digest (:func:`_digest`) of each case's result as the pipeline produced
 it before the resolver existed, and the user JSONs of the cases. A change that means to alter a resolved
 result records new digests (issue 21's settings did: ``optimizer_chunk_numel``, ``param_pool_bytes``,
-``enable_grad_streaming``, ``host_memory_budget`` and the chunked sub-group size); the live comparison with
+``enable_grad_streaming``, ``host_memory_budget`` and the chunked sub-group size; then ``enable_chunk_prefetch``,
+a new field of every settings object); the live comparison with
 the three-stage pipeline above the digest check still has to hold.
 """
 
