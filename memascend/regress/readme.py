@@ -50,6 +50,7 @@ BLOCKS: dict[str, Callable[[rb.Baselines], str]] = {
     "families-notes": rb.families_notes,
     "caps-table": rc.caps_table,
     "caps-notes": rc.caps_notes,
+    "budget-3b-notes": rc.budget_notes,
 }
 """Block name -> renderer (a function of the profile's baselines, returning markdown)."""
 

@@ -114,3 +114,25 @@ def write_caps_png(b: Baselines) -> Path | None:
     plot_scaling(points, out, f"{b.root.name}: peak host RSS vs parameters (fit over >= 0.1 B)", fit or None,
                  doc["memory_cap"]["cap_bytes"])
     return out
+
+
+def budget_notes(b: Baselines) -> str:
+    """The llama-3b run with ``--host-memory-budget 4GiB`` under a 4 GiB cgroup (``caps/budget/``)."""
+    from memascend.plan import plan_for_report
+
+    rep = b.report("caps/budget/report-llama-3b-budget-4gib.json")
+    cap = b.json("caps/budget/llama-3b-budget-4gib.cap.json")
+    plan = plan_for_report(rep)
+    mem = rep["memory"]
+    settings = rep["memascend_settings"]
+    pool = "the count-bounded pool" if settings.get("param_pool_bytes") is None else "a byte-bounded pool"
+    locked_err = plan.peak_locked_bytes / mem["peak_locked_bytes"] - 1
+    default = b.report("caps/reports/llama-3b-bf16-256x1-memascend.json")
+    same = [s["loss"] for s in rep["steps"]] == [s["loss"] for s in default["steps"]]
+    return (f"llama-3b ({format_params(rep['model']['param_numel'])}) with `--host-memory-budget "
+            f"{settings['host_memory_budget'] / GIB:.0f}GiB` chose {pool} and trained {len(rep['steps'])} steps "
+            f"under the {cap['cap']} cap ({cap['outcome']}; cgroup peak {gib(cap['peak_bytes'])} GiB): peak RSS "
+            f"{gib(mem['peak_rss_bytes'])} GiB against a planned {gib(plan.peak_rss_bytes)} GiB, locked "
+            f"{gib(mem['peak_locked_bytes'])} GiB against a planned {gib(plan.peak_locked_bytes)} GiB "
+            f"({locked_err:+.0%}: the planner over-states the count-bounded pool's locked memory); per-step losses "
+            + ("bit-identical to" if same else "NOT equal to") + " the default run's in the cap table.")
