@@ -124,9 +124,9 @@ def _add_swap_window(add, settings, sub: int, released: bool) -> None:
     still swaps each sub-group's master weights in whole, into one buffer of the largest sub-group.
     Released: the window exists at construction and in backward, the buffer at construction; kept:
     both resident."""
-    from memascend.integrations.deepspeed.chunk_plan import CHUNK_ALIGN_NUMEL, align_up, resolve_chunk_numel
+    from memascend.integrations.deepspeed.chunk_plan import resolve_chunk_numel, window_numel
 
-    window = min(resolve_chunk_numel(settings.optimizer_chunk_numel), align_up(_aligned(sub, _FP32), CHUNK_ALIGN_NUMEL))
+    window = window_numel(_aligned(sub, _FP32), resolve_chunk_numel(settings.optimizer_chunk_numel))
     for phase in ("initialize", "backward") if released else ("resident",):
         add(f"optimizer swap window streaming the fp32 write-out and gradients out (1 x {window:,} fp32)",
             window * _FP32, True, "chunked_swap_out (OnDemandSwapBufferManager.allocate_window)", phase)
@@ -142,7 +142,7 @@ def _add_optimizer(add, z: dict, part: int, sub: int, ma: bool, settings, chunk_
     chunk = _step_chunk_numel(z, sub, ma, settings)
     if chunk is not None:
         released = settings.enable_optimizer_pool and settings.enable_optimizer_buffer_release
-        _add_chunked_step(add, chunk, released, getattr(settings, "enable_chunk_prefetch", True))
+        _add_chunked_step(add, chunk, released, settings.enable_chunk_prefetch)
         staging = STAGING_BUFFERS_IN_USE * _aligned(sub, _FP32) * _FP32  # before chunked_swap_out
         for what, source, phase in (("the fp32 write-out", "initialize_parameters", "initialize"),
                                     ("gradients out", "swap_out_gradients", "backward")):

@@ -23,12 +23,12 @@ the framework's fixed memory is the whole peak and says nothing about the slope.
 ENGINES = {"baseline": "stock", "memascend": "memascend"}
 
 
-def _folder(b: Baselines, cap: str) -> str:
+def _folder(cap: str) -> str:
     return f"caps/{cap}/results.json"
 
 
 def _caps(b: Baselines) -> list[str]:
-    return [c for c in CAPS if (b.root / _folder(b, c)).is_file()]
+    return [c for c in CAPS if (b.root / _folder(c)).is_file()]
 
 
 def _largest_cell(entry: dict) -> str:
@@ -48,7 +48,7 @@ def caps_table(b: Baselines) -> str:
     """Per cap, the largest preset each engine trained for 3 steps and the next one's outcome."""
     rows = []
     for cap in _caps(b):
-        doc = b.json(_folder(b, cap))
+        doc = b.json(_folder(cap))
         largest = doc["largest_under_cap"]
         ratio = "-"
         if largest["baseline"]["largest"] and largest["memascend"]["largest"]:
@@ -84,7 +84,7 @@ def bytes_per_param_fit(results: list[ConfigResult]) -> dict[str, tuple[float, f
 def caps_notes(b: Baselines) -> str:
     """The bytes-per-parameter fit of the largest cap's run (it holds every size either engine fit)."""
     cap = _caps(b)[-1]
-    results = b.results(_folder(b, cap))
+    results = b.results(_folder(cap))
     fit = bytes_per_param_fit(results)
     lines = []
     for e, (slope, icept, pts) in fit.items():
@@ -105,8 +105,8 @@ def write_caps_png(b: Baselines) -> Path | None:
     caps = _caps(b)
     if not caps:
         return None
-    doc = b.json(_folder(b, caps[-1]))
-    results = b.results(_folder(b, caps[-1]))
+    doc = b.json(_folder(caps[-1]))
+    results = b.results(_folder(caps[-1]))
     fit = {e: {"bytes_per_param": s, "intercept_bytes": i, "points": [list(p) for p in pts]}
            for e, (s, i, pts) in bytes_per_param_fit(results).items()}
     points: list[ScalingPoint] = scaling_points(results)

@@ -69,6 +69,12 @@ def chunk_buffers_numel(chunk_numel: int, read_ahead: bool) -> int:
     return buffer_sets(read_ahead) * per_set + int(chunk_numel)
 
 
+def window_numel(largest_sub_group_numel: int, chunk_numel: int) -> int:
+    """Elements of the chunk-sized swap window (:mod:`.chunked_swap_out`): the chunk, or the largest
+    sub-group rounded up to :data:`CHUNK_ALIGN_NUMEL` where that is smaller."""
+    return min(int(chunk_numel), align_up(int(largest_sub_group_numel), CHUNK_ALIGN_NUMEL))
+
+
 def resolve_chunk_numel(value: int | str | None) -> int | None:
     """Elements per chunk for a setting value: ``"auto"`` -> :data:`AUTO_CHUNK_NUMEL`, an integer
     as given, ``None`` -> ``None`` (no chunking)."""

@@ -93,8 +93,7 @@ class ChunkedSubGroups:
                                 max((chunk_plan.align_up(n, chunk_plan.CHUNK_ALIGN_NUMEL) for n in numels), default=0))
         swapper = getattr(opt, "optimizer_swapper", None)
         self.io = range_io_for(swapper.aio_handle) if swapper is not None else None
-        self.read_ahead = bool(getattr(settings, "enable_chunk_prefetch", True) and self.io is not None
-                               and self.io.asynchronous)
+        self.read_ahead = bool(settings.enable_chunk_prefetch and self.io is not None and self.io.asynchronous)
         """Read-ahead and write-behind (two buffer sets); off on a synchronous target (the raw store)."""
         self.allocator = (LockedAllocator(swapper.aio_handle, prefer_arena=settings.enable_arena_pinning)
                           if swapper is not None else None)

@@ -100,9 +100,9 @@ class PieceWriter:
 
 
 def window_numel(swapper: Any, chunk_numel: int) -> int:
-    """Elements of the window buffer: the chunk, or the largest sub-group (I/O-aligned, rounded up to
-    1024 elements) where that is smaller."""
-    return min(int(chunk_numel), chunk_plan.align_up(int(swapper.largest_numel), _ALIGN_NUMEL))
+    """Elements of ``swapper``'s window buffer (:func:`~.chunk_plan.window_numel` of its largest,
+    I/O-aligned sub-group)."""
+    return chunk_plan.window_numel(swapper.largest_numel, chunk_numel)
 
 
 def _write_through_window(swapper: Any, chunk_numel: int, items: list[tuple[torch.Tensor, str, int]]) -> None:
