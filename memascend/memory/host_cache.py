@@ -86,6 +86,20 @@ def release_empty(max_bytes: int | None = None) -> int:
     return int(op.host_block_cache_release_empty() if max_bytes is None else op.host_block_cache_release_empty(max(0, int(max_bytes))))
 
 
+def make_room(locked_bytes: int) -> int:
+    """Before locking ``locked_bytes`` of buffers that do not come from the cache (the aio handle's
+    or the pinned arena's): unmap idle cache regions (:func:`release_empty`) worth at least that
+    many bytes, so the buffers take those pages instead of adding to them. Does nothing (returns 0)
+    when the cache is not torch's allocator.
+
+    Returns:
+        Bytes given back to the OS.
+    """
+    if locked_bytes <= 0 or not installed():
+        return 0
+    return release_empty(locked_bytes)
+
+
 def stats() -> dict[str, Any] | None:
     """The cache's counters, or ``None`` before the first :func:`install`.
 

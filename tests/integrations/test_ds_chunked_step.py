@@ -61,3 +61,38 @@ def test_chunked_step_losses_bit_identical_to_stock(chunked_vs_stock):
     buffers_bytes = chunk_plan.chunk_buffers_numel(CHUNK_NUMEL, read_ahead=True) * 4
     assert buffers_bytes <= chunked["pool"]["chunk_locked_bytes"] <= buffers_bytes + (CHUNK_NUMEL + 4 * 2048) * 2
     assert chunked["peak_vmlck_kib"] < stock["peak_vmlck_kib"]
+
+
+@pytest.mark.parametrize("read_ahead", [True, False])
+@pytest.mark.parametrize("cache_on", [True, False])
+def test_chunk_buffers_first_take_the_host_block_caches_idle_pages(monkeypatch, read_ahead, cache_on):
+    """As the whole sub-group step's buffers do (OnDemandSwapBufferManager._make_room), the chunked
+    step asks the host block cache to unmap as many idle bytes as it is about to lock, before it
+    locks them (buffers and the 16-bit staging), and only where the cache is on."""
+    import torch
+
+    from memascend.memory import host_cache
+
+    events = []
+    monkeypatch.setattr(host_cache, "make_room", lambda nbytes: events.append(("room", nbytes)))
+
+    class Allocator:
+        def allocate(self, numel, dtype):
+            t = torch.empty(numel, dtype=dtype)
+            events.append(("lock", t.nbytes))
+            return t
+
+    monkeypatch.setattr(chunked_step, "LockedAllocator", lambda handle, prefer_arena: Allocator())
+    chunks = object.__new__(chunked_step.ChunkedSubGroups)
+    chunks.settings = ma_ds.MemAscendSettings(enable_host_block_cache=cache_on)
+    chunks.buffer_numel, chunks.read_ahead, chunks.allocator = CHUNK_NUMEL, read_ahead, Allocator()
+    chunks.sets, chunks.grad, chunks.staging, chunks.peak_locked_bytes = [], None, None, 0
+    chunks.acquire()
+    chunks.staging_for(None, torch.bfloat16, 3000)
+    locks = [n for kind, n in events if kind == "lock"]
+    if not cache_on:
+        assert all(kind == "lock" for kind, _ in events)
+        return
+    staging = torch.empty(3000, dtype=torch.bfloat16).nbytes
+    assert events[0] == ("room", sum(locks) - staging) and chunks.peak_locked_bytes == sum(locks)
+    assert events[-2:] == [("room", staging), ("lock", staging)]

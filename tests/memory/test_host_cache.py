@@ -124,3 +124,20 @@ def test_a_forked_child_allocates_from_its_copy_of_the_cache(cache):
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert cache.owns(parent_block)
+
+
+def test_make_room_unmaps_idle_regions_for_locked_buffers_only_while_installed(cache):
+    blocks = [torch.empty(80 * MiB, dtype=torch.uint8) for _ in range(2)]  # one region each
+    del blocks
+    before = cache.stats()["reserved_bytes"]
+    released = cache.make_room(1)
+    assert released >= 80 * MiB and cache.stats()["reserved_bytes"] == before - released
+    assert cache.make_room(0) == 0
+    block = torch.empty(80 * MiB, dtype=torch.uint8)
+    del block
+    cache.uninstall()
+    try:
+        assert cache.make_room(1 << 30) == 0  # not torch's allocator: the cache is left alone
+        assert cache.stats()["free_bytes"] >= 80 * MiB
+    finally:
+        cache.install(THRESHOLD_BYTES)

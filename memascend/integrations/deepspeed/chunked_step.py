@@ -115,6 +115,7 @@ class ChunkedSubGroups:
         """The chunk buffer sets (:func:`~.chunk_plan.buffer_sets`) and the chunk gradient, locked."""
         if not self.sets:
             slab_numel = chunk_plan.grad_slab_numel(self.buffer_numel, self.read_ahead)
+            self._make_room(chunk_plan.chunk_buffers_numel(self.buffer_numel, self.read_ahead) * _FP32_BYTES)
             for _ in range(chunk_plan.buffer_sets(self.read_ahead)):
                 bufs = {name: self.allocator.allocate(self.buffer_numel, torch.float32) for name in ("param", *STATE_KEYS)}
                 bufs["slab"] = self.allocator.allocate(slab_numel, torch.float32)
@@ -128,10 +129,20 @@ class ChunkedSubGroups:
         parameter pieces written to their swap files)."""
         if self.staging is None or self.staging[1].dtype != dtype or self.staging[1].numel() < numel:
             self._free_staging()
+            self._make_room(numel * torch.empty(0, dtype=dtype).element_size())
             allocator = LockedAllocator(handle, prefer_arena=self.settings.enable_arena_pinning)
             self.staging = (allocator, allocator.allocate(numel, dtype))
             self._account()
         return self.staging[1]
+
+    def _make_room(self, locked_bytes: int) -> None:
+        # As the whole sub-group step's buffers do (OnDemandSwapBufferManager._make_room): the
+        # locked chunk buffers take the pages of the host block cache's idle regions (forward and
+        # backward's freed blocks) instead of coming on top of them.
+        if self.settings.enable_host_block_cache:
+            from memascend.memory import host_cache
+
+            host_cache.make_room(locked_bytes)
 
     def _account(self) -> None:
         locked = sum(b.nbytes for bufs in self.sets for b in bufs.values())

@@ -83,12 +83,9 @@ class OnDemandSwapBufferManager(SwapBufferManager):
 
     def _make_room(self, nbytes: int) -> None:
         if self.memascend_settings.enable_host_block_cache:
-            # The locked buffers come from the aio handle or the pinned arena, never from the
-            # host block cache: hand the cache's idle regions back first, so the buffers take
-            # those pages instead of adding to them (memascend.memory.host_cache).
             from memascend.memory import host_cache
 
-            host_cache.release_empty(nbytes)
+            host_cache.make_room(nbytes)
 
     def _account(self) -> None:
         self.peak_locked_bytes = max(self.peak_locked_bytes, self.locked_bytes())
