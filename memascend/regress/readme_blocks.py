@@ -489,6 +489,10 @@ def write_scaling_png(b: Baselines) -> Path:
     return out
 
 
+def _fmt_or_dash(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def gpu_golden_table(b: Baselines) -> str:
     """The committed ``gpu`` golden results of every GPU profile (``baselines/*/gpu.json``, beside the
     CPU profile's folder): one row per profile and config, peaks and step times of both engines."""
@@ -496,11 +500,13 @@ def gpu_golden_table(b: Baselines) -> str:
     for path in sorted(b.root.parent.glob("*/gpu.json")):
         golden = json.loads(path.read_text())
         for name, c in sorted(golden["configs"].items()):
-            base, ma = c["baseline"], c["memascend"]
-            rows.append([golden["profile"], name, gib(base["peak_rss_bytes"]), gib(ma["peak_rss_bytes"]),
-                         f"{c['peak_rss_ratio']:.3f}", gib(base["peak_locked_bytes"]), gib(ma["peak_locked_bytes"]),
-                         f"{c['peak_locked_ratio']:.3f}", f"{base['median_step_s']:.2f}", f"{ma['median_step_s']:.2f}",
-                         f"{ma['median_step_s'] / base['median_step_s']:.3f}"])
+            ma = c["memascend"]
+            base = c["baseline"] or {}  # None: stock stopped by a memory cap (memascend's numbers only)
+            rows.append([golden["profile"], name, gib(base.get("peak_rss_bytes")), gib(ma["peak_rss_bytes"]),
+                         _fmt_or_dash(c["peak_rss_ratio"], ".3f"), gib(base.get("peak_locked_bytes")),
+                         gib(ma["peak_locked_bytes"]), _fmt_or_dash(c["peak_locked_ratio"], ".3f"),
+                         _fmt_or_dash(base.get("median_step_s"), ".2f"), f"{ma['median_step_s']:.2f}",
+                         _fmt_or_dash(ma["median_step_s"] / base["median_step_s"] if base else None, ".3f")])
     if not rows:
         return "No GPU profile has golden results yet.\n"
     header = ["profile", "config", "base RSS GiB", "ma RSS GiB", "RSS ratio", "base locked GiB", "ma locked GiB",

@@ -81,6 +81,28 @@ def _results(configs: list[BenchConfig], outcomes: dict, golden: dict, tol: Gold
     return results, timelines, commands
 
 
+def _golden_entries(results: list[ConfigResult], outcomes: dict) -> dict[str, dict]:
+    """The golden entries this run records (:func:`~memascend.regress.compare.golden_entry`), by key.
+
+    A pair that both engines ran in this run gives a full entry (peaks, losses, same-run ratios).
+    Where the memory cap stopped stock (OOM-killed or skipped) or either engine's outcome was
+    carried over from a run under another cap (``--resume``), only memascend's own numbers are
+    recorded: ratios of runs from two sessions are not same-run. Failed runs record nothing.
+    """
+    entries = {}
+    for r in results:
+        if r.memascend is None:
+            continue
+        pair = outcomes[r.config.name]
+        carried = any(o.cap is not None and o.cap.inferred_from_cap_bytes is not None for o in pair.values())
+        stock_stopped = pair["baseline"].status in ("capped", "skipped")
+        if r.baseline is None and not stock_stopped:
+            continue
+        base = None if carried or r.baseline is None else r.baseline
+        entries[r.golden_key] = golden_entry(base, r.memascend, gold.cpu_isa())
+    return entries
+
+
 def _print_results(console, results: list[ConfigResult], matrix: Matrix, configs: list[BenchConfig], prof: str,
                    cap_meta: dict | None) -> None:
     """The pair table, the phase and cap tables, the largest model per engine, every regression."""
@@ -155,8 +177,7 @@ def run_regress(matrix: Matrix, opts: RegressOptions) -> bool:
     write_outputs(results, out_root, meta, timelines)
     _print_results(console, results, matrix, configs, prof, cap_meta)
     if opts.update_golden:
-        entries = {r.golden_key: golden_entry(r.baseline, r.memascend, gold.cpu_isa()) for r in results
-                   if r.baseline and r.memascend}
+        entries = _golden_entries(results, outcomes)
         gold.save_golden(gpath, prof, matrix.name, entries,
                          {r.golden_key: commands[r.config.name] for r in results if r.golden_key in entries})
         console.print(f"golden results written: {gpath} ({len(entries)} configs)")

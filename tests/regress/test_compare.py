@@ -12,6 +12,7 @@ from memascend.regress.compare import (
     GoldenTolerances,
     RunMetrics,
     check_losses,
+    compare_golden,
     evaluate,
     fit_line,
     golden_entry,
@@ -116,6 +117,22 @@ def test_golden_within_tolerance_passes_and_beyond_fails():
     res = evaluate(CFG, make_report(rss_gib=6.4, locked_gib=2.9, step_s=7.0, losses=drift),
                    make_report(rss_gib=2.0, locked_gib=0.6, step_s=7.1, losses=drift), golden=gold, tol=TOL)
     assert _failed(res) == {"golden.losses"}
+
+
+def test_a_golden_without_stock_checks_memascend_alone():
+    """An entry recorded where stock did not run (base ``None``) has no ratios; checked against a
+    full pair it compares memascend's peaks and losses only, and a full entry checked against a run
+    whose stock was stopped does the same."""
+    base = make_report(rss_gib=6.4, locked_gib=2.9, step_s=7.0, losses=LOSSES)
+    mine = RunMetrics.from_report(make_report(rss_gib=2.0, locked_gib=0.6, step_s=7.1, losses=LOSSES))
+    alone = golden_entry(None, mine)
+    assert alone["baseline"] is None and alone["peak_rss_ratio"] is alone["peak_locked_ratio"] is None
+    names = {c.name for c in compare_golden(alone, RunMetrics.from_report(base), mine, TOL)}
+    assert names == {"golden.peak_rss_bytes", "golden.peak_locked_bytes", "golden.losses"}
+    full = golden_entry(RunMetrics.from_report(base), mine)
+    assert {c.name for c in compare_golden(full, None, mine, TOL)} == names
+    fatter = RunMetrics.from_report(make_report(rss_gib=2.0 * 1.08, locked_gib=0.6, step_s=7.1, losses=LOSSES))
+    assert [c.name for c in compare_golden(alone, None, fatter, TOL) if not c.ok] == ["golden.peak_rss_bytes"]
 
 
 def test_golden_losses_are_compared_only_on_the_same_cpu_kernels():

@@ -158,6 +158,35 @@ def test_resume_under_a_cap_reuses_oom_kills_of_the_same_cap_only(tmp_path):
     assert out.cap.inferred_from_cap_bytes is None
 
 
+def test_golden_of_a_capped_search_holds_memascend_where_stock_was_stopped(tmp_path, monkeypatch):
+    """Issue 21's scaling golden: a row stock could not run under the cap (OOM-killed, or skipped
+    past its first OOM kill) records memascend's own peaks and losses, no ratio; a later run whose
+    memascend is 10 % fatter there fails it, while stock's stop is still no failure."""
+    _fake_capped_runs(monkeypatch, _stock_stops_at_1b, [])
+    assert _invoke(tmp_path, "--memory-cap", "16GiB", "--update-golden").exit_code == 0
+    golden = json.loads((tmp_path / "baselines" / "test-host" / "scaling.json").read_text())["configs"]
+    assert set(golden) == set(SCALING)
+    assert golden["llama-0.5b-bf16-256x1"]["baseline"] is not None and golden["llama-0.5b-bf16-256x1"]["peak_rss_ratio"]
+    for name in ("llama-1b-bf16-256x1", "llama-3b-bf16-256x1"):  # stock OOM-killed / skipped
+        entry = golden[name]
+        assert entry["baseline"] is None and entry["peak_rss_ratio"] is None and entry["memascend"]["losses"] == LOSSES
+    res = _invoke(tmp_path, "--memory-cap", "16GiB")
+    assert res.exit_code == 0, res.output
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    three_b = next(c for c in doc["configs"] if c["config"]["name"] == "llama-3b-bf16-256x1")
+    assert {c["name"] for c in three_b["checks"]} == {"memory_cap", "golden.peak_rss_bytes", "golden.peak_locked_bytes",
+                                                       "golden.losses"}
+
+    def fatter_3b(cfg, engine):
+        outcome, peak = _stock_stops_at_1b(cfg, engine)
+        return (outcome, peak * 1.1) if engine == "memascend" and "3b" in cfg.name else (outcome, peak)
+
+    _fake_capped_runs(monkeypatch, fatter_3b, [])
+    res = _invoke(tmp_path, "--memory-cap", "16GiB")
+    assert res.exit_code == 1
+    assert "REGRESSION llama-3b-bf16-256x1: golden.peak_rss_bytes" in " ".join(res.output.split())
+
+
 def _earlier_under(tmp_path, cap: CappedResult, memory_cap: int, report: bool = False):
     cfg = get_matrix("scaling").configs[4]
     folder = tmp_path / f"{cap.outcome}-{memory_cap}-{report}" / cfg.name
@@ -247,3 +276,30 @@ def test_real_llama_tiny_is_oom_killed_under_300mib_and_nothing_fits(tmp_path):
         assert doc["largest_under_cap"][engine]["largest"] is None
     assert "largest model trainable under the 300 MiB cap: baseline none, memascend none" in " ".join(output.split())
     assert "llama-tiny: OOM-killed under the 300 MiB cap" in md
+
+
+def test_golden_of_a_pair_carried_over_from_another_cap_has_no_ratios():
+    """``--resume`` across caps pairs a stock run of this session with a memascend run of an earlier
+    one: not same-run, so the golden entry keeps memascend's numbers only; a failed stock run
+    records nothing."""
+    from types import SimpleNamespace
+
+    from memascend.regress.compare import RunMetrics
+    from memascend.regress.session import _golden_entries
+
+    cfg = get_matrix("scaling").configs[1]
+    metrics = {e: RunMetrics.from_report(make_report(rss_gib=g, locked_gib=g / 4, step_s=5.0, losses=LOSSES))
+               for e, g in (("baseline", 6.0), ("memascend", 2.0))}
+    fit = _cap("fit", 2.0)
+
+    def entries(mine_cap, base_status="ok", base=metrics["baseline"]):
+        result = SimpleNamespace(config=cfg, baseline=base, memascend=metrics["memascend"], golden_key=cfg.name)
+        pair = {"baseline": SimpleNamespace(status=base_status, cap=fit),
+                "memascend": SimpleNamespace(status="ok", cap=mine_cap)}
+        return _golden_entries([result], {cfg.name: pair})
+
+    assert entries(fit)[cfg.name]["peak_rss_ratio"] == pytest.approx(1 / 3)
+    carried = entries(fit.under_cap(2 * CAP))[cfg.name]
+    assert carried["baseline"] is None and carried["peak_rss_ratio"] is None
+    assert carried["memascend"]["peak_rss_bytes"] == metrics["memascend"].peak_rss_bytes
+    assert entries(fit, base_status="error", base=None) == {}
