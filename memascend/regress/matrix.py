@@ -118,6 +118,10 @@ class BenchConfig:
         deepspeed_settings: ``(dotted key, value)`` pairs of DeepSpeed's own config given to BOTH
             engines (e.g. ``("zero_optimization.sub_group_size", 100_000_000)``: stock tuned the way
             DeepSpeed's docs advise for a host that cannot hold its defaults); empty: none.
+        reference_settings: ``None``: the pair's reference run (the ``baseline`` slot of every
+            table and check) is stock DeepSpeed (``--engine baseline``). Else ``(name, value)`` pairs
+            of ``MemAscendSettings``: the reference is ``--engine memascend`` with them, i.e.
+            memascend against an earlier memascend (matrix ``chunking``), same run, same checks.
 
     Each engine's ``--deepspeed-config`` (when it has anything in it) is written next to the runs as
     ``<engine>-deepspeed.json`` and shared by the repeats of the configuration.
@@ -142,6 +146,7 @@ class BenchConfig:
     scaling: bool = False
     memascend_settings: tuple[tuple[str, object], ...] = ()
     deepspeed_settings: tuple[tuple[str, object], ...] = ()
+    reference_settings: tuple[tuple[str, object], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 3:
@@ -150,10 +155,11 @@ class BenchConfig:
             raise ValueError(f"{self.name}: unknown dtype {self.dtype}")
         if min(self.seq_len, self.micro_batch, self.nproc, self.nnodes) < 1:
             raise ValueError(f"{self.name}: seq_len, micro_batch, nproc and nnodes must be >= 1")
-        if self.memascend_settings:
-            from memascend.integrations.deepspeed.settings import MemAscendSettings
+        for settings in (self.memascend_settings, self.reference_settings):
+            if settings:
+                from memascend.integrations.deepspeed.settings import MemAscendSettings
 
-            MemAscendSettings.from_mapping(dict(self.memascend_settings))  # raises UserError on a bad key
+                MemAscendSettings.from_mapping(dict(settings))  # raises UserError on a bad key
 
     def deepspeed_json(self, engine: str) -> dict | None:
         """The ``--deepspeed-config`` content of ``engine``'s run, or ``None`` when it needs none.
@@ -170,7 +176,14 @@ class BenchConfig:
             node[leaf] = value
         if engine == "memascend" and self.memascend_settings:
             doc["memascend"] = dict(self.memascend_settings)
+        if engine == "baseline" and self.reference_settings:
+            doc["memascend"] = dict(self.reference_settings)
         return doc or None
+
+    def engine_flag(self, engine: str) -> str:
+        """``--engine`` of the run in ``engine``'s slot: ``memascend`` for a reference run with
+        :attr:`reference_settings`, else ``engine`` itself."""
+        return "memascend" if engine == "baseline" and self.reference_settings is not None else engine
 
     def deepspeed_json_path(self, engine: str, output_dir: str) -> Path | None:
         """Where :meth:`deepspeed_json` of ``engine`` is written for a run writing to ``output_dir``
@@ -191,7 +204,7 @@ class BenchConfig:
 
         With ``nnodes`` > 1 there is no ``--nproc`` (each node's launcher starts its ranks) and
         ``nvme_path`` is the node's own (:meth:`node_nvme_path`)."""
-        args = ["--engine", engine, "--output", output_dir, "--nvme-path", nvme_path,
+        args = ["--engine", self.engine_flag(engine), "--output", output_dir, "--nvme-path", nvme_path,
                 "--data", self.data, "--dtype", self.dtype, "--seq-len", str(self.seq_len),
                 "--micro-batch", str(self.micro_batch), "--steps", str(self.steps), "--seed", str(self.seed),
                 "--offload-param", self.offload_param, "--offload-optimizer", self.offload_optimizer,
@@ -416,7 +429,41 @@ def _ablation() -> Matrix:
     )
 
 
-MATRICES: dict[str, Matrix] = {m.name: m for m in (_smoke(), _cpu_full(), _gpu(), _scaling(), _ablation())}
+PRE_CHUNKING_SETTINGS: tuple[tuple[str, object], ...] = (("optimizer_chunk_numel", None),
+                                                          ("enable_grad_streaming", False))
+"""memascend as it was before issue 21 (host memory bounded by the largest layer): whole sub-group
+optimizer steps and stage 3's gradient partition buffer."""
+
+CHUNKING_THRESHOLDS = Thresholds(max_peak_rss_ratio=1.05, max_peak_locked_ratio=None, max_step_time_ratio=1.15,
+                                 step_time_noise=0.0)
+"""Issue 21's step-time target against memascend before it: at most 1.15x (no noise allowance: run
+with ``--repeats``, the medians of alternating pairs), bit-identical losses, peak RSS no more than
+5 % over. Locked memory is not held to the earlier memascend's: on a model whose largest sub-group
+is a few chunks (SmolLM2) the read-ahead's second chunk-buffer set locks more than the whole
+sub-group buffers it replaces (the memory targets are ``scaling``'s and ``cpu-full``'s)."""
+
+
+def _chunking() -> Matrix:
+    # The SmolLM2 default job (cpu-full's smollm2-shakespeare-bf16-256x4, one more step for the
+    # medians) and cpu-full's llama-1b scaling row, one more step.
+    configs = (
+        BenchConfig(name="smollm2-bf16-256x4-vs-pre-chunking", steps=5, thresholds=CHUNKING_THRESHOLDS,
+                    reference_settings=PRE_CHUNKING_SETTINGS),
+        BenchConfig(name="llama-1b-bf16-256x1-vs-pre-chunking", from_scratch="llama-1b", micro_batch=1, steps=4,
+                    activation_checkpointing=True, thresholds=CHUNKING_THRESHOLDS,
+                    reference_settings=PRE_CHUNKING_SETTINGS),
+    )
+    return Matrix(
+        name="chunking",
+        description="issue 21's step time: memascend's defaults against memascend before issue 21 (whole "
+                    "sub-group optimizer steps, stage 3's gradient buffer) in the baseline slot, SmolLM2-135M "
+                    "default job and from-scratch llama-1b; ~25 min per repeat on a 2-core CPU",
+        configs=configs,
+    )
+
+
+MATRICES: dict[str, Matrix] = {m.name: m for m in (_smoke(), _cpu_full(), _gpu(), _scaling(), _ablation(),
+                                                   _chunking())}
 """Every named matrix, by name."""
 
 

@@ -429,6 +429,12 @@ def write_outputs(results: list[ConfigResult], out_dir: Path, meta: dict, timeli
                _md(CAP_HEADERS, cap_rows(results)), ""]
     md += (["## memascend / baseline", ""] if cap else []) + [
         "Ratios are memascend / baseline measured in the same run.", "", markdown_table(results)]
+    refs = sorted({json.dumps(dict(r.config.reference_settings)) for r in results
+                   if r.config.reference_settings is not None})
+    if refs:
+        md += ["The baseline of these rows is not stock DeepSpeed but memascend with "
+               + " / ".join(f"`{{\"memascend\": {ref}}}`" for ref in refs)
+               + " in `--deepspeed-config` (`BenchConfig.reference_settings`).", ""]
     if any(r.config.nnodes > 1 for r in results):
         md += ["Memory of a row marked `[memory per node (largest of N)]` (N simulated nodes on this host, "
                "one launcher each) is per node: the sum of one node's ranks' peaks, the largest node's "

@@ -11,7 +11,7 @@ from memascend.regress.matrix import MATRICES, BenchConfig, Matrix, get_matrix
 
 
 def test_named_matrices_exist_and_smoke_is_smollm2_one_and_two_ranks():
-    assert set(MATRICES) == {"smoke", "cpu-full", "gpu", "scaling", "ablation"}
+    assert set(MATRICES) == {"smoke", "cpu-full", "gpu", "scaling", "ablation", "chunking"}
     smoke = get_matrix("smoke")
     assert {c.data for c in smoke.configs} == {"shakespeare", "chitchat"}
     assert {c.nproc for c in smoke.configs} == {1, 2}
@@ -104,6 +104,29 @@ def test_ablation_passes_settings_to_the_memascend_run_only(tmp_path):
     base = cfg.finetune_args(engine="baseline", output_dir=str(out), nvme_path="/swap")
     assert [a for a in args if a not in ("memascend", "--deepspeed-config", str(path))] == \
         [a for a in base if a != "baseline"]
+
+
+def test_chunking_runs_memascend_in_both_slots_the_reference_before_issue_21(tmp_path):
+    """Issue 21's step-time target is against memascend before it: the baseline slot runs
+    ``--engine memascend`` with the chunked step and gradient streaming off; the memascend slot the
+    defaults; the training arguments are otherwise identical."""
+    from memascend.regress.matrix import PRE_CHUNKING_SETTINGS, BenchConfig, get_matrix
+
+    m = get_matrix("chunking")
+    assert {c.from_scratch for c in m.configs} == {None, "llama-1b"}
+    for cfg in m.configs:
+        assert cfg.reference_settings == PRE_CHUNKING_SETTINGS and cfg.thresholds.max_step_time_ratio == 1.15
+        out = tmp_path / cfg.name / "baseline"
+        ref = cfg.finetune_args(engine="baseline", output_dir=str(out), nvme_path="/swap")
+        mine = cfg.finetune_args(engine="memascend", output_dir=str(out), nvme_path="/swap")
+        assert ref[ref.index("--engine") + 1] == "memascend" == mine[mine.index("--engine") + 1]
+        assert ref[-2:] == ["--deepspeed-config", str(tmp_path / cfg.name / "baseline-deepspeed.json")]
+        assert "--deepspeed-config" not in mine and ref[:-2] == mine
+        cfg.write_deepspeed_json("baseline", str(out))
+        assert json.loads((tmp_path / cfg.name / "baseline-deepspeed.json").read_text()) == {
+            "memascend": {"optimizer_chunk_numel": None, "enable_grad_streaming": False}}
+    with pytest.raises(UserError):
+        BenchConfig(name="x", reference_settings=(("no_such_setting", 1),))
 
 
 def test_deepspeed_settings_go_to_both_engines(tmp_path):
