@@ -250,3 +250,18 @@ def test_median_phase_s_skips_the_first_step():
              {"phase_s": _phases(3.0, 2.0, 5.0)}, {"phase_s": _phases(2.0, 2.0, 4.0)}]
     assert median_phase_s(steps) == _phases(2.0, 2.0, 4.0)
     assert median_phase_s([{"time_s": 1.0}]) is None
+
+
+def test_a_reference_run_is_named_in_the_results(tmp_path, monkeypatch):
+    """Matrix ``chunking``: the baseline slot is memascend before issue 21; results.md says so and
+    the pair is judged with the chunking thresholds (1.15x step time, no noise allowance)."""
+    same = make_report(rss_gib=2.0, locked_gib=0.5, step_s=7.0, losses=LOSSES)
+    slower = make_report(rss_gib=2.0, locked_gib=0.6, step_s=7.0 * 1.2, losses=LOSSES)
+    _fake_runs(monkeypatch, {"baseline": same, "memascend": slower}, [])
+    res = CliRunner().invoke(cli, ["regress", "--matrix", "chunking", "--only", "smollm2*", "--output",
+                                   str(tmp_path / "out"), "--baselines", str(tmp_path / "bl"), "--profile", "t"])
+    assert res.exit_code == 1, res.output
+    assert "step_time_ratio: median step 8.40 / 7.00 s = 1.200 (limit 1.15" in " ".join(res.output.split())
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert ('The baseline of these rows is not stock DeepSpeed but memascend with `{"memascend": '
+            '{"optimizer_chunk_numel": null, "enable_grad_streaming": false}}`') in md
