@@ -26,9 +26,9 @@ Unlocked:
     of the loss at the start of backward) and the vocabulary projection's weight gradient; with tied
     embeddings the backward ends with three ``vocab x hidden`` gradients at once (lm_head's, the
     embedding's and autograd's sum), where that is more than the activations;
-  * memascend's host block cache keeps forward/backward's freed blocks: with the chunked optimizer
-    step (whose locked buffers do not hand idle cache regions back) they stay through the step, the
-    step's unlocked temporaries reuse them (:func:`_host_block_cache_in_step`);
+  * memascend's host block cache keeps forward/backward's freed blocks through the optimizer step,
+    less what the step's locked buffers make it hand back first; the step's unlocked temporaries
+    reuse them (:func:`_host_block_cache_in_step`);
   * on several ranks, every parameter all-gathered in full on every rank during forward/backward;
   * a fixed framework baseline (Python, torch, DeepSpeed, transformers, ops, tokenizer), the corpus
     and, for stock, the model build's fp32 garbage in the heap.
@@ -319,24 +319,22 @@ def _add_gradients(add, cfg: RunConfig, dims: ModelDims, z: dict, e: int, w: int
         add("grad_partitions_flat_buffer", part * e, False, "DeepSpeedZeroOptimizer_Stage3 gradient partition")
 
 
-def _host_block_cache_in_step(comps: list[Component], chunked: bool) -> list[Component]:
+def _host_block_cache_in_step(comps: list[Component]) -> list[Component]:
     """What memascend's host block cache (:mod:`memascend.memory.host_cache`) still holds in the
     optimizer step: the pages of forward/backward's large host tensors (activations, fp32 logits,
     the vocabulary projection's gradient, the streamed gradient partitions), which it keeps after
-    they are freed. The step's unlocked temporaries are served from those idle blocks. Whole
-    sub-group steps take their locked swap buffers from the on-demand manager, which first unmaps
-    as many idle cache bytes as it locks (``OnDemandSwapBufferManager._make_room``); the chunked
-    step's buffers (``chunked`` true) do not, so they come on top of the idle blocks.
+    they are freed. The step's unlocked temporaries are served from those idle blocks, and its
+    locked buffers (whole sub-group swap buffers or the chunked step's chunk buffers) first unmap
+    as many idle cache bytes as they lock (``host_cache.make_room``).
 
     Returns:
         The component that raises the step's unlocked transient to what the cache keeps (none when
-        the step's own memory covers it, as with whole sub-group steps); bytes summed over ranks.
+        the step's own memory covers it); bytes summed over ranks.
     """
     def phase_bytes(phase: str, locked: bool) -> int:
         return sum(c.bytes for c in comps if c.phase == phase and c.locked == locked)
 
-    room = 0 if chunked else phase_bytes("step", True)
-    kept = phase_bytes("backward", False) - phase_bytes("step", False) - room
+    kept = phase_bytes("backward", False) - phase_bytes("step", False) - phase_bytes("step", True)
     if kept <= 0:
         return []
     return [Component("host block cache: forward/backward's freed blocks kept through the step", kept, False,
@@ -389,7 +387,7 @@ def plan_engine(cfg: RunConfig, dims: ModelDims, run: ResolvedRun, world_size: i
             "aligned_io.read_fragments (fix_unaligned_gradient_io)", "step")
     _add_forward_backward(add, dims, cfg, e, w, trimmed)
     if ma and getattr(settings, "enable_host_block_cache", False):
-        comps.extend(_host_block_cache_in_step(comps, _step_chunk_numel(z, sub, ma, settings) is not None))
+        comps.extend(_host_block_cache_in_step(comps))
     nvme = nvme_swap_bytes(dims.total_numel, e, op.get("device") == "nvme", oo.get("device") == "nvme")
     return EnginePlan(cfg.engine, tuple(sorted(comps, key=lambda c: -c.bytes)), nvme,
                       run.nvme_bytes_per_rank, run.upfront_locked_bytes)

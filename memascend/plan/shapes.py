@@ -105,15 +105,21 @@ def live_window_partitions(dims: ModelDims, world_size: int, checkpointing: bool
     """Partitions (elements per rank) held in the parameter pool at the turn from forward to backward.
 
     On the parameters' second use ZeRO-3 releases a gathered parameter only if it is not used again
-    within ``stage3_max_reuse_distance`` elements of the trace (``__params_to_release``). At the
-    turn that keeps the vocabulary projection (used in its forward and its backward) and the last
-    ``k`` layers, where the trace between a layer's forward and its next use holds both uses of the
-    projection plus ``k - 1`` later layers two times (forward, backward) or three (with
-    activation checkpointing's recompute). A partition with a DRAM copy (among the first
+    within ``stage3_max_reuse_distance`` elements of the trace (``__params_to_release`` walks the
+    submodule order from the released module itself, counting every module's elements, and keeps a
+    parameter it meets again before the count reaches the distance). At the turn that keeps the
+    vocabulary projection (used in its forward and its backward) and the last ``k`` layers: from a
+    parameter's module in the ``m``-th layer from the end to its next use the trace holds one
+    layer's elements (its module and the rest of its layer in forward, the modules before it in
+    the recompute or backward), both uses of the projection, and the ``m`` later layers two times
+    (forward, backward) or three (with activation checkpointing's recompute); the layer is kept
+    where that is under the distance. A partition with a DRAM copy (among the first
     ``dram_numel`` elements, ``offload_param.max_in_cpu``) or under the swappable size is not in
     the pool. With untied embeddings the projection is ``lm_head`` (registered last), and the input
-    embedding, used again only at the end of backward, is released. Measured on llama-1b (max_in_cpu 0, checkpointing, 1 x 256 tokens): the embedding and
-    6 layers, 742 MB (report ``memory_breakdown.locked.param_pool_classes``).
+    embedding, used again only at the end of backward, is released. Checked against the pool's
+    classes in use (report ``memory_breakdown.locked.param_pool_classes``, ``max_in_cpu`` 0,
+    checkpointing, 1 x 256 tokens, distance 1e9): llama-1b the embedding and 6 layers, llama-3b the
+    embedding and 2 layers (one partition more in flight).
 
     Returns:
         The pool-resident partitions' element counts (per rank).
@@ -130,7 +136,7 @@ def live_window_partitions(dims: ModelDims, world_size: int, checkpointing: bool
     layer_numel = sum(numels[start:start + per_layer])
     uses = 3 if checkpointing else 2
     kept = 0
-    while kept < n_layers and 2 * vocab + uses * kept * layer_numel < reuse_numel:
+    while kept < n_layers and 2 * vocab + (uses * kept + 1) * layer_numel < reuse_numel:
         kept += 1
     parts = [math.ceil(n / world_size) for n in numels]
     offsets = [0, *itertools.accumulate(parts)]  # where each partition starts in the DRAM-copy order

@@ -23,11 +23,11 @@ phi-0.1b rows, 4 steps; ``memascend regress --matrix cpu-full --only '<preset>-b
 pair from ``memascend finetune --engine baseline/memascend`` with that row's arguments)."""
 HELD_OUT_CAPS = sorted((Path(__file__).parent / "data" / "heldout-caps").glob("*.json"))
 """memascend reports no planner constant was calibrated on, of the chunked step with the chunk-sized
-swap window and read-ahead: issue 21's scaling series under a 4 GiB memory cgroup at b06426e
-(``memascend regress --matrix scaling --memory-cap 4GiB``: llama-tiny and llama-0.1b to 3b, tied
-embeddings, 1 x 256 tokens, bf16, activation checkpointing, params and optimizer on NVMe, 3 steps;
-copies of ``/tmp/runs/caps/4g/<row>/memascend/report.json``). They predate the
-``optimizer_window_bytes`` key (:func:`memascend.plan.model._ran_with_swap_window`)."""
+swap window, read-ahead, and chunk buffers that first take the host block cache's idle pages:
+issue 21's scaling series under a 4 GiB memory cgroup at d161e9e (``memascend regress --matrix
+scaling --memory-cap 4GiB``: llama-tiny and llama-0.1b to 3b, tied embeddings, 1 x 256 tokens,
+bf16, activation checkpointing, params and optimizer on NVMe, 3 steps; copies of
+``caps/reports/<row>-memascend.json``)."""
 TOLERANCE = 0.15
 
 
@@ -68,9 +68,9 @@ def test_plan_within_15_percent_of_held_out_run(path):
 def test_plan_within_15_percent_of_held_out_scaling_run_under_a_cap(path):
     report = json.loads(path.read_text())
     locked = report["memory_breakdown"]["locked"]
-    assert "optimizer_window_bytes" not in locked and locked["optimizer_chunk_buffers_bytes"] > 0
+    assert locked["optimizer_window_bytes"] > 0 and locked["optimizer_chunk_buffers_bytes"] > 0
     names = [c.name for c in plan_for_report(report).components]
-    assert any(n.startswith("optimizer swap window") for n in names), "planned as a run from before the window"
+    assert any(n.startswith("optimizer swap window") for n in names)
     _assert_close(report, path.name)
 
 
@@ -79,12 +79,12 @@ def test_held_out_caps_cover_the_scaling_series():
     assert {"llama-0.1b", "llama-0.5b", "llama-1b", "llama-3b"} <= rows
 
 
-def test_the_host_block_cache_keeps_the_tied_embeddings_gradients_through_the_chunked_step():
+def test_the_host_block_cache_keeps_backwards_blocks_less_what_the_chunked_step_locks():
     """In the scaling rows from 0.3b up the backward ends with three vocabulary-sized gradients of the
     tied embedding and one streamed reduce bucket: the planned backward unlocked transient is the
-    host block cache's measured peak in use. The cache keeps those pages; the chunked step's locked
-    buffers come on top (the step-phase peak is the backward's plus the chunk buffers), so the
-    planned step adds the cache's idle blocks."""
+    host block cache's measured peak in use. The cache keeps those pages into the step, but the
+    chunked step's locked buffers first unmap as many idle bytes as they lock
+    (``host_cache.make_room``): the planned step holds backward's blocks less its locked buffers."""
     checked = 0
     for path in HELD_OUT_CAPS:
         report = json.loads(path.read_text())
@@ -96,8 +96,9 @@ def test_the_host_block_cache_keeps_the_tied_embeddings_gradients_through_the_ch
         cache_peak = report["memory_breakdown"]["host_block_cache"]["peak_in_use_bytes"]
         assert abs(backward - cache_peak) <= 0.05 * cache_peak, f"{path.name}: {backward} vs {cache_peak}"
         assert by_name["host block cache"].phase == "step"
-        step = sum(c.bytes for c in plan.components if c.phase == "step" and not c.locked)
-        assert step == backward
+        step_unlocked = sum(c.bytes for c in plan.components if c.phase == "step" and not c.locked)
+        step_locked = sum(c.bytes for c in plan.components if c.phase == "step" and c.locked)
+        assert step_locked > 0 and step_unlocked + step_locked == backward
         checked += 1
     assert checked >= 4
 
