@@ -77,6 +77,8 @@ def test_chunk_buffers_first_take_the_host_block_caches_idle_pages(monkeypatch, 
     monkeypatch.setattr(host_cache, "make_room", lambda nbytes: events.append(("room", nbytes)))
 
     class Allocator:
+        source = "arena"
+
         def allocate(self, numel, dtype):
             t = torch.empty(numel, dtype=dtype)
             events.append(("lock", t.nbytes))
@@ -86,7 +88,7 @@ def test_chunk_buffers_first_take_the_host_block_caches_idle_pages(monkeypatch, 
     chunks = object.__new__(chunked_step.ChunkedSubGroups)
     chunks.settings = ma_ds.MemAscendSettings(enable_host_block_cache=cache_on)
     chunks.buffer_numel, chunks.read_ahead, chunks.allocator = CHUNK_NUMEL, read_ahead, Allocator()
-    chunks.sets, chunks.grad, chunks.staging, chunks.peak_locked_bytes = [], None, None, 0
+    chunks.sets, chunks.grad, chunks.staging, chunks.peak_locked_bytes, chunks.parked = [], None, None, 0, False
     chunks.acquire()
     chunks.staging_for(None, torch.bfloat16, 3000)
     locks = [n for kind, n in events if kind == "lock"]
@@ -96,3 +98,54 @@ def test_chunk_buffers_first_take_the_host_block_caches_idle_pages(monkeypatch, 
     staging = torch.empty(3000, dtype=torch.bfloat16).nbytes
     assert events[0] == ("room", sum(locks) - staging) and chunks.peak_locked_bytes == sum(locks)
     assert events[-2:] == [("room", staging), ("lock", staging)]
+
+
+@pytest.mark.parametrize("source", ["aio_handle", "arena"])
+def test_chunk_buffers_are_parked_between_steps_and_locked_again(monkeypatch, source):
+    """Between steps the aio handle's chunk buffers are parked like the whole sub-group step's
+    (unlocked, pages released, mapping kept) and the next step locks the same buffers again, after
+    the host block cache made room; arena buffers are freed and allocated anew."""
+    import torch
+
+    from memascend.memory import host_allocator, host_cache
+
+    events = []
+    monkeypatch.setattr(host_cache, "make_room", lambda nbytes: events.append(("room", nbytes)))
+    monkeypatch.setattr(host_allocator, "can_park", lambda: True)
+    monkeypatch.setattr(host_allocator, "park_locked_pages",
+                        lambda t, huge_pages: events.append(("park", t.data_ptr(), huge_pages)))
+    monkeypatch.setattr(host_allocator, "lock_pages", lambda t: events.append(("relock", t.data_ptr())))
+
+    class Allocator:
+        def __init__(self):
+            self.source = source
+
+        def allocate(self, numel, dtype):
+            t = torch.empty(numel, dtype=dtype)
+            events.append(("alloc", t.data_ptr()))
+            return t
+
+        def free(self, t):
+            events.append(("free", t.data_ptr()))
+
+    chunks = object.__new__(chunked_step.ChunkedSubGroups)
+    chunks.settings = ma_ds.MemAscendSettings()
+    chunks.buffer_numel, chunks.read_ahead, chunks.allocator = CHUNK_NUMEL, True, Allocator()
+    chunks.sets, chunks.grad, chunks.staging, chunks.peak_locked_bytes, chunks.parked = [], None, None, 0, False
+    sets, grad = chunks.acquire()
+    ptrs = sorted([b.data_ptr() for bufs in sets for b in bufs.values()] + [grad.data_ptr()])
+    total_bytes = sum(b.nbytes for bufs in sets for b in bufs.values()) + grad.nbytes
+    events.clear()
+    chunks.release()
+    if source == "arena":
+        assert sorted(p for kind, p in events if kind == "free") == ptrs and not chunks.sets
+        return
+    assert chunks.parked and sorted(e[1] for e in events if e[0] == "park") == ptrs
+    assert all(e[2] is True for e in events if e[0] == "park")  # huge pages (enable_torch_thp)
+    events.clear()
+    chunks.release()  # a second release of parked buffers does nothing
+    assert events == []
+    again, grad2 = chunks.acquire()
+    assert events[0] == ("room", total_bytes) and not chunks.parked
+    assert sorted(p for kind, p in events if kind == "relock") == ptrs and not [e for e in events if e[0] == "alloc"]
+    assert again is sets and grad2 is grad

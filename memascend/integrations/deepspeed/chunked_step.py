@@ -47,6 +47,7 @@ import torch
 from memascend.integrations.deepspeed import chunk_plan
 from memascend.integrations.deepspeed.chunk_io import range_io_for
 from memascend.integrations.deepspeed.pinning import LockedAllocator
+from memascend.memory import host_allocator
 from memascend.settings import MemAscendSettings
 
 _FP32_BYTES = 4
@@ -109,10 +110,20 @@ class ChunkedSubGroups:
         self.stepping: set[int] = set()
         """Chunked sub-groups being stepped in chunks (from ``unscale_and_clip_grads`` to release)."""
         self.peak_locked_bytes = 0
+        self.parked = False
+        """The chunk buffers are parked between steps (:meth:`release`)."""
 
     # -- buffers ------------------------------------------------------------------------------
     def acquire(self) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
         """The chunk buffer sets (:func:`~.chunk_plan.buffer_sets`) and the chunk gradient, locked."""
+        if self.parked:
+            # Parked by release(): same buffers, locked again (2 MiB faults where parked with huge
+            # pages), after the cache's idle pages are handed back.
+            self._make_room(sum(b.nbytes for b in self._buffers()))
+            for buffer in self._buffers():
+                host_allocator.lock_pages(buffer)
+            self.parked = False
+            self._account()
         if not self.sets:
             slab_numel = chunk_plan.grad_slab_numel(self.buffer_numel, self.read_ahead)
             self._make_room(chunk_plan.chunk_buffers_numel(self.buffer_numel, self.read_ahead) * _FP32_BYTES)
@@ -155,14 +166,27 @@ class ChunkedSubGroups:
             self.staging[0].free(self.staging[1])
             self.staging = None
 
+    def _buffers(self) -> list[torch.Tensor]:
+        return [b for bufs in self.sets for b in bufs.values()] + ([self.grad] if self.grad is not None else [])
+
     def release(self) -> None:
-        """Free the chunk buffers (between steps, with ``enable_optimizer_buffer_release``)."""
-        for bufs in self.sets:
-            for buffer in bufs.values():
+        """Hand the chunk buffers' memory back between steps (``enable_optimizer_buffer_release``).
+
+        Buffers of the aio handle are parked, as the whole sub-group step's are
+        (:meth:`~.optimizer_swapper.OnDemandSwapBufferManager.release_free_buffers`,
+        :func:`~memascend.memory.host_allocator.park_locked_pages`: unlocked, pages released, mapping
+        kept, marked for huge pages with ``enable_torch_thp``) and locked again by the next
+        :meth:`acquire`; freed and allocated anew each step they cost a 4 KiB fault per page. Arena
+        buffers are freed (the arena hands its idle regions back). The 16-bit staging is freed.
+        """
+        if self.sets and not self.parked and self.allocator.source == "aio_handle" and host_allocator.can_park():
+            for buffer in self._buffers():
+                host_allocator.park_locked_pages(buffer, huge_pages=self.settings.enable_torch_thp)
+            self.parked = True
+        elif not self.parked:
+            for buffer in self._buffers():
                 self.allocator.free(buffer)
-        if self.grad is not None:
-            self.allocator.free(self.grad)
-        self.sets, self.grad = [], None
+            self.sets, self.grad = [], None
         self._free_staging()
 
     # -- the step -----------------------------------------------------------------------------
