@@ -51,6 +51,9 @@ BLOCKS: dict[str, Callable[[rb.Baselines], str]] = {
     "caps-table": rc.caps_table,
     "caps-notes": rc.caps_notes,
     "budget-3b-notes": rc.budget_notes,
+    "chunking-table": rc.chunking_table,
+    "chunking-notes": rc.chunking_notes,
+    "caps-plan-notes": rc.caps_plan_notes,
 }
 """Block name -> renderer (a function of the profile's baselines, returning markdown)."""
 

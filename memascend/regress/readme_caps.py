@@ -4,7 +4,8 @@ the fitted host bytes per parameter over from-scratch Llama 0.1B-3B.
 Data: ``baselines/<profile>/caps/<cap>/results.json`` of ``memascend regress --matrix scaling
 --memory-cap <cap>`` (the 8 and 16 GiB folders resumed from the 4 GiB one, so outcomes that carry
 over between caps are reused: :meth:`memascend.host.memcap.CappedResult.under_cap`), with each run's
-``report.json`` under ``caps/reports/``.
+``report.json`` under ``caps/reports/``; ``chunking/results.json`` of ``memascend regress --matrix
+chunking`` (step time against memascend before issue 21).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from memascend.regress.compare import ConfigResult, fit_line
-from memascend.regress.output import ScalingPoint, format_params, plot_scaling, scaling_points
-from memascend.regress.readme_blocks import GIB, Baselines, _md, gib
+from memascend.regress.output import ScalingPoint, format_params, markdown_table, plot_scaling, scaling_points
+from memascend.regress.readme_blocks import GIB, Baselines, _losses_word, _md, _ratio, gib
 
 CAPS = ("4g", "8g", "16g")
 """Cap folders under ``caps/``, ascending."""
@@ -134,5 +135,41 @@ def budget_notes(b: Baselines) -> str:
             f"under the {cap['cap']} cap ({cap['outcome']}; cgroup peak {gib(cap['peak_bytes'])} GiB): peak RSS "
             f"{gib(mem['peak_rss_bytes'])} GiB against a planned {gib(plan.peak_rss_bytes)} GiB, locked "
             f"{gib(mem['peak_locked_bytes'])} GiB against a planned {gib(plan.peak_locked_bytes)} GiB "
-            f"({locked_err:+.0%}: the planner over-states the count-bounded pool's locked memory); per-step losses "
+            f"({locked_err:+.0%}); per-step losses "
             + ("bit-identical to" if same else "NOT equal to") + " the default run's in the cap table.")
+
+
+CHUNKING = "chunking/results.json"
+
+
+def chunking_table(b: Baselines) -> str:
+    """Matrix ``chunking``: memascend's defaults against memascend before issue 21, same run."""
+    return markdown_table(b.results(CHUNKING))
+
+
+def chunking_notes(b: Baselines) -> str:
+    """Issue 21's step-time target (<= 1.15x memascend before it) per row, from the same run."""
+    rs = b.results(CHUNKING)
+    doc = b.json(CHUNKING)
+    rows = "; ".join(f"{r.config.name.removesuffix('-vs-pre-chunking')} {_ratio(r, 'step_time_ratio'):.3f}x "
+                     f"({r.memascend.median_step_s:.2f} vs {r.baseline.median_step_s:.2f} s/step), peak RSS "
+                     f"{_ratio(r, 'peak_rss_ratio'):.2f}x, locked {r.memascend.peak_locked_bytes / GIB:.2f} vs "
+                     f"{r.baseline.peak_locked_bytes / GIB:.2f} GiB" for r in rs)
+    within = sum(r.check("step_time_ratio").ok for r in rs)
+    return (f"Step time of memascend's defaults over memascend before issue 21 (medians of {doc['repeats']} "
+            f"alternating pair(s) in one run): {rows}. {within} of {len(rs)} rows within 1.15x; losses "
+            f"{_losses_word(rs)}.")
+
+
+def caps_plan_notes(b: Baselines) -> str:
+    """``memascend plan`` against memascend's runs of the 4 GiB scaling search (``caps/reports/``,
+    also the planner test's held-out set ``tests/plan/data/heldout-caps``): error per row."""
+    from memascend.plan.recorded import recorded_errors
+
+    rows = recorded_errors(sorted((b.root / "caps" / "reports").glob("*-memascend.json")))
+    cells = "; ".join(f"{Path(r['name']).stem.split('-bf16')[0]} {r['rss'][2] * 100:+.1f} % / {r['locked'][2] * 100:+.1f} %"
+                      for r in rows)
+    worst_rss = max(abs(r["rss"][2]) for r in rows) * 100
+    worst_locked = max(abs(r["locked"][2]) for r in rows) * 100
+    return (f"Planned against measured peak RSS / locked memory, memascend's {len(rows)} runs of the 4 GiB search: "
+            f"{cells} (worst {worst_rss:.1f} % RSS, {worst_locked:.1f} % locked; target 15 %).")
