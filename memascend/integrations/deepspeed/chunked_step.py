@@ -84,6 +84,9 @@ class ChunkedSubGroups:
         settings: the applied settings (arena pinning, buffer release).
     """
 
+    parked: bool = False
+    """The chunk buffers are parked between steps (:meth:`release`)."""
+
     def __init__(self, opt: Any, chunk_numel: int, settings: MemAscendSettings) -> None:
         self.chunk_numel = int(chunk_numel)
         self.settings = settings
@@ -110,8 +113,6 @@ class ChunkedSubGroups:
         self.stepping: set[int] = set()
         """Chunked sub-groups being stepped in chunks (from ``unscale_and_clip_grads`` to release)."""
         self.peak_locked_bytes = 0
-        self.parked = False
-        """The chunk buffers are parked between steps (:meth:`release`)."""
 
     # -- buffers ------------------------------------------------------------------------------
     def acquire(self) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
