@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from memascend.regress.compare import ConfigResult, fit_line
+from memascend.regress.matrix import CHUNKING_THRESHOLDS
 from memascend.regress.output import ScalingPoint, format_params, markdown_table, plot_scaling, scaling_points
 from memascend.regress.readme_blocks import GIB, Baselines, _losses_word, _md, _ratio, gib
 
@@ -157,7 +158,8 @@ def chunking_notes(b: Baselines) -> str:
                      f"{r.baseline.peak_locked_bytes / GIB:.2f} GiB" for r in rs)
     within = sum(r.check("step_time_ratio").ok for r in rs)
     return (f"Step time of memascend's defaults over memascend before issue 21 (medians of {doc['repeats']} "
-            f"alternating pair(s) in one run): {rows}. {within} of {len(rs)} rows within 1.15x; losses "
+            f"alternating pair(s) in one run): {rows}. {within} of {len(rs)} rows within "
+            f"{CHUNKING_THRESHOLDS.max_step_time_ratio}x; losses "
             f"{_losses_word(rs)}.")
 
 

@@ -66,7 +66,7 @@ def test_chunked_step_losses_bit_identical_to_stock(chunked_vs_stock):
 @pytest.mark.parametrize("read_ahead", [True, False])
 @pytest.mark.parametrize("cache_on", [True, False])
 def test_chunk_buffers_first_take_the_host_block_caches_idle_pages(monkeypatch, read_ahead, cache_on):
-    """As the whole sub-group step's buffers do (OnDemandSwapBufferManager._make_room), the chunked
+    """As the whole sub-group step's buffers do (pinning.make_room), the chunked
     step asks the host block cache to unmap as many idle bytes as it is about to lock, before it
     locks them (buffers and the 16-bit staging), and only where the cache is on."""
     import torch

@@ -46,7 +46,7 @@ import torch
 
 from memascend.integrations.deepspeed import chunk_plan
 from memascend.integrations.deepspeed.chunk_io import range_io_for
-from memascend.integrations.deepspeed.pinning import LockedAllocator
+from memascend.integrations.deepspeed.pinning import LockedAllocator, make_room
 from memascend.memory import host_allocator
 from memascend.settings import MemAscendSettings
 
@@ -120,14 +120,14 @@ class ChunkedSubGroups:
         if self.parked:
             # Parked by release(): same buffers, locked again (2 MiB faults where parked with huge
             # pages), after the cache's idle pages are handed back.
-            self._make_room(sum(b.nbytes for b in self._buffers()))
+            make_room(self.settings, sum(b.nbytes for b in self._buffers()))
             for buffer in self._buffers():
                 host_allocator.lock_pages(buffer)
             self.parked = False
             self._account()
         if not self.sets:
             slab_numel = chunk_plan.grad_slab_numel(self.buffer_numel, self.read_ahead)
-            self._make_room(chunk_plan.chunk_buffers_numel(self.buffer_numel, self.read_ahead) * _FP32_BYTES)
+            make_room(self.settings, chunk_plan.chunk_buffers_numel(self.buffer_numel, self.read_ahead) * _FP32_BYTES)
             for _ in range(chunk_plan.buffer_sets(self.read_ahead)):
                 bufs = {name: self.allocator.allocate(self.buffer_numel, torch.float32) for name in ("param", *STATE_KEYS)}
                 bufs["slab"] = self.allocator.allocate(slab_numel, torch.float32)
@@ -141,20 +141,11 @@ class ChunkedSubGroups:
         parameter pieces written to their swap files)."""
         if self.staging is None or self.staging[1].dtype != dtype or self.staging[1].numel() < numel:
             self._free_staging()
-            self._make_room(numel * torch.empty(0, dtype=dtype).element_size())
+            make_room(self.settings, numel * torch.empty(0, dtype=dtype).element_size())
             allocator = LockedAllocator(handle, prefer_arena=self.settings.enable_arena_pinning)
             self.staging = (allocator, allocator.allocate(numel, dtype))
             self._account()
         return self.staging[1]
-
-    def _make_room(self, locked_bytes: int) -> None:
-        # As the whole sub-group step's buffers do (OnDemandSwapBufferManager._make_room): the
-        # locked chunk buffers take the pages of the host block cache's idle regions (forward and
-        # backward's freed blocks) instead of coming on top of them.
-        if self.settings.enable_host_block_cache:
-            from memascend.memory import host_cache
-
-            host_cache.make_room(locked_bytes)
 
     def _account(self) -> None:
         locked = sum(b.nbytes for bufs in self.sets for b in bufs.values())

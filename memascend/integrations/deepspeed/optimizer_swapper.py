@@ -35,7 +35,7 @@ import torch
 from deepspeed.runtime.swap_tensor.utils import SwapBufferManager
 
 from memascend.errors import UserError
-from memascend.integrations.deepspeed.pinning import LockedAllocator
+from memascend.integrations.deepspeed.pinning import LockedAllocator, make_room
 from memascend.integrations.deepspeed.settings import MemAscendSettings
 from memascend.memory import host_allocator
 
@@ -81,18 +81,12 @@ class OnDemandSwapBufferManager(SwapBufferManager):
         """Bytes of one buffer (the largest I/O-aligned sub-group)."""
         return self.num_elems * torch.empty(0, dtype=self.dtype).element_size()
 
-    def _make_room(self, nbytes: int) -> None:
-        if self.memascend_settings.enable_host_block_cache:
-            from memascend.memory import host_cache
-
-            host_cache.make_room(nbytes)
-
     def _account(self) -> None:
         self.peak_locked_bytes = max(self.peak_locked_bytes, self.locked_bytes())
         self.gigabytes = self.locked_bytes() / 1024**3
 
     def _grow(self, how_many: int) -> None:
-        self._make_room(how_many * self.buffer_bytes)
+        make_room(self.memascend_settings, how_many * self.buffer_bytes)
         for _ in range(how_many):
             # Zeroed like the stock buffers: optimizer state may start from them.
             self.all_buffers.append(self.allocator.allocate(self.num_elems, self.dtype).zero_())
@@ -103,7 +97,7 @@ class OnDemandSwapBufferManager(SwapBufferManager):
         parked = [i for i in indices if i in self.parked_buffer_index]
         if not parked:
             return
-        self._make_room(len(parked) * self.buffer_bytes)
+        make_room(self.memascend_settings, len(parked) * self.buffer_bytes)
         for index in parked:
             # Faults the pages in (2 MiB ones where parked with huge pages); they read as zero,
             # like a new buffer's, apart from the unreleased partial page at the end.
@@ -178,7 +172,7 @@ class OnDemandSwapBufferManager(SwapBufferManager):
         missing = count - len(fitting)
         if missing > 0:
             nbytes = num_elems * torch.empty(0, dtype=self.dtype).element_size()
-            self._make_room(missing * nbytes)
+            make_room(self.memascend_settings, missing * nbytes)
             for _ in range(missing):
                 self.window_buffers.append(self.allocator.allocate(num_elems, self.dtype))
                 fitting.append(len(self.window_buffers) - 1)

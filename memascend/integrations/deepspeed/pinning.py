@@ -50,6 +50,17 @@ def arena_if_accepted_by(aio_handle: Any, arena: Any | None) -> Any | None:
     return arena if accepted else None
 
 
+def make_room(settings: Any, locked_bytes: int) -> None:
+    """Before locking ``locked_bytes`` of swap buffers (the aio handle's or the arena's, never the
+    host block cache's): with ``settings.enable_host_block_cache``, have the cache unmap as many
+    idle bytes first (:func:`memascend.memory.host_cache.make_room`), so the buffers take those
+    pages instead of adding to them. Used by the on-demand optimizer buffers and the chunked step."""
+    if settings.enable_host_block_cache:
+        from memascend.memory import host_cache
+
+        host_cache.make_room(locked_bytes)
+
+
 class LockedAllocator:
     """Exact-size locked 1-D tensors for swap buffers, from the arena or the aio handle.
 
