@@ -473,15 +473,74 @@ _TOP_FIELDS = ("output_dir", "engine", "deepspeed_config")
 """Top-level keys of a ``--config`` file (beside the sections)."""
 
 
+YAML_MAX_EXPANDED_NODES = 10_000
+"""The most values (scalars, lists and tables, each alias counted as a full copy of what it names) a
+YAML ``--config`` file may expand to. A run's configuration holds well under a hundred; the cap stops an
+alias bomb (nested anchors, each alias repeating the one before) while the file is read, before any
+value is built from it."""
+
+
+class _AliasExpansionError(Exception):
+    """A YAML document whose aliases expand past :data:`YAML_MAX_EXPANDED_NODES` values or refer to
+    themselves; the message says which."""
+
+
+def _expanded_nodes(root) -> int:
+    """How many values the node graph ``root`` (PyYAML's composed document, where an alias is the very
+    node it names) expands to, each shared node counted once per reference.
+
+    Stops counting past :data:`YAML_MAX_EXPANDED_NODES`. Runs in time linear in the distinct nodes.
+
+    Raises:
+        _AliasExpansionError: the expansion exceeds the cap, or an alias names a node that holds it.
+    """
+    import yaml
+
+    sizes: dict[int, int] = {}
+    open_ids: set[int] = set()
+
+    def size(node) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in open_ids:
+            raise _AliasExpansionError("an alias refers to a value that holds it (a recursive alias)")
+        open_ids.add(key)
+        total = 1
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [part for pair in node.value for part in pair]
+        else:
+            children = []
+        for child in children:
+            total += size(child)
+            if total > YAML_MAX_EXPANDED_NODES:
+                raise _AliasExpansionError(
+                    f"its aliases expand to more than {YAML_MAX_EXPANDED_NODES:,} values (an alias bomb?): "
+                    "write the values out instead of repeating anchors")
+        open_ids.discard(key)
+        sizes[key] = total
+        return total
+
+    return size(root)
+
+
 def _yaml_loader():
     """PyYAML's safe loader, reading ``1e-4`` as a number: YAML 1.1 (PyYAML) wants ``1.0e-4``, YAML 1.2
-    and TOML do not, and a learning rate in that form is what users write."""
+    and TOML do not, and a learning rate in that form is what users write. Anchors and aliases are
+    allowed, but the composed document must expand to at most :data:`YAML_MAX_EXPANDED_NODES` values
+    (checked on the node graph, before any value is constructed; raises :class:`_AliasExpansionError`)."""
     import re
 
     import yaml
 
     class Loader(yaml.SafeLoader):
-        pass
+        def get_single_node(self):
+            node = super().get_single_node()
+            if node is not None:
+                _expanded_nodes(node)
+            return node
 
     Loader.add_implicit_resolver(
         "tag:yaml.org,2002:float",
@@ -499,6 +558,8 @@ def _parse_config_text(path: Path, text: str) -> Any:
             return yaml.load(text, Loader=_yaml_loader()) or {}  # noqa: S506 - a SafeLoader subclass
         except yaml.YAMLError as exc:
             raise UserError(f"config file {path} is not valid YAML: {' '.join(str(exc).split())}") from None
+        except _AliasExpansionError as exc:
+            raise UserError(f"config file {path} is refused: {exc}") from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

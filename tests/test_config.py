@@ -69,6 +69,41 @@ def test_yaml_config_is_read_like_toml(tmp_path):
     assert load_config_file(y) == {}
 
 
+def _alias_bomb(levels: int = 9) -> str:
+    """YAML whose last anchor expands to 9**levels strings through ``levels`` anchors of 9 aliases each."""
+    rows = ["[" + ", ".join(['"lol"'] * 9) + "]"]
+    rows += ["[" + ", ".join([f"*a{i}"] * 9) + "]" for i in range(levels - 1)]
+    return "[" + ", ".join(f"&a{i} {row}" for i, row in enumerate(rows)) + "]"
+
+
+@pytest.mark.parametrize("key", ["train:\n  lr", "model:\n  from_scratch", "data:\n  columns"])
+def test_yaml_alias_bomb_is_refused_while_loading(tmp_path, key):
+    """Aliases are expanded into a value only up to a small number of values: a bomb is refused by
+    the loader (fast, before any value is built), naming the file."""
+    import time
+
+    from memascend.config import load_config_file
+
+    y = tmp_path / "bomb.yaml"
+    y.write_text(f"{key}: {_alias_bomb()}\n")
+    start = time.perf_counter()
+    with pytest.raises(UserError, match=rf"^config file {y} is refused: its aliases expand to more than 10,000 values"):
+        load_config_file(y)
+    assert time.perf_counter() - start < 1.0
+    y.write_text("train: &t\n  lr: &x [*x]\n")
+    with pytest.raises(UserError, match="refers to a value that holds it"):
+        load_config_file(y)
+
+
+def test_yaml_anchors_within_the_limit_still_work(tmp_path):
+    from memascend.config import load_config_file
+
+    y = tmp_path / "run.yaml"
+    y.write_text("train:\n  lr: &lr 3e-4\n  weight_decay: *lr\ndata:\n  columns: &c {text: body}\n")
+    cfg = build_run_config(load_config_file(y), {}, file_name=y)
+    assert cfg.train.lr == cfg.train.weight_decay == 3e-4 and cfg.data.columns == {"text": "body"}
+
+
 def test_missing_toml_file():
     with pytest.raises(UserError, match="config file not found"):
         load_toml("/nonexistent/run.toml")

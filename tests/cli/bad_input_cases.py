@@ -141,6 +141,11 @@ CASES: tuple[Case, ...] = (
          files={"run.yaml": b"train:\n  seed: random\n"}),
     Case("yaml-syntax", "a --config YAML file that does not parse", "finetune", ("--config", "{tmp}/run.yaml"),
          "run.yaml is not valid YAML", files={"run.yaml": b"train: [1\n"}),
+    Case("yaml-alias-bomb", "a --config YAML alias bomb (9 anchors, each 9 aliases of the one before)", "finetune",
+         ("--config", "{tmp}/bomb.yaml"), "bomb.yaml is refused: its aliases expand to more than 10,000 values",
+         files={"bomb.yaml": ("model:\n  from_scratch: [&a0 [" + ", ".join(["lol"] * 9) + "], "
+                              + ", ".join(f"&a{i + 1} [" + ", ".join([f"*a{i}"] * 9) + "]" for i in range(8))
+                              + "]\n").encode()}),
     Case("toml-wrong-type", "a string where a number goes (TOML)", "finetune", ("--config", "{tmp}/run.toml"),
          "run.toml: train.micro_batch: Input should be a valid integer, got 'two'",
          files={"run.toml": b"[train]\nmicro_batch = \"two\"\n"}),
