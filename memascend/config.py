@@ -44,6 +44,11 @@ MAX_EPOCHS = 1_000_000
 """Most passes over the training data ``--epochs`` accepts."""
 MAX_SEED = 2**32 - 1
 """Largest ``--seed``: every RNG a run seeds (torch, Python, numpy) accepts 0 .. 2**32 - 1."""
+DEFAULT_MAX_DATA_BYTES = 1 << 30
+"""Most bytes the data files and data sets of ``--data`` may hold together unless ``--max-data-bytes``
+(``[data] max_bytes``) says otherwise (1 GiB). The corpus is held in memory as text and then as tokens
+(about 5x its size in all), so 1 GiB of data already costs a few GiB of RAM; the built-in corpora are
+5 and 40 MB. Raise it for a larger data set the host can hold."""
 
 # CLI flag of a config field where it is not ``--`` + the field name with dashes (an error about a
 # value given as a flag names the flag; one from a --config file names the file and the key).
@@ -58,6 +63,7 @@ _FLAGS = {
     "format": "--data-format",
     "columns": "--data-columns",
     "gradient_clipping": "--max-grad-norm",
+    "max_bytes": "--max-data-bytes",
 }
 
 
@@ -246,7 +252,14 @@ class DataConfig:
     "body"}``, ``{"prompt": "q", "response": "a"}``); fields: text, messages, instruction (prompt),
     input, output (response), system, history, conversations."""
 
+    max_bytes: int = DEFAULT_MAX_DATA_BYTES
+    """Most bytes the data files and data sets of ``source`` may hold together, a byte count
+    (``--max-data-bytes`` also takes a size such as ``4GiB``): more is refused before it is read,
+    naming the file. The built-in corpora are not counted."""
+
     def __post_init__(self) -> None:
+        if self.max_bytes < 1:
+            raise UserError(f"--max-data-bytes ([data] max_bytes) must be at least 1 byte, got {self.max_bytes}")
         if self.seq_len < 8:
             raise UserError(f"--seq-len must be at least 8 tokens, got {self.seq_len}")
         if self.eval_blocks < 0:

@@ -104,6 +104,26 @@ def test_yaml_anchors_within_the_limit_still_work(tmp_path):
     assert cfg.train.lr == cfg.train.weight_decay == 3e-4 and cfg.data.columns == {"text": "body"}
 
 
+def test_max_data_bytes_is_a_byte_count_in_the_file_and_a_size_as_a_flag(tmp_path):
+    from click.testing import CliRunner
+
+    from memascend.cli.main import cli
+    from memascend.config import DEFAULT_MAX_DATA_BYTES, load_config_file
+
+    assert build_run_config({}, {}).data.max_bytes == DEFAULT_MAX_DATA_BYTES == 1 << 30
+    t = tmp_path / "run.toml"
+    t.write_text("[data]\nmax_bytes = 4294967296\n")
+    assert build_run_config(load_config_file(t), {}, file_name=t).data.max_bytes == 4 << 30
+    assert build_run_config(load_config_file(t), {"data": {"max_bytes": 5}}).data.max_bytes == 5
+    for value, match in (('"4GiB"', "run.toml: data.max_bytes: Input should be a valid integer"),
+                         ("0", r"--max-data-bytes \(\[data\] max_bytes\) must be at least 1 byte, got 0")):
+        t.write_text(f"[data]\nmax_bytes = {value}\n")
+        with pytest.raises(UserError, match=match):
+            build_run_config(load_config_file(t), {}, file_name=t)
+    res = CliRunner().invoke(cli, ["plan", "--from-scratch", "llama-tiny", "--max-data-bytes", "lots"])
+    assert res.exit_code == 2 and "Invalid value for '--max-data-bytes': not a memory size: 'lots'" in res.output
+
+
 def test_missing_toml_file():
     with pytest.raises(UserError, match="config file not found"):
         load_toml("/nonexistent/run.toml")

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from memascend.cli import options
-from memascend.cli.outputs import ENV_OUTPUT_DIR, link_latest, settle_output
+from memascend.cli.outputs import ENV_OUTPUT_DIR, link_latest, lock_output, settle_output
 from memascend.config import RunConfig
 from memascend.errors import UserError
 
@@ -64,7 +64,7 @@ def finetune(**kw) -> None:
     nproc = kw.pop("nproc")
     if nproc is not None and nproc < 1:
         raise UserError(f"--nproc must be at least 1, got {nproc}")
-    from memascend.train.supervisor import is_supervised, supervise
+    from memascend.train.supervisor import is_supervised
 
     overwrite_output = kw.pop("overwrite_output")
     cfg = options.run_config_from_flags(kw)
@@ -76,10 +76,29 @@ def finetune(**kw) -> None:
     if cfg.memascend.host_memory_budget is not None and cfg.engine == "memascend":
         cfg = _with_budget_choice(cfg, nproc, first)
     output_given = kw["output_dir"] is not None or cfg.output_dir != RunConfig.output_dir
+    out_lock = None
     if first or ENV_OUTPUT_DIR in os.environ:
-        cfg, fresh = settle_output(cfg, given=output_given, overwrite=overwrite_output, first_process=first)
+        # the first process locks the folder for the run's life (released when its children end)
+        cfg, fresh, out_lock = settle_output(cfg, given=output_given, overwrite=overwrite_output, first_process=first,
+                                             config_file=kw.get("config_file"))
     else:  # a rank of an outside launcher (deepspeed, torchrun) without --output: the folder of old
         fresh = False
+        if os.environ.get("RANK") == "0" and not is_supervised():
+            out_lock = lock_output(Path(cfg.output_dir))  # rank 0 holds the run's lock
+    try:
+        report = _run(cfg, nproc, first, fresh)
+    finally:
+        if out_lock is not None:
+            out_lock.release()
+    if report is not None:
+        _print_summary(report, cfg.output_dir)
+
+
+def _run(cfg: RunConfig, nproc: int | None, first: bool, fresh: bool) -> dict | None:
+    """The job: under a supervising parent (the first process), else in this process (the
+    supervised child, or a rank). Exits through ``sys.exit`` in the first process."""
+    from memascend.train.supervisor import supervise
+
     if nproc is not None and nproc > 1 and "RANK" not in os.environ:
         # the launch runs under a parent that cleans up after ranks killed outright
         sys.exit(supervise(_torchrun_cmd(nproc)))
@@ -95,12 +114,10 @@ def finetune(**kw) -> None:
     from memascend.train.runner import run_finetune
 
     try:
-        report = run_finetune(cfg)
+        return run_finetune(cfg)
     finally:
         if fresh and os.environ.get("RANK", "0") == "0":
             link_latest(Path(cfg.output_dir))
-    if report is not None:
-        _print_summary(report, cfg.output_dir)
 
 
 def _say(line: str) -> None:

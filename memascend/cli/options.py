@@ -143,6 +143,9 @@ DATA = OptionGroup("data", (
          help="Columns holding the format's fields when named otherwise, e.g. text=body or prompt=q,response=a "
          "(fields: text, messages, instruction/prompt, input, output/response, system, history, conversations)"),
     flag("--seq-len", section="data", field="seq_len", type=int, default=None, help="Tokens per sequence [default: 256]"),
+    flag("--max-data-bytes", section="data", field="max_bytes", type=SIZE_BYTES, default=None,
+         help="Most bytes the --data files and data sets may hold together, e.g. 4GiB; more is refused before it is "
+         "read (the built-in corpora are not counted) [default: 1GiB]"),
 ))
 
 TRAINING = OptionGroup("training", (

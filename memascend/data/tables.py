@@ -147,6 +147,12 @@ def load_hub(repo_id: str):
     return _train_split(ds, repo_id)
 
 
+def size_bytes(ds) -> int:
+    """Bytes of a ``datasets.Dataset``'s Arrow table (what its rows hold; 0 where it does not say)."""
+    table = getattr(ds, "data", None)
+    return int(getattr(table, "nbytes", 0) or 0)
+
+
 def iter_rows(ds, name: str, data_format: str, columns: Mapping[str, str]) -> Iterator[Document]:
     """The documents of a ``datasets.Dataset``, one per row.
 

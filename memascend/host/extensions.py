@@ -29,11 +29,12 @@ def _find_built(mod_name: str, cache_dir: Path) -> tuple[str, str | None]:
     spec = importlib.machinery.PathFinder.find_spec(mod_name, search)
     if spec is not None and spec.origin:
         return "prebuilt", spec.origin
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        for build_dir in (cache_dir / mod_name, cache_dir / f"{mod_name}_cuda"):
-            candidate = build_dir / f"{mod_name}{suffix}"
-            if candidate.is_file():
-                return "JIT cache", str(candidate)
+    # build folders are named <module>[_cuda]-<sources digest> (memascend.ops.build.load_op): the newest build
+    builds = [build_dir / f"{mod_name}{suffix}" for pattern in (f"{mod_name}-*", f"{mod_name}_cuda-*")
+              for build_dir in cache_dir.glob(pattern) for suffix in importlib.machinery.EXTENSION_SUFFIXES]
+    built = [b for b in builds if b.is_file()]
+    if built:
+        return "JIT cache", str(max(built, key=lambda b: b.stat().st_mtime_ns))
     return "", None
 
 

@@ -393,13 +393,7 @@ def load_op(
     configure_builds()
     from torch.utils import cpp_extension
 
-    srcs = [str(CSRC_DIR / s) for s in sources]
-    cflags = ["-O3", "-std=c++17", "-fvisibility=hidden", *extra_cflags]
-    with_cuda = bool(cuda_sources) and cuda_build_available()
-    if with_cuda:
-        srcs += [str(CSRC_DIR / s) for s in cuda_sources]
-        cflags.append("-DMEMASCEND_WITH_CUDA")
-    build_dir = ext_cache_dir() / (mod_name + ("_cuda" if with_cuda else ""))
+    srcs, cflags, with_cuda, build_dir = _build_plan(name, sources, cuda_sources, extra_ldflags, extra_cflags)
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
         return cpp_extension.load(
@@ -413,6 +407,49 @@ def load_op(
         )
     except Exception as exc:  # noqa: BLE001 - surfaced as one clear error
         raise OpBuildError(f"cannot build op '{name}': {str(exc).strip().splitlines()[-1]}") from exc
+
+
+def _build_plan(name: str, sources: tuple[str, ...], cuda_sources: tuple[str, ...], extra_ldflags: tuple[str, ...],
+                extra_cflags: tuple[str, ...]) -> tuple[list[str], list[str], bool, Path]:
+    """(source paths, C++ flags, whether CUDA sources are built, build folder) of one op."""
+    srcs = [str(CSRC_DIR / s) for s in sources]
+    cflags = ["-O3", "-std=c++17", "-fvisibility=hidden", *extra_cflags]
+    with_cuda = bool(cuda_sources) and cuda_build_available()
+    if with_cuda:
+        srcs += [str(CSRC_DIR / s) for s in cuda_sources]
+        cflags.append("-DMEMASCEND_WITH_CUDA")
+    # One folder per source content and flags: two checkouts (git worktrees) using one environment
+    # keep their own builds instead of rebuilding over each other's build.ninja at every load.
+    digest = sources_digest(srcs, cflags, extra_ldflags)
+    return srcs, cflags, with_cuda, ext_cache_dir(create=False) / f"memascend_{name}{'_cuda' if with_cuda else ''}-{digest}"
+
+
+def op_build_dir(name: str, sources: tuple[str, ...], cuda_sources: tuple[str, ...] = (),
+                 extra_ldflags: tuple[str, ...] = (), extra_cflags: tuple[str, ...] = ()) -> Path:
+    """The folder :func:`load_op` JIT-builds op ``name`` in (same arguments): under
+    :func:`ext_cache_dir`, named ``memascend_<name>[_cuda]-<digest of the sources' content and flags>``."""
+    return _build_plan(name, sources, cuda_sources, extra_ldflags, extra_cflags)[3]
+
+
+def sources_digest(sources: list[str], *flags: object) -> str:
+    """A short digest of an op's sources and build flags (hex, 12 characters).
+
+    Args:
+        sources: the source files (their content counts, not their paths); the headers beside them
+            count too, since they are compiled in.
+        flags: compiler and linker flags.
+
+    Returns:
+        The digest: equal for the same content and flags wherever the tree lies.
+    """
+    h = hashlib.sha256()
+    files = {Path(p) for p in sources}
+    for src in list(files):
+        files.update(q for pattern in ("*.h", "*.hpp") for q in src.parent.glob(pattern) if q.is_file())
+    for path in sorted(files, key=lambda q: (q.parent.name, q.name)):
+        h.update(f"{path.parent.name}/{path.name}".encode() + b"\0" + path.read_bytes() + b"\0")
+    h.update(repr([list(f) if isinstance(f, (list, tuple)) else f for f in flags]).encode())
+    return h.hexdigest()[:12]
 
 
 def op_names(ops_dir: Path | None = None) -> list[str]:

@@ -201,7 +201,7 @@ class FinetuneRecipe:
         check_output_dir(self.out_dir)
         self.tokenizer = load_tokenizer(self.src)
         self.documents = read_documents(cfg.data.source, cfg.data.max_documents, data_format=cfg.data.format,
-                                        columns=cfg.data.columns)
+                                        columns=cfg.data.columns, max_bytes=cfg.data.max_bytes)
         self.split = build_blocks(self.documents, self.tokenizer, cfg.data.seq_len, cfg.data.eval_blocks,
                                   cfg.train.seed)
         self.shape = meta_shape(self.src, cfg)

@@ -235,6 +235,10 @@ CASES: tuple[Case, ...] = (
          files={"latin1.jsonl": b'{"text": "ok"}\n{"text": "caf\xe9 au lait"}\n'}),
     Case("text-not-utf8", "--data: a .txt file that is not UTF-8", "finetune", ("--data", "{tmp}/latin1.txt"),
          "latin1.txt: not UTF-8 text", files={"latin1.txt": b"caf\xe9 au lait\n"}),
+    Case("data-over-max-data-bytes", "--data files holding more than --max-data-bytes", "finetune",
+         ("--data", "{tmp}/small.txt,{tmp}/big.txt", "--max-data-bytes", "1KiB"),
+         "big.txt: --data holds more than --max-data-bytes 1.00 KiB (1,024 bytes; [data] max_bytes in a --config file)",
+         files={"small.txt": b"a few words of text\n" * 20, "big.txt": b"a few words of text\n" * 40}),
     # models by Hugging Face id, data through `datasets` (issue 23; tests/models, tests/data)
     Case("model-id-uncached", "--model: a Hugging Face id neither cached nor downloadable", "finetune",
          ("--model", "no-org/no-such-model"), "model not found: no-org/no-such-model"),

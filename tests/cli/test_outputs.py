@@ -45,11 +45,13 @@ def test_settle_passes_the_fresh_folder_to_the_run_s_other_processes(tmp_path, m
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(outputs.ENV_OUTPUT_DIR, "")  # restored (unset) after the test: settle_output sets it
     cfg = build_run_config({}, {"model": {"from_scratch": "llama-tiny"}})
-    first, fresh = outputs.settle_output(cfg, given=False, overwrite=False, first_process=True)
+    first, fresh, lock = outputs.settle_output(cfg, given=False, overwrite=False, first_process=True)
     assert fresh and first.output_dir.startswith("runs/") and os.environ[outputs.ENV_OUTPUT_DIR] == first.output_dir
-    child, fresh = outputs.settle_output(cfg, given=False, overwrite=False, first_process=False)
-    assert fresh and child.output_dir == first.output_dir
-    assert not Path("runs").exists()  # nothing is created before the run starts
+    child, fresh, child_lock = outputs.settle_output(cfg, given=False, overwrite=False, first_process=False)
+    assert fresh and child.output_dir == first.output_dir and child_lock is None  # the first process holds it
+    assert Path(first.output_dir).is_dir()  # created and locked by the first process
+    lock.release()
+    assert not Path(first.output_dir).exists()  # created by the lock, left empty: removed
 
 
 def test_latest_links_to_the_newest_run(tmp_path):
@@ -89,7 +91,85 @@ def test_a_non_empty_output_is_refused(tmp_path):
 def test_overwrite_removes_only_memascend_s_files(tmp_path):
     _populate(tmp_path)
     outputs.prepare_explicit_output(tmp_path, overwrite=True, resume=False)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "data", "notes.txt"]
+    # checkpoints/global_step2 has no memascend manifest: not memascend's checkpoint, kept
+    assert (tmp_path / "checkpoints" / "global_step2" / "x").read_text() == "old"
+
+
+def test_overwrite_keeps_the_user_s_files_inside_memascend_s_folders(tmp_path):
+    """Only the files memascend writes go; a user's file keeps its folder (and the folder stays)."""
+    from memascend.train.manifest import MANIFEST_NAME
+
+    files = {"model/model.safetensors": "w", "model/config.json": "c", "model/README.mine": "mine",
+             "tensorboard/events.out.tfevents.1.host": "e", "tensorboard/my_notes.txt": "notes",
+             f"checkpoints/global_step2/{MANIFEST_NAME}": "{}", "checkpoints/global_step2/mp_rank_00.pt": "ck",
+             "checkpoints/latest": "global_step2", "checkpoints/README.mine": "mine", "report.json": "{}"}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    outputs.prepare_explicit_output(tmp_path, overwrite=True, resume=False)
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert left == ["checkpoints/README.mine", "model/README.mine", "tensorboard/my_notes.txt"]
+
+
+@pytest.mark.parametrize("flag", ["model", "data", "config", "deepspeed_config", "resume"])
+def test_overwrite_never_removes_what_the_run_reads(tmp_path, flag):
+    """An input inside one of the outputs the run replaces is refused before anything is removed."""
+    _populate(tmp_path)
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "report.json").write_text("{}")
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    given = {"model": {"model": {"name_or_path": str(tmp_path / "model")}},
+             "data": {"data": {"source": f"shakespeare,{tmp_path / 'steps.jsonl'}"}},
+             "deepspeed_config": {"deepspeed_config": str(tmp_path / "report.json")},
+             "resume": {"train": {"resume": str(tmp_path / "model")}}}.get(flag, {})
+    cfg = build_run_config({}, given)
+    config_file = str(tmp_path / "memory_timeline.csv") if flag == "config" else None
+    inputs = outputs.run_inputs(cfg, config_file)
+    with pytest.raises(UserError, match=r"lies in the run's output .*which this run replaces: give another --output"):
+        outputs.prepare_explicit_output(tmp_path, overwrite=True, resume=flag == "resume", inputs=inputs)
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+
+
+def test_a_data_folder_that_is_the_output_is_refused(tmp_path):
+    _populate(tmp_path)
+    cfg = build_run_config({}, {"data": {"source": str(tmp_path)}})
+    with pytest.raises(UserError, match=r"--data .* lies in the run's output"):
+        outputs.prepare_explicit_output(tmp_path, overwrite=True, resume=False, inputs=outputs.run_inputs(cfg))
+    assert (tmp_path / "steps.jsonl").read_text() == "old"
+
+
+def test_resume_from_the_output_s_own_checkpoints_is_allowed(tmp_path):
+    _populate(tmp_path)
+    cfg = build_run_config({}, {"train": {"resume": str(tmp_path / "checkpoints")}})
+    outputs.prepare_explicit_output(tmp_path, overwrite=True, resume=True, inputs=outputs.run_inputs(cfg))
+    assert (tmp_path / "checkpoints" / "global_step2").is_dir() and not (tmp_path / "report.json").exists()
+
+
+def test_a_locked_output_refuses_a_second_run_and_names_its_pid(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from memascend.io.runlock import TargetBusyError
+
+    out = tmp_path / "out"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from memascend.cli.outputs import lock_output; l = lock_output(Path(sys.argv[1])); "
+                               "print('locked', flush=True); time.sleep(60)", str(out)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        (out / "report.json").write_text("live")
+        with pytest.raises(TargetBusyError, match=rf"--output {out} is in use by another memascend run "
+                                                  rf"\(process {holder.pid}\)"):
+            outputs.lock_output(out)
+        assert (out / "report.json").read_text() == "live"
+    finally:
+        holder.kill()
+        holder.wait()
+    time.sleep(0.1)
+    outputs.lock_output(out).release()  # the kernel dropped the dead holder's lock
 
 
 def test_resume_keeps_the_checkpoints_and_drops_the_old_model_and_report(tmp_path):
@@ -126,3 +206,49 @@ def test_a_run_without_output_gets_a_fresh_folder_and_runs_latest(tmp_path):
     rep = json.loads((latest / "report.json").read_text())
     assert rep["config"]["output_dir"] == f"runs/{runs[1]}" and not (latest / "model").exists()
     assert (old / "model").is_dir()
+
+
+def test_a_live_run_locks_its_output_and_overwrite_keeps_the_user_s_files(tmp_path):
+    """End to end: a run with --overwrite-output removes only memascend's files (the user's notes in
+    tensorboard/ and checkpoints/ stay); while it runs, a second run on the same --output, with or
+    without --overwrite-output, is refused with one line naming the first run's pid and changes nothing."""
+    import subprocess
+    import sys
+    import time
+
+    from memascend.procfs import pids_with_open
+    from tests.conftest import run_cli
+
+    out = tmp_path / "om"
+    mine = {"tensorboard/my_notes.txt": "notes", "checkpoints/README.mine": "mine", "model/README.mine": "m"}
+    for name, text in {**mine, "report.json": "{}", "model/model.safetensors": "old",
+                       "tensorboard/events.out.tfevents.1.old": "old"}.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
+    (tmp_path / "small.txt").write_text("a few words of text\n" * 400)
+    args = ["finetune", "--from-scratch", "llama-tiny", "--data", "small.txt", "--steps", "4", "--seq-len", "32",
+            "--micro-batch", "1", "--eval-blocks", "1", "--no-save-model", "--output", "om", "--overwrite-output"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    first = subprocess.Popen([sys.executable, "-m", "memascend", *args, "--nvme-path", "swap1"], cwd=tmp_path,
+                             env={**env, "PYTHONWARNINGS": "ignore"}, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while first.pid not in pids_with_open(out) and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert first.pid in pids_with_open(out), "the first run never locked its output folder"
+        for extra in (["--overwrite-output"], []):
+            second = run_cli([*args[:-1], *extra, "--nvme-path", "swap2"], tmp_path, timeout_s=300)
+            lines = [ln for ln in second.stderr.splitlines() if ln.startswith("memascend: error:")]
+            assert second.returncode == 2 and len(lines) == 1, second.stderr[-3000:]
+            assert f"--output om is in use by another memascend run (process {first.pid})" in lines[0], lines
+            assert "Traceback" not in second.stderr
+        _, err = first.communicate(timeout=600)
+    finally:
+        first.kill()
+    assert first.returncode == 0, err[-3000:]
+    for name, text in mine.items():
+        assert (out / name).read_text() == text, name
+    assert json.loads((out / "report.json").read_text())["status"] == "completed"
+    assert not (out / "model" / "model.safetensors").exists()
+    assert not (out / "tensorboard" / "events.out.tfevents.1.old").exists()
+    assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 1

@@ -68,3 +68,115 @@ def test_builtin_corpora_are_real():
         roles = [m["role"] for m in doc.messages]
         assert roles[0] == "user" and "assistant" in roles
         assert all(a != b for a, b in zip(roles, roles[1:]))  # turns alternate
+
+
+def _peak_rss_growth_bytes(fn) -> int:
+    """How far this process's peak RSS rose while ``fn()`` ran (bytes)."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    fn()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+
+
+def _refused(source: str, match: str, **kw) -> float:
+    """Seconds until ``read_documents(source)`` is refused with ``match``; the refusal must not raise
+    the process's peak RSS by more than 64 MiB."""
+    import time
+
+    start = time.perf_counter()
+
+    def call():
+        with pytest.raises(UserError, match=match):
+            read_documents(source, **kw)
+
+    assert _peak_rss_growth_bytes(call) < 64 << 20
+    return time.perf_counter() - start
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl", ".csv"])
+def test_data_larger_than_the_cap_is_refused_before_it_is_read(tmp_path, suffix):
+    """A sparse file far past the cap is refused from its size, naming the file and the cap: with the
+    default cap (1 GiB) for a 2 GiB file, and with a small cap set through max_bytes."""
+    import os
+
+    big = tmp_path / f"big{suffix}"
+    with open(big, "wb") as f:
+        f.truncate(2 << 30)
+    assert os.stat(big).st_blocks == 0  # sparse: nothing allocated
+    assert _refused(str(big), rf"^{big}: --data holds more than --max-data-bytes 1.00 GiB \(1,073,741,824 bytes") < 1
+    small = tmp_path / f"small{suffix}"
+    with open(small, "wb") as f:
+        f.truncate(64 << 20)
+    ok = tmp_path / "ok.txt"
+    ok.write_text("a few words\n")
+    match = rf"^{small}: --data holds more than --max-data-bytes 1.00 MiB \(1,048,576 bytes; \[data\] max_bytes"
+    assert _refused(f"{ok},{small}", match, max_bytes=1 << 20) < 1
+    assert [d.text for d in read_documents(str(ok), max_bytes=12)] == ["a few words\n"]
+    with pytest.raises(UserError, match="more than --max-data-bytes 11 B"):
+        read_documents(str(ok), max_bytes=11)
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl", ".parquet"])
+def test_a_fifo_or_a_device_as_data_is_refused(tmp_path, suffix):
+    """A FIFO, and /dev/zero behind a symlink, are refused at once, naming the file (reading either
+    would block for ever or fill the memory)."""
+    import os
+    import threading
+    import time
+
+    fifo = tmp_path / f"pipe{suffix}"
+    os.mkfifo(fifo)
+    stop = threading.Event()
+
+    def unblock():
+        """Give a reader that blocked in open() an end of file, so that the test fails, not hangs."""
+        deadline = time.monotonic() + 5
+        while not stop.is_set() and time.monotonic() < deadline:
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                time.sleep(0.05)
+
+    thread = threading.Thread(target=unblock, daemon=True)
+    thread.start()
+    try:
+        assert _refused(str(fifo), rf"^data file {fifo} is a FIFO \(named pipe\), not a regular file") < 1
+    finally:
+        stop.set()
+        thread.join()
+    zero = tmp_path / f"zero{suffix}"
+    zero.symlink_to("/dev/zero")
+    assert _refused(str(zero), rf"^data file {zero} \(-> /dev/zero\) is a character device, not a regular file") < 1
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a.txt").write_text("alpha")
+    (folder / "z.txt").symlink_to("/dev/zero")
+    assert _refused(str(folder), r"z.txt \(-> /dev/zero\) is a character device") < 1
+
+
+def test_text_and_jsonl_are_read_in_bounded_pieces(tmp_path):
+    """The readers count what they read against the budget as they go: a file holding more than the
+    budget leaves (whatever its size said) is stopped after at most the budget plus one piece."""
+    from memascend.data.readers import DataBudget, read_jsonl, read_text_file
+
+    text = tmp_path / "t.txt"
+    text.write_text("word " * 1000)
+    assert read_text_file(text, DataBudget(5000)) == "word " * 1000
+    budget = DataBudget(4000)
+    with pytest.raises(UserError, match=rf"^{text}: --data holds more than --max-data-bytes 3.91 KiB"):
+        read_text_file(text, budget)
+    assert budget.used_bytes <= 4001
+    one_line = tmp_path / "d.jsonl"
+    one_line.write_text(json.dumps({"text": "x" * 10_000}) + "\n")
+    budget = DataBudget(100)
+    with pytest.raises(UserError, match=rf"^{one_line}: --data holds more than"):
+        list(read_jsonl(one_line, budget=budget))
+    assert budget.used_bytes <= 101
+    split = tmp_path / "split.txt"  # a multi-byte character across the boundary of two pieces
+    split.write_bytes(b"a" * ((4 << 20) - 1) + "\u00e9t\u00e9".encode())
+    assert read_text_file(split) == "a" * ((4 << 20) - 1) + "\u00e9t\u00e9"
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"a" * ((4 << 20) + 3) + b"\xe9 x")
+    with pytest.raises(UserError, match=rf"bad.txt: not UTF-8 text \(invalid continuation byte at byte {(4 << 20) + 3}\)"):
+        read_text_file(bad)

@@ -26,7 +26,7 @@ def test_not_built_without_compiler_fails(tmp_path, monkeypatch):
 def test_broken_build_fails_to_import(tmp_path, monkeypatch):
     monkeypatch.delenv("MEMASCEND_PREBUILT_DIR", raising=False)
     so = (
-        tmp_path / "memascend_broken_op" / ("memascend_broken_op" + importlib.machinery.EXTENSION_SUFFIXES[0])
+        tmp_path / "memascend_broken_op-0123456789ab" / ("memascend_broken_op" + importlib.machinery.EXTENSION_SUFFIXES[0])
     )
     so.parent.mkdir()
     so.write_bytes(b"not an ELF file")

@@ -52,3 +52,28 @@ def test_install_script_builds_the_ops():
     assert '"$PY" -m memascend.integrations.deepspeed.ops_build' in script
     image = (Path(__file__).resolve().parents[2] / "images" / "scripts" / "build-ops.sh").read_text()
     assert "python -m memascend.ops.build\n" in image
+
+
+def test_two_checkouts_of_the_same_sources_share_one_build_folder(tmp_path):
+    """The build folder follows the sources' content (headers included) and flags, not the tree they lie
+    in: two worktrees with the same csrc/ share a build, and trees that differ never do."""
+    for tree in ("a", "b"):
+        op = tmp_path / tree / "csrc" / "op"
+        op.mkdir(parents=True)
+        (op / "op.cpp").write_text('#include "op.h"\nint f() { return K; }\n')
+        (op / "op.h").write_text("#define K 1\n")
+    a, b = (str(tmp_path / t / "csrc" / "op" / "op.cpp") for t in ("a", "b"))
+    assert build.sources_digest([a], ["-O3"]) == build.sources_digest([b], ["-O3"])
+    assert build.sources_digest([a], ["-O3"]) != build.sources_digest([a], ["-O2"])
+    (tmp_path / "b" / "csrc" / "op" / "op.h").write_text("#define K 2\n")
+    assert build.sources_digest([a], ["-O3"]) != build.sources_digest([b], ["-O3"])
+
+
+def test_each_op_builds_in_a_folder_named_by_its_sources(monkeypatch, tmp_path):
+    import memascend.ops.pinned_arena as arena
+
+    monkeypatch.setenv("MEMASCEND_EXT_DIR", str(tmp_path))
+    folder = build.op_build_dir("pinned_arena", arena.SOURCES, extra_ldflags=("-ldl",))
+    digest = build.sources_digest([str(build.CSRC_DIR / s) for s in arena.SOURCES],
+                                  ["-O3", "-std=c++17", "-fvisibility=hidden"], ("-ldl",))
+    assert folder == tmp_path / f"memascend_pinned_arena-{digest}"

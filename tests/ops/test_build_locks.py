@@ -245,7 +245,11 @@ def test_memascend_op_load_recovers_from_a_stale_lock(tmp_path):
     src = tmp_path / "tiny_module.cpp"
     src.write_text(TINY_MODULE_SOURCE)
     ext = tmp_path / "ext"
-    lock = ext / "memascend_locktest2" / "lock"
+    os.environ["MEMASCEND_EXT_DIR"] = str(ext)
+    try:
+        lock = build.op_build_dir("locktest2", (str(src),)) / "lock"
+    finally:
+        del os.environ["MEMASCEND_EXT_DIR"]
     lock.parent.mkdir(parents=True)
     lock.touch()
     code = ("import sys; from memascend.ops.build import load_op; "
