@@ -16,6 +16,10 @@ test *ARGS:
 test-gpu *ARGS:
     {{python}} -m pytest -m gpu --benchmark-enable -s {{ARGS}}
 
+# One short check on a lent GPU machine (ci/device/README.md): device and driver, the carried wheels, DeepSpeed's and memascend's ops built with CUDA, test-gpu, the gpu matrix's rows in order of value, io_bench; OUT gets summary.txt, results.tgz and the step logs after each step; --dry-run checks every command without running it
+device-check out *ARGS:
+    bash ci/device/check.sh {{out}} {{ARGS}}
+
 # Fine-tune with the built-in defaults (SmolLM2-135M on Shakespeare, params+optimizer on NVMe); extra flags pass through
 finetune *ARGS:
     {{python}} -m memascend finetune {{ARGS}}

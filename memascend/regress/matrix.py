@@ -360,23 +360,33 @@ def _cpu_full() -> Matrix:
 def _gpu() -> Matrix:
     # Every row --deterministic: on an H200 (2026-11-26) stock DeepSpeed's own per-step losses for
     # llama-0.1b-bf16-1024x8 differed between two runs of the same code by up to 1.9e-5 relative.
-    configs = []
+    # Rows in order of value, the first three sized for one short call on a lent GPU machine
+    # (ci/device/check.sh runs them in this order): with params and optimizer on NVMe, Adam moves at
+    # least 24 bytes per parameter per step through the swap folder, so on a ~2 GB/s disk a llama-1b
+    # step takes ~15 s and a llama-3b step ~40 s whatever the tokens: three steps each (the fewest
+    # with a steady-step median), one sequence of 2048 tokens with activation checkpointing.
+    # `memascend plan` puts stock's llama-3b run at ~43 GiB peak RSS and ~16 GiB locked, so on a GPU
+    # host of 125 GiB both engines run every row (no memascend-only row).
+    configs = [
+        BenchConfig(name="llama-1b-bf16-2048x1", from_scratch="llama-1b", seq_len=2048, micro_batch=1, steps=3,
+                    activation_checkpointing=True, deterministic=True, thresholds=LLAMA_1B_THRESHOLDS),
+        # The default job (`memascend finetune` with no flags: SmolLM2-135M, Shakespeare, 4 x 256
+        # tokens), cpu-full's row of the same name with CUDA compute.
+        BenchConfig(name="smollm2-shakespeare-bf16-256x4", deterministic=True, thresholds=SMOLLM2_THRESHOLDS),
+        BenchConfig(name="llama-3b-bf16-2048x1", from_scratch="llama-3b", seq_len=2048, micro_batch=1, steps=3,
+                    activation_checkpointing=True, deterministic=True, thresholds=LLAMA_1B_THRESHOLDS),
+    ]
+    # SmolLM2's size from scratch, 8 x 1024 tokens, 10 steps: the first GPU golden
+    # (baselines/nvidia-h100-80gb-hbm3-x1/gpu.json), and fp16's dynamic loss scaling end to end.
     for dtype in ("bf16", "fp16"):
-        configs.append(BenchConfig(name=f"smollm2-shakespeare-{dtype}-1024x8", dtype=dtype, seq_len=1024,
-                                   micro_batch=8, steps=10, deterministic=True, thresholds=SMOLLM2_THRESHOLDS))
-        # The same shape on a from-scratch model of SmolLM2's size: needs no weights (a tokenizer only),
-        # so it is the row a GPU host checks first (minutes for the pair).
         configs.append(BenchConfig(name=f"llama-0.1b-{dtype}-1024x8", from_scratch="llama-0.1b", dtype=dtype,
                                    seq_len=1024, micro_batch=8, steps=10, deterministic=True,
                                    thresholds=SMOLLM2_THRESHOLDS))
-        for preset in ("llama-1b", "llama-3b"):
-            configs.append(BenchConfig(name=f"{preset}-{dtype}-2048x4", from_scratch=preset, dtype=dtype,
-                                       seq_len=2048, micro_batch=4, steps=10, activation_checkpointing=True,
-                                       deterministic=True, thresholds=LLAMA_1B_THRESHOLDS))
     return Matrix(
         name="gpu",
-        description="self-hosted GPU runner: GPU-resident compute with params+optimizer on NVMe, fp16 "
-                    "(dynamic loss scaling) and bf16, SmolLM2-135M and from-scratch Llama 0.1B/1B/3B",
+        description="GPU host: CUDA compute with params+optimizer on NVMe, --deterministic; llama-1b (1 x 2048), "
+                    "the SmolLM2-135M default job (4 x 256) and llama-3b (1 x 2048), 3-4 steps each (~2.5, ~1 and "
+                    "~6 min per pair on a ~2 GB/s disk), then llama-0.1b bf16 and fp16 (8 x 1024, 10 steps)",
         configs=tuple(configs),
     )
 

@@ -158,3 +158,37 @@ def test_a_bad_memascend_setting_is_refused_when_the_config_is_made():
 
     with pytest.raises(UserError, match="no_such"):
         BenchConfig(name="x", memascend_settings=(("no_such", True),))
+
+
+def test_gpu_rows_in_order_of_value_sized_for_one_device_call():
+    gpu = get_matrix("gpu")
+    assert [c.name for c in gpu.configs] == ["llama-1b-bf16-2048x1", "smollm2-shakespeare-bf16-256x4",
+                                             "llama-3b-bf16-2048x1", "llama-0.1b-bf16-1024x8",
+                                             "llama-0.1b-fp16-1024x8"]
+    # CUDA: stock's own losses differ run to run without --deterministic, so every row has it
+    assert all(c.deterministic for c in gpu.configs)
+    one_b, smollm2, three_b = gpu.configs[:3]
+    for c, preset in ((one_b, "llama-1b"), (three_b, "llama-3b")):
+        # NVMe-bound (>= 24 bytes/param per step): few steps, one 2048-token sequence, recomputed activations
+        assert (c.from_scratch, c.dtype, c.seq_len, c.micro_batch, c.steps) == (preset, "bf16", 2048, 1, 3)
+        assert c.activation_checkpointing and c.thresholds.max_peak_rss_ratio == 0.45
+        assert (c.offload_param, c.offload_optimizer) == ("nvme", "nvme")
+        assert c.reference_settings is None  # a pair against stock: stock fits a 125 GiB GPU host
+    # the default job (4 x 256, SmolLM2-135M, Shakespeare): cpu-full's row plus --deterministic
+    kw = dict(engine="memascend", output_dir="o", nvme_path="s")
+    cpu_row = next(c for c in get_matrix("cpu-full").configs if c.name == smollm2.name)
+    assert smollm2.finetune_args(**kw) == cpu_row.finetune_args(**kw) + ["--deterministic"]
+    assert smollm2.thresholds == cpu_row.thresholds
+
+
+def test_gpu_llama_0_1b_row_still_runs_the_h100_golden_command():
+    from pathlib import Path
+
+    golden = json.loads((Path(__file__).resolve().parents[2] / "baselines" / "nvidia-h100-80gb-hbm3-x1"
+                         / "gpu.json").read_text())
+    row = get_matrix("gpu").select("llama-0.1b-bf16-1024x8")[0]
+    for engine in ("baseline", "memascend"):
+        recorded = golden["commands"][row.name][engine].split()
+        out = recorded[recorded.index("--output") + 1]
+        swap = recorded[recorded.index("--nvme-path") + 1]
+        assert recorded[4:] == row.finetune_args(engine=engine, output_dir=out, nvme_path=swap)
