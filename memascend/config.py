@@ -466,6 +466,11 @@ class RunConfig:
             doc = read_ds_config(self.deepspeed_config)
             object.__setattr__(self, "user_ds_config", doc)
             object.__setattr__(self, "memascend", MemAscendSettings.from_mapping(doc.get(DS_CONFIG_SECTION, {})))
+        if self.user_ds_config:
+            from memascend.ds_conflicts import check_train_batch_size
+
+            check_train_batch_size(self.user_ds_config, str(self.deepspeed_config), self.train.micro_batch,
+                                   self.train.grad_accum)
 
     def to_dict(self) -> dict[str, Any]:
         """The configuration as ``report.json`` records it (``"config"``): every field but the

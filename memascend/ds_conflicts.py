@@ -144,3 +144,38 @@ def _settle(merged: dict, origin: Callable, done: Reconciled, key: tuple[str, st
     if not _same(key, default, value):
         flag = "--" + {"param": "offload-param", "optimizer": "offload-optimizer"}.get(name, name.replace("_", "-"))
         done.notes.append(f"{ds_name}: {path} = {_show(value)} is the run's {flag} (default {_show(default)})")
+
+
+def check_train_batch_size(doc: Mapping, ds_name: str, micro_batch: int, grad_accum: int,
+                           world_size: int | None = None) -> None:
+    """DeepSpeed's batch rule for a ``train_batch_size`` the JSON sets: a whole number >= 1 equal to
+    micro-batch x gradient-accumulation steps x ranks (``DeepSpeedConfig._batch_assertion``, an
+    ``AssertionError`` deep inside ``deepspeed.initialize`` otherwise). memascend always sets the
+    micro-batch and the accumulation steps, so DeepSpeed never derives one from the other.
+
+    Args:
+        doc: the JSON (``"auto"`` or ``null`` count as not set).
+        ds_name: the JSON file, as errors name it.
+        micro_batch, grad_accum: the run's (the JSON's where it sets them).
+        world_size: the run's ranks, or ``None`` where not known yet (the config is built before the
+            ranks are): then only what holds for every rank count is checked (a multiple of
+            micro-batch x accumulation steps).
+
+    Raises:
+        UserError: naming the JSON, its value and the product it must equal.
+    """
+    value = _get(doc, "train_batch_size")
+    if value is _UNSET or value is None:
+        return
+    where = f"--deepspeed-config {ds_name}: train_batch_size"
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f'{where} must be a whole number >= 1 (or "auto"), got {value!r}')
+    per_rank = micro_batch * grad_accum
+    rule = "DeepSpeed needs train_batch_size = micro-batch x grad-accum x ranks"
+    if world_size is None:
+        if value % per_rank:
+            raise UserError(f"{where} {value} is not a multiple of micro-batch {micro_batch} x grad-accum "
+                            f"{grad_accum} = {per_rank} ({rule}): remove it or make them agree")
+    elif value != per_rank * world_size:
+        raise UserError(f"{where} {value} is not micro-batch {micro_batch} x grad-accum {grad_accum} x {world_size} "
+                        f"rank(s) = {per_rank * world_size} ({rule}): remove it or make them agree")

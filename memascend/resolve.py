@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from memascend.config import RunConfig
+from memascend.ds_conflicts import check_train_batch_size
 from memascend.errors import UserError
 from memascend.integrations.deepspeed.sizing import prepare_ds_config
 from memascend.settings import MemAscendSettings
@@ -143,6 +144,8 @@ def render_ds_config(cfg: RunConfig, shape: ModelShape, world_size: int, swap_di
     _setdefault_path(ds, "train_micro_batch_size_per_gpu", t.micro_batch)
     _setdefault_path(ds, "gradient_accumulation_steps", t.grad_accum)
     ds.pop("train_batch_size", None) if ds.get("train_batch_size") == "auto" else None
+    check_train_batch_size(ds, cfg.deepspeed_config or "(the DeepSpeed config)", ds["train_micro_batch_size_per_gpu"],
+                           ds["gradient_accumulation_steps"], world_size)
     _setdefault_path(ds, "gradient_clipping", t.gradient_clipping)
     _setdefault_path(ds, "steps_per_print", 1 << 30)
     _setdefault_path(ds, "wall_clock_breakdown", False)

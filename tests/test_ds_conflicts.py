@@ -95,3 +95,45 @@ def test_plan_prints_the_notes(ds):
     assert res.exit_code == 0, res.output
     assert "memascend: note: " in res.stderr and "is the run's --lr" in res.stderr
     json.loads(res.stdout)
+
+
+@pytest.mark.parametrize("value, micro, accum, world", [
+    (3, 4, 1, 1), (4, 4, 1, 1), (8, 4, 2, 1), (4, 4, 1, 2), (8, 4, 1, 1), (16, 2, 4, 1), (12, 2, 3, 1),
+    (12, 2, 3, 2), (8, 2, 2, 2), (0, 4, 1, 1), (-4, 4, 1, 1)])
+def test_train_batch_size_follows_deepspeed_s_batch_rule(tmp_path, value, micro, accum, world):
+    """A ``train_batch_size`` in the JSON is refused exactly where DeepSpeed's own config fails its
+    batch assertion (micro-batch x grad-accum x ranks): at build time what fails for every rank count,
+    when the DeepSpeed config is rendered what fails for this one; one line naming the JSON."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from memascend.resolve import ModelShape, render_ds_config
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": value}))
+    overrides = {"deepspeed_config": str(path), "train": {"micro_batch": micro, "grad_accum": accum}}
+    try:
+        cfg = build_run_config({}, overrides)
+        render_ds_config(cfg, ModelShape(4096, (4096,), (1,)), world)
+        refused = None
+    except UserError as exc:
+        refused = str(exc)
+        assert refused.startswith(f"--deepspeed-config {path}: train_batch_size ") and "\n" not in refused
+    assert (refused is None) == (value == micro * accum * world), refused
+    if world == 1:  # DeepSpeed outside a process group counts one rank: its own check agrees
+        batch = {"train_batch_size": value, "train_micro_batch_size_per_gpu": micro,
+                 "gradient_accumulation_steps": accum}
+        if refused is None:
+            DeepSpeedConfig(batch)
+        else:
+            with pytest.raises(AssertionError):
+                DeepSpeedConfig(batch)
+
+
+@pytest.mark.parametrize("value", [2.0, "4", True, [4]])
+def test_train_batch_size_that_is_not_a_whole_number_is_refused(tmp_path, value):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": value}))
+    with pytest.raises(UserError, match=r'train_batch_size must be a whole number >= 1 \(or "auto"\), got '):
+        build_run_config({}, {"deepspeed_config": str(path)})
+    path.write_text(json.dumps({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2}))
+    assert build_run_config({}, {"deepspeed_config": str(path)}).train.micro_batch == 2
