@@ -23,7 +23,8 @@
 # folder, default /var/tmp/memascend-device/results), DEVICE_CHECK_SWAP (swap folder for the
 # training runs, default /var/tmp/memascend-device/swap), DEVICE_CHECK_STAGE (where stage.sh put
 # part A, default /var/tmp/memascend-stage), DEVICE_CHECK_ROWS (gpu matrix rows, comma-separated),
-# DEVICE_CHECK_STEPS (which of abcdef to run, default all; a always runs).
+# DEVICE_CHECK_STEPS (which of abcdef to run, default all; a always runs), DEVICE_CHECK_CPU_ROWS=1
+# (run step e's rows without CUDA: a rehearsal of the script on a CPU host).
 set -uo pipefail
 
 OUT=${1:?usage: bash ci/device/check.sh OUT [--dry-run]}
@@ -318,7 +319,7 @@ for row in '$ROWS'.split(','):
     local out=$RES/regress-gpu/$row
     local cmd=("$PY" -m memascend regress --matrix gpu --only "$row" --output "$out" --nvme-path "$SWAP"
                --baselines "$RES/baselines" --profile "$profile" --update-golden)
-    if [[ $DRY == 1 ]] || ! has_cuda; then
+    if [[ $DRY == 1 ]] || { ! has_cuda && [[ ${DEVICE_CHECK_CPU_ROWS:-0} != 1 ]]; }; then
       echo "would run: ${cmd[*]} --timeout LIMIT" >> "$log"
       continue
     fi
@@ -353,7 +354,7 @@ for row in '$ROWS'.split(','):
     detail+="$row: $(status_of "$rc") in $(( $(date +%s) - t1 )) s${verdict:+ ($verdict)}; "
     record e-regress "running" $(( $(date +%s) - t )) "after $row: $detail"
   done
-  if ! has_cuda; then
+  if ! has_cuda && [[ ${DEVICE_CHECK_CPU_ROWS:-0} != 1 ]]; then
     st=skipped; detail="no CUDA device (torch.cuda.is_available() is False); rows $ROWS found in the gpu matrix"
   elif [[ $DRY == 1 ]]; then
     st=skipped; detail="dry run: rows $ROWS found in the gpu matrix; nothing run"
