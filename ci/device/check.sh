@@ -123,7 +123,7 @@ else:
     print("no CUDA device (torch.cuda.is_available() is False)")
 PYEOF
     echo "== nvcc"; command -v nvcc >/dev/null && nvcc --version | tail -2 || echo "nvcc: not found"
-    echo "== disk of $REPO"; df -h "$REPO" "$(dirname "$SWAP")" 2>/dev/null
+    echo "== disk of $REPO and of the swap folder"; mkdir -p "$(dirname "$SWAP")"; df -h "$REPO" "$(dirname "$SWAP")"
     lsblk -o NAME,SIZE,TYPE,ROTA,MODEL,MOUNTPOINT 2>/dev/null || echo "lsblk: not available"
     echo "== memory"; free -g
     echo "== cores"; nproc
@@ -332,11 +332,12 @@ for row in '$ROWS'.split(','):
     limit=$(limit_for 600 "$need" "$IO_BENCH_S")
     [[ -z $limit ]] && { detail+="$row: skipped (needs ~$need s, $(( $(left_s) - IO_BENCH_S )) s left before io-bench); "; continue; }
     local free_gib
-    free_gib=$(df -BG --output=avail "$(dirname "$SWAP")" | tail -1 | tr -dc 0-9)
-    if (( free_gib < ${ROW_SWAP_GIB[$row]:-5} )); then
-      detail+="$row: skipped (swap needs ~${ROW_SWAP_GIB[$row]} GiB, the disk has $free_gib GiB free); "; continue
-    fi
     mkdir -p "$SWAP"
+    free_gib=$(df -BG --output=avail "$SWAP" | tail -1 | tr -dc 0-9)
+    if (( ${free_gib:-0} < ${ROW_SWAP_GIB[$row]:-5} )); then
+      rm -rf "$SWAP"
+      detail+="$row: skipped (swap needs ~${ROW_SWAP_GIB[$row]:-5} GiB, the disk has ${free_gib:-?} GiB free); "; continue
+    fi
     local t1=$(date +%s)
     rc=$(run_limited "$log" "$limit" "${cmd[@]}" --timeout "$((limit - 20))")
     rm -rf "$SWAP"   # this script's own swap folder: a stopped run may leave its files
