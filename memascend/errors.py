@@ -8,8 +8,8 @@ exit code   class                      meaning
 ==========  =========================  ====================================================
 1           (regression found)         ``memascend regress``: a result is worse than golden
 2           :class:`UserError`         bad input or an unusable host; nothing was changed
-3           :class:`DeviceError`       the swap target failed during the run (I/O error,
-                                       disk full); the last complete checkpoint is intact
+3           :class:`DeviceError`       the swap target or --output failed during the run (I/O
+                                       error, disk full); the last complete checkpoint is intact
 4           :class:`IntegrityError`    data read back differs from what was written
                                        (checksum mismatch, damaged checkpoint or store)
 5           :class:`TrainingError`     training went wrong although input and devices were
@@ -39,7 +39,7 @@ class UserError(MemascendError):
 
 
 class DeviceError(MemascendError):
-    """The swap target failed while in use: an I/O error, a short transfer, a full disk.
+    """The swap target or the --output folder failed while in use: an I/O error, a short transfer, a full disk.
 
     Not bad input: the command was right, the device was not.
     """

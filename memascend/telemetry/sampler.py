@@ -11,6 +11,7 @@ from the samples taken while it was current.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -99,6 +100,9 @@ class MemorySampler:
         self._thread: threading.Thread | None = None
         self._n = 0
         self._csv = None  # open file the samples are streamed to (stream_csv)
+        # why streaming the timeline stopped (a full disk), or None: sampling goes on without the
+        # stream, and the run's log raises this at its next step
+        self.csv_error: OSError | None = None
         self._cuda = None
         try:
             import torch
@@ -181,8 +185,11 @@ class MemorySampler:
             )
             self.samples.append(s)
             if self._csv is not None:
-                self._csv.write(_csv_row(s) + "\n")
-                self._csv.flush()
+                try:
+                    self._csv.write(_csv_row(s) + "\n")
+                    self._csv.flush()
+                except OSError as exc:
+                    self._stop_stream(exc)
             ph = self._phase
             self.phase_peak_rss_bytes[ph] = max(self.phase_peak_rss_bytes.get(ph, 0), s.rss_bytes)
             self.phase_peak_locked_bytes[ph] = max(self.phase_peak_locked_bytes.get(ph, 0), s.locked_bytes)
@@ -219,12 +226,23 @@ class MemorySampler:
             rows = list(self.samples)
         Path(path).write_text("\n".join([",".join(CSV_COLUMNS), *(_csv_row(s) for s in rows)]) + "\n")
 
+    def _stop_stream(self, exc: OSError) -> None:
+        """Stop streaming the timeline after a failed write (the file is closed, the error kept in
+        :attr:`csv_error`); the samples stay in memory. Called with ``_lock`` held."""
+        self.csv_error = self.csv_error or exc
+        with contextlib.suppress(OSError):
+            self._csv.close()
+        self._csv = None
+
     def stream_csv(self, path: str | os.PathLike | None) -> None:
         """Write the samples so far to ``path`` as :meth:`write_csv` does, then append every new
         sample as it is taken (flushed), so the timeline survives a crash; ``None`` stops."""
         with self._lock:
             if self._csv is not None:
-                self._csv.close()
+                try:
+                    self._csv.close()
+                except OSError as exc:
+                    self._stop_stream(exc)
                 self._csv = None
             if path is None:
                 return

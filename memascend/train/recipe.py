@@ -39,7 +39,7 @@ from memascend.train import dist as dist_setup
 from memascend.train import report as report_mod
 from memascend.train.preflight import check_aio_for_swap_folder, check_memlock_for_run, check_stock_param_dram
 from memascend.train.report import StepRecord
-from memascend.train.run_log import RunLog, write_json_atomic
+from memascend.train.run_log import RunLog, output_errors, write_json_atomic
 from memascend.train.runner import (
     Cleanup,
     all_gather,
@@ -513,8 +513,9 @@ class FinetuneRecipe:
             model_to_save = self.engine.module
             with contextlib.suppress(AttributeError):
                 model_to_save.config.use_cache = True
-            model_to_save.save_pretrained(self.model_dir, state_dict=state_dict, safe_serialization=True)
-            self.tokenizer.save_pretrained(self.model_dir)
+            with output_errors(self.out_dir, "the model"):
+                model_to_save.save_pretrained(self.model_dir, state_dict=state_dict, safe_serialization=True)
+                self.tokenizer.save_pretrained(self.model_dir)
             self.phases.line(f"model saved: {self.model_dir} ({time.monotonic() - t_save:.1f}s)")
         del state_dict
 
@@ -572,11 +573,12 @@ class FinetuneRecipe:
         if self.run_log is not None:
             self.run_log.close()
         csv = self.out_dir / "memory_timeline.csv"
-        self.sampler.write_csv(csv)
         model = self.cfg.model
-        plot_timelines({self.cfg.engine: csv}, self.out_dir / "memory_timeline.png",
-                       title=f"{model.name_or_path if not model.from_scratch else 'from-scratch'} / {self.cfg.engine}")
-        write_json_atomic(self.out_dir / "report.json", rep)
+        with output_errors(self.out_dir, "report.json and the memory timeline"):
+            self.sampler.write_csv(csv)
+            plot_timelines({self.cfg.engine: csv}, self.out_dir / "memory_timeline.png",
+                           title=f"{model.name_or_path if not model.from_scratch else 'from-scratch'} / {self.cfg.engine}")
+            write_json_atomic(self.out_dir / "report.json", rep)
 
     def cleanup(self, *, failed: bool = False) -> None:
         """Undo what the run set up (:class:`memascend.train.runner.Cleanup`: swap folder and its

@@ -13,16 +13,26 @@ Rank 0 writes into ``--output``:
   streams it), rewritten whole at the end;
 * ``tensorboard/``: with ``--report-to tensorboard``, the step records and held-out losses as
   TensorBoard scalars (:class:`memascend.telemetry.tensorboard.TensorBoardLog`).
+
+A write into ``--output`` that fails (a full disk, an I/O error) is a
+:class:`~memascend.errors.DeviceError` naming the folder (:func:`output_errors`), not a traceback; the
+partial report is then marked ``failed`` where the disk still allows it (:func:`write_json_atomic`'s
+in-place fallback), and no temporary file is left behind.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from memascend.errors import DeviceError
 from memascend.telemetry import MemorySampler
 from memascend.telemetry.tensorboard import TENSORBOARD_DIR, TensorBoardLog
 
@@ -31,12 +41,75 @@ REPORT = "report.json"
 TIMELINE_CSV = "memory_timeline.csv"
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def write_json_atomic(path: Path, obj: Any, *, in_place_when_full: bool = False) -> None:
     """Write ``obj`` as indented JSON to ``path`` through a temporary file and a rename, so that a
-    reader (or a crash) only ever sees the old or the new whole file."""
+    reader (or a crash) only ever sees the old or the new whole file.
+
+    Args:
+        path: the file.
+        obj: what to write (JSON-serialisable).
+        in_place_when_full: when the disk is full (the temporary copy does not fit), overwrite
+            ``path`` itself if the new text fits in the space its old text already holds (no new
+            blocks needed on a filesystem that overwrites in place): a last record, such as a report
+            marked ``failed``, is then still written. The write is no longer atomic then.
+
+    Raises:
+        OSError: the write or the rename failed (e.g. ENOSPC); the temporary file is removed and
+            ``path`` is as it was (unless the in-place fallback ran and failed too).
+    """
+    text = json.dumps(obj, indent=2) + "\n"
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if not (in_place_when_full and exc.errno in _DISK_FULL and _overwrite_within_allocation(path, text)):
+            raise
+
+
+def _overwrite_within_allocation(path: Path, text: str) -> bool:
+    """Overwrite ``path`` with ``text`` where ``text`` fits in the bytes the file already has on disk;
+    whether it was written."""
+    data = text.encode()
+    try:
+        st = path.stat()
+        if len(data) > st.st_blocks * 512:
+            return False
+        with open(path, "r+b") as f:
+            f.write(data)
+            f.truncate(len(data))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def output_errors(out_dir: Path, what: str) -> Iterator[None]:
+    """Turn an ``OSError`` of writing ``what`` into ``out_dir`` (``--output``) into one
+    :class:`~memascend.errors.DeviceError` line: a full disk says so with the space left.
+
+    Raises:
+        DeviceError: the write failed (ENOSPC/EDQUOT: "--output X is full"; otherwise the OS error).
+    """
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno in _DISK_FULL:
+            free = ""
+            with contextlib.suppress(OSError):
+                from memascend.units import format_bytes
+
+                free = f" ({format_bytes(shutil.disk_usage(out_dir).free)} free)"
+            raise DeviceError(f"--output {out_dir} is full{free}: writing {what} failed; free space there (or give "
+                              "another --output) and resume from the last complete checkpoint") from None
+        raise DeviceError(f"--output {out_dir}: writing {what} failed: {exc.strerror or exc}") from None
 
 
 class RunLog:
@@ -66,12 +139,23 @@ class RunLog:
         self._write_partial("running")
 
     def step(self, record: dict) -> None:
-        """Log one finished optimizer step (``record`` as in ``report.json``'s ``steps``)."""
+        """Log one finished optimizer step (``record`` as in ``report.json``'s ``steps``).
+
+        Raises:
+            DeviceError: writing into ``--output`` failed (a full disk: :func:`output_errors`),
+                including the timeline the sampler streams.
+        """
         self.steps.append(record)
-        self._steps_file.write(json.dumps(record) + "\n")
-        self._steps_file.flush()
+        with output_errors(self.out_dir, STEPS_LOG):
+            self._steps_file.write(json.dumps(record) + "\n")
+            self._steps_file.flush()
+        with output_errors(self.out_dir, TIMELINE_CSV):
+            csv_error = getattr(self.sampler, "csv_error", None)
+            if csv_error is not None:
+                raise csv_error
         if self.tensorboard is not None:
-            self.tensorboard.step(record)
+            with output_errors(self.out_dir, TENSORBOARD_DIR):
+                self.tensorboard.step(record)
         self._write_partial("running")
 
     def eval(self, step: int, loss: float | None) -> None:
@@ -83,7 +167,8 @@ class RunLog:
     def fail(self, exc: BaseException, *, discard: bool = False) -> None:
         """Mark the partial report as ended by ``exc`` (Ctrl-C/SIGTERM: ``interrupted``); with
         ``discard`` (a refused run: bad input), remove what this log wrote instead."""
-        self.close()
+        with contextlib.suppress(DeviceError):  # the run's own error is what the user sees
+            self.close()
         if discard:
             for name in (STEPS_LOG, REPORT, TIMELINE_CSV):
                 (self.out_dir / name).unlink(missing_ok=True)
@@ -94,24 +179,39 @@ class RunLog:
         self._write_partial(status, error=f"{type(exc).__name__}: {exc}")
 
     def close(self) -> None:
-        """Close the step log and the event file, stop streaming the timeline (idempotent)."""
-        if not self._steps_file.closed:
-            self._steps_file.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
-        self.sampler.stream_csv(None)
+        """Close the step log and the event file, stop streaming the timeline (idempotent; each is
+        closed even when another fails, e.g. a flush on a full disk).
+
+        Raises:
+            DeviceError: a final flush into ``--output`` failed.
+        """
+        with output_errors(self.out_dir, STEPS_LOG), contextlib.ExitStack() as closing:
+            if self.tensorboard is not None:
+                closing.callback(self.tensorboard.close)
+            closing.callback(self.sampler.stream_csv, None)
+            if not self._steps_file.closed:
+                self._steps_file.close()
 
     def _write_partial(self, status: str, error: str | None = None) -> None:
-        write_json_atomic(
-            self.out_dir / REPORT,
-            {
-                **self.header,
-                "complete": False,
-                "status": status,
-                "error": error,
-                "steps": self.steps,
-                "num_steps": len(self.steps),
-                "memory": self.sampler.summary(),
-                "wall_s": time.time() - self._t0,
-            },
-        )
+        """Replace ``report.json`` with the partial report. A final status (not ``running``) is still
+        written when the disk is too full for an atomic replacement: in place, and without the step
+        records (``steps.jsonl`` holds them) if the whole report does not fit where the old one was."""
+        rep = {
+            **self.header,
+            "complete": False,
+            "status": status,
+            "error": error,
+            "steps": self.steps,
+            "num_steps": len(self.steps),
+            "memory": self.sampler.summary(),
+            "wall_s": time.time() - self._t0,
+        }
+        final = status != "running"
+        with output_errors(self.out_dir, REPORT):
+            try:
+                write_json_atomic(self.out_dir / REPORT, rep, in_place_when_full=final)
+            except OSError as exc:
+                if not (final and exc.errno in _DISK_FULL):
+                    raise
+                write_json_atomic(self.out_dir / REPORT, {**rep, "steps": [], "steps_in": STEPS_LOG},
+                                  in_place_when_full=True)
