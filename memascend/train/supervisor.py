@@ -200,14 +200,73 @@ def _full_swap_filesystem(states: list[dict]) -> tuple[str, int] | None:
 
 
 def _mark_report(out_dir: str | None, error: str) -> None:
-    """Set ``status: killed`` in a partial report the dead run left (a complete one is kept)."""
+    """Set ``status: killed`` in a partial report the dead run left (a complete one is kept), with
+    the memory peaks of the whole run: the partial report holds those of its last write (the end of
+    the set-up or of the last step), the timeline rank 0 streamed holds every sample up to the kill."""
     if not out_dir:
         return
-    from memascend.train.run_log import REPORT, write_json_atomic
+    from memascend.train.run_log import REPORT, TIMELINE_CSV, write_json_atomic
 
     path = Path(out_dir) / REPORT
     with contextlib.suppress(OSError, ValueError):
         rep = json.loads(path.read_text())
         if rep.get("complete") is False:
             rep.update(status="killed", error=error)
+            peaks = timeline_peaks(Path(out_dir) / TIMELINE_CSV)
+            if peaks is not None and isinstance(rep.get("memory"), dict):
+                rep["memory"] = merge_peaks(rep["memory"], peaks)
             write_json_atomic(path, rep)
+
+
+def timeline_peaks(csv_path: Path) -> dict | None:
+    """The peaks of a streamed memory timeline (``memory_timeline.csv``), named as the sampler's
+    summary names them (``peak_rss_bytes`` = max of the ``hwm_bytes`` and ``rss_bytes`` columns,
+    ``peak_sampled_rss_bytes``, ``peak_uss_bytes``, ``peak_locked_bytes``, per-phase
+    ``phase_peak_rss_bytes`` / ``phase_peak_locked_bytes``, ``num_samples``; bytes).
+
+    Returns ``None`` without a readable timeline. A row cut short by the kill is skipped.
+    """
+    try:
+        lines = csv_path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    if len(lines) < 2:
+        return None
+    cols = lines[0].split(",")
+    if not {"phase", "rss_bytes", "hwm_bytes", "locked_bytes"} <= set(cols):
+        return None
+    at = {name: cols.index(name) for name in cols}
+    out = {"peak_rss_bytes": 0, "peak_sampled_rss_bytes": 0, "peak_uss_bytes": 0, "peak_locked_bytes": 0,
+           "phase_peak_rss_bytes": {}, "phase_peak_locked_bytes": {}, "num_samples": 0}
+    for line in lines[1:]:
+        cells = line.split(",")
+        if len(cells) != len(cols):
+            continue
+        try:
+            rss, hwm, locked = (int(cells[at[c]]) for c in ("rss_bytes", "hwm_bytes", "locked_bytes"))
+            uss = int(cells[at["uss_bytes"]]) if "uss_bytes" in at and cells[at["uss_bytes"]] else 0
+        except ValueError:
+            continue
+        phase = cells[at["phase"]]
+        out["peak_rss_bytes"] = max(out["peak_rss_bytes"], hwm, rss)
+        out["peak_sampled_rss_bytes"] = max(out["peak_sampled_rss_bytes"], rss)
+        out["peak_uss_bytes"] = max(out["peak_uss_bytes"], uss)
+        out["peak_locked_bytes"] = max(out["peak_locked_bytes"], locked)
+        out["phase_peak_rss_bytes"][phase] = max(out["phase_peak_rss_bytes"].get(phase, 0), rss)
+        out["phase_peak_locked_bytes"][phase] = max(out["phase_peak_locked_bytes"].get(phase, 0), locked)
+        out["num_samples"] += 1
+    return out if out["num_samples"] else None
+
+
+def merge_peaks(memory: dict, peaks: dict) -> dict:
+    """``memory`` (a report's ``"memory"``) with each peak raised to ``peaks``' where that is higher
+    (numbers: the larger; per-phase dicts: per phase)."""
+    merged = dict(memory)
+    for key, value in peaks.items():
+        old = merged.get(key)
+        if isinstance(value, dict):
+            old = old if isinstance(old, dict) else {}
+            merged[key] = {**old, **{ph: max(v, old.get(ph) or 0) for ph, v in value.items()}}
+        else:
+            merged[key] = max(value, old) if isinstance(old, int | float) else value
+    return merged
