@@ -6,7 +6,8 @@ optimizer state lives, the swap folder, ...):
 - set by a flag the user typed (or a ``--config`` key) and by the JSON to another value: the run
   stops with one line naming both (:class:`~memascend.errors.UserError`);
 - set only by the JSON: the JSON's value becomes the run's (so the report, the plan and the data
-  loader agree with what DeepSpeed runs), and a line says so (:attr:`Reconciled.notes`);
+  loader agree with what DeepSpeed runs), and a line says so (:attr:`Reconciled.notes`), also when it
+  equals memascend's default;
 - set only by memascend: as before, memascend's value goes into the JSON
   (:func:`memascend.resolve.render_ds_config`).
 
@@ -45,8 +46,9 @@ class Reconciled:
 
     Attributes:
         adopted: ``(section, field) -> JSON path`` of every value taken from the JSON.
-        notes: one line per adopted value that differs from memascend's default, e.g.
-            ``ds.json: optimizer.params.lr = 0.0003 is the run's --lr (default 0.0001)``.
+        notes: one line per adopted value, e.g. ``ds.json: optimizer.params.lr = 0.0003 is the
+            run's --lr (default 0.0001)``; a value equal to memascend's default says so (``... is the
+            run's --micro-batch (the default as well)``): the JSON decides it either way.
     """
 
     adopted: dict[tuple[str, str], str] = field(default_factory=dict)
@@ -141,9 +143,9 @@ def _settle(merged: dict, origin: Callable, done: Reconciled, key: tuple[str, st
     merged[section][name] = value
     done.adopted[key] = path
     default = defaults(section, name)
-    if not _same(key, default, value):
-        flag = "--" + {"param": "offload-param", "optimizer": "offload-optimizer"}.get(name, name.replace("_", "-"))
-        done.notes.append(f"{ds_name}: {path} = {_show(value)} is the run's {flag} (default {_show(default)})")
+    flag = "--" + {"param": "offload-param", "optimizer": "offload-optimizer"}.get(name, name.replace("_", "-"))
+    shown = "the default as well" if _same(key, default, value) else f"default {_show(default)}"
+    done.notes.append(f"{ds_name}: {path} = {_show(value)} is the run's {flag} ({shown})")
 
 
 def check_train_batch_size(doc: Mapping, ds_name: str, micro_batch: int, grad_accum: int,

@@ -136,10 +136,13 @@ def read_jsonl(path: Path, data_format: str = "auto", columns: Mapping[str, str]
     Raises:
         UserError: naming the file and 1-based line number of a malformed line or of a line that
             is not UTF-8 (with the byte offset in the file); naming the file when the bytes read pass
-            the budget's cap.
+            the budget's cap; naming the file and the mapping when a ``columns`` entry names a
+            column that no row of the file has (``--data-columns text=nope`` on chat rows is not
+            silently ignored; checked when the file has been read).
     """
     columns = columns or {}
     budget = budget or DataBudget()
+    unseen = dict(columns)  # field -> column, for the mapped columns no row has had yet
     with open(path, "rb") as f:
         offset_bytes = 0
         lineno = 0
@@ -162,7 +165,13 @@ def read_jsonl(path: Path, data_format: str = "auto", columns: Mapping[str, str]
                 raise UserError(f"{where}: malformed JSON ({exc.msg})") from None
             if not isinstance(obj, dict):
                 raise UserError(f"{where}: expected a JSON object with 'text' or 'messages'")
+            if unseen:
+                unseen = {name: col for name, col in unseen.items() if col not in obj}
             yield row_to_document(obj, data_format, columns, where)
+    if unseen:
+        mapped = ",".join(f"{name}={col}" for name, col in unseen.items())
+        raise UserError(f"{path}: --data-columns {mapped}: no row has a column "
+                        f"{', '.join(repr(c) for c in unseen.values())}; map a column the rows have, or drop it")
 
 
 def _text_files(path: Path) -> list[Path]:
