@@ -48,7 +48,9 @@ fi
 # Compile memascend's C++ extensions and DeepSpeed's JIT ops (async_io, cpu_adam, shm_comm) now
 # (a few minutes, once; cached afterwards, in this environment's own folders
 # ~/.cache/memascend/{ext,torch_extensions}/<python-torch-deepspeed key>, where training runs load
-# them; TORCH_EXTENSIONS_DIR / MEMASCEND_EXT_DIR override). A build killed mid-way leaves torch's
+# them; TORCH_EXTENSIONS_DIR / MEMASCEND_EXT_DIR override), then copies DeepSpeed's into torch's
+# default folder (~/.cache/torch_extensions/py<XY>_<cpu|cuXYZ>) where a stock DeepSpeed script
+# looks for them (an op folder already there is kept). A build killed mid-way leaves torch's
 # build lock behind: memascend removes such a lock itself and 'memascend doctor' lists them.
 "$PY" -m memascend.integrations.deepspeed.ops_build \
   || echo "install.sh: an op failed to build (above); it will be built again on first use." >&2
