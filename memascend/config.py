@@ -460,6 +460,11 @@ class RunConfig:
     ds_config_notes: tuple[str, ...] = field(default=(), compare=False, repr=False)
     """Settings taken from ``deepspeed_config`` because no flag or config key set them, one line each
     to show the user (:mod:`memascend.ds_conflicts`); not in :meth:`to_dict`."""
+    train_given: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    """The :class:`TrainConfig` fields this run's user set (a flag, a ``--config`` key, or a value
+    taken from ``deepspeed_config``), sorted; the others hold their defaults. A resume applies the
+    optimizer settings given here and continues the checkpoint's for the rest
+    (:mod:`memascend.train.resume_schedule`); not in :meth:`to_dict`."""
 
     def __post_init__(self) -> None:
         if self.deepspeed_config is not None and self.user_ds_config is None and isinstance(self.deepspeed_config, str):
@@ -480,6 +485,7 @@ class RunConfig:
         out.pop("user_ds_config")
         out.pop("memascend")
         out.pop("ds_config_notes")
+        out.pop("train_given")
         out["offload"].pop("swap_target")
         return out
 
@@ -639,6 +645,8 @@ def build_run_config(file_values: dict[str, Any], overrides: dict[str, dict[str,
         return f"{file_label}: {section}.{name}" if name in file_values.get(section, {}) else None
 
     adopted = _with_user_ds_config(merged, origin)
+    merged["train_given"] = tuple(sorted(f.name for f in dataclasses.fields(TrainConfig)
+                                         if origin("train", f.name) is not None or ("train", f.name) in adopted))
     if overrides.get("host_memory_budget") is not None:  # --host-memory-budget wins over the section's key
         merged["memascend"] = dataclasses.replace(merged.get("memascend") or MemAscendSettings(),
                                                   host_memory_budget=overrides["host_memory_budget"])

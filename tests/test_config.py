@@ -95,6 +95,17 @@ def test_yaml_alias_bomb_is_refused_while_loading(tmp_path, key):
         load_config_file(y)
 
 
+@pytest.mark.parametrize("name, text", [("deep.yaml", "train: " + "[" * 20000 + "]" * 20000 + "\n"),
+                                        ("deep.toml", "[train]\nx = " + "[" * 20000 + "]" * 20000 + "\n")])
+def test_a_config_nested_too_deeply_is_refused(tmp_path, name, text):
+    from memascend.config import load_config_file
+
+    f = tmp_path / name
+    f.write_text(text)
+    with pytest.raises(UserError, match=rf"^config file {f} is refused: its values are nested too deeply$"):
+        load_config_file(f)
+
+
 def test_yaml_anchors_within_the_limit_still_work(tmp_path):
     from memascend.config import load_config_file
 
