@@ -101,7 +101,7 @@ def output_errors(out_dir: Path, what: str) -> Iterator[None]:
     try:
         yield
     except OSError as exc:
-        if exc.errno in _DISK_FULL:
+        if exc.errno in _DISK_FULL or _says_disk_full(exc):
             free = ""
             with contextlib.suppress(OSError):
                 from memascend.units import format_bytes
@@ -110,6 +110,22 @@ def output_errors(out_dir: Path, what: str) -> Iterator[None]:
             raise DeviceError(f"--output {out_dir} is full{free}: writing {what} failed; free space there (or give "
                               "another --output) and resume from the last complete checkpoint") from None
         raise DeviceError(f"--output {out_dir}: writing {what} failed: {exc.strerror or exc}") from None
+    except Exception as exc:
+        if not _says_disk_full(exc):
+            raise
+        raise DeviceError(f"--output {out_dir} is full: writing {what} failed ({_first_line(exc)}); free space "
+                          "there (or give another --output) and resume from the last complete checkpoint") from None
+
+
+def _says_disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (not an ``OSError``: safetensors' ``SafetensorError`` when the model is saved)
+    reports a full disk in its text, as writers in Rust or C++ do ("No space left on device (os
+    error 28)")."""
+    return "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc)
+
+
+def _first_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:200]
 
 
 class RunLog:

@@ -114,3 +114,18 @@ def test_full_output_through_the_cli_is_exit_3_one_line_and_a_failed_report(smal
     rep = json.loads((out / REPORT).read_text())
     assert rep["status"] == "failed" and rep["complete"] is False, rep["status"]
     assert _leftover_tmp(small_fs) == [] and list((tmp_path / "swap").iterdir()) == []
+
+
+def test_a_model_save_on_a_full_disk_is_the_disk_full_line(small_fs):
+    """safetensors reports a full disk as its own error type (not an OSError): still one DeviceError."""
+    import torch
+    from safetensors.torch import save_file
+
+    from memascend.train.run_log import output_errors
+
+    fill(small_fs)
+    with pytest.raises(DeviceError, match=rf"^--output {small_fs} is full: writing the model failed \(.*os error 28"):
+        with output_errors(small_fs, "the model"):
+            save_file({"w": torch.zeros(100_000)}, str(small_fs / "model.safetensors"))
+    with pytest.raises(ValueError, match="other"), output_errors(small_fs, "the model"):
+        raise ValueError("other")
