@@ -38,7 +38,7 @@ def plan(nproc: int, as_json: bool, cap_gib: float | None, scaling: bool, **kw) 
         raise UserError(f"--cap-gib must be positive, got {cap_gib}")
     cfg = options.run_config_from_flags(kw)
     options.show_config_notes(cfg)
-    _check_data(cfg.data.source)
+    _check_data(cfg.data.source, cfg.data.max_bytes)
     from memascend.plan.budget import apply_host_memory_budget
 
     cfg = apply_host_memory_budget(cfg, nproc, announce=lambda line: click.echo(f"memascend: {line}", err=True))
@@ -129,24 +129,27 @@ def _model_title(cfg) -> str:
     return f"{run_name(cfg)} (from scratch, {_count(fs.param_numel)} parameters)"
 
 
-def _check_data(source: str) -> None:
-    """Refuse a ``--data`` path that does not exist, as ``memascend finetune`` would (nothing is read).
+def _check_data(source: str, max_bytes: int) -> None:
+    """Refuse a ``--data`` path that does not exist, a data file that is not a regular file, and data
+    past ``--max-data-bytes``, as ``memascend finetune`` would (sizes are read, no data).
 
     Raises:
         UserError: a comma-separated part that is neither a built-in corpus, an existing path nor a
-            Hugging Face data set id.
+            Hugging Face data set id; a device or FIFO; local files holding more than ``max_bytes``.
     """
     from pathlib import Path
 
-    from memascend.data.readers import BUILTIN_CORPORA
+    from memascend.data.readers import BUILTIN_CORPORA, check_local_sizes
     from memascend.data.tables import is_hub_id
     from memascend.errors import UserError
 
     if source in BUILTIN_CORPORA:
         return
-    for part in (p.strip() for p in source.split(",") if p.strip()):
+    parts = [p.strip() for p in source.split(",") if p.strip()]
+    for part in parts:
         if not Path(part).expanduser().exists() and not is_hub_id(part):
             raise UserError(f"data not found: {part} (plan reads no data, but finetune would stop here)")
+    check_local_sizes(parts, max_bytes)
 
 
 def _warn_if_over_host(engine_plan):

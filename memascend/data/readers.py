@@ -234,7 +234,7 @@ def _local_files(path: Path) -> list[Path]:
     return _text_files(path) if path.is_dir() else [path]
 
 
-def _check_local_sizes(parts: list[str], max_bytes: int) -> None:
+def check_local_sizes(parts: list[str], max_bytes: int) -> None:
     """Every local file of ``--data`` is a regular file and together they hold at most ``max_bytes``,
     checked from their sizes before any is read (a sparse file of terabytes is refused at once).
 
@@ -253,7 +253,7 @@ def _check_local_sizes(parts: list[str], max_bytes: int) -> None:
 def _read_paths(source: str, data_format: str, columns: Mapping[str, str],
                 max_bytes: int = DEFAULT_MAX_DATA_BYTES) -> Iterator[Document]:
     parts = [s.strip() for s in source.split(",") if s.strip()]
-    _check_local_sizes(parts, max_bytes)
+    check_local_sizes(parts, max_bytes)
     budget = DataBudget(max_bytes)
     for part in parts:
         path = Path(part).expanduser()

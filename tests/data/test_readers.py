@@ -180,3 +180,23 @@ def test_text_and_jsonl_are_read_in_bounded_pieces(tmp_path):
     bad.write_bytes(b"a" * ((4 << 20) + 3) + b"\xe9 x")
     with pytest.raises(UserError, match=rf"bad.txt: not UTF-8 text \(invalid continuation byte at byte {(4 << 20) + 3}\)"):
         read_text_file(bad)
+
+
+def test_plan_refuses_the_data_finetune_would_refuse(tmp_path):
+    """plan reads no data, but refuses a device, a FIFO or data past --max-data-bytes from their sizes."""
+    import os
+
+    from click.testing import CliRunner
+
+    from memascend.cli.main import cli
+
+    (tmp_path / "zero.txt").symlink_to("/dev/zero")
+    os.mkfifo(tmp_path / "pipe.jsonl")
+    (tmp_path / "big.txt").write_text("x" * 2000)
+    for data, extra, message in (("zero.txt", [], "(-> /dev/zero) is a character device"),
+                                 ("pipe.jsonl", [], "is a FIFO (named pipe)"),
+                                 ("big.txt", ["--max-data-bytes", "1KiB"], "--data holds more than --max-data-bytes 1.00 KiB")):
+        res = CliRunner().invoke(cli, ["plan", "--from-scratch", "llama-tiny", "--data", str(tmp_path / data), *extra])
+        assert res.exit_code == 2 and message in res.output, res.output
+    res = CliRunner().invoke(cli, ["plan", "--from-scratch", "llama-tiny", "--data", str(tmp_path / "big.txt")])
+    assert res.exit_code == 0, res.output
