@@ -76,6 +76,13 @@ def finetune(**kw) -> None:
     if cfg.memascend.host_memory_budget is not None and cfg.engine == "memascend":
         cfg = _with_budget_choice(cfg, nproc, first)
     output_given = kw["output_dir"] is not None or cfg.output_dir != RunConfig.output_dir
+    if first:
+        from memascend.train.checkpoints import nothing_left
+
+        done = nothing_left(cfg.train, cfg.output_dir, output_given=output_given)
+        if done is not None:  # before the output folder is touched: nothing is rewritten
+            _say(done)
+            sys.exit(0)
     out_lock = None
     if first or ENV_OUTPUT_DIR in os.environ:
         # the first process locks the folder for the run's life (released when its children end)

@@ -230,7 +230,10 @@ CHECKPOINT = OptionGroup("checkpoints", (
     flag("--resume", "resume_dir", section="train", field="resume", type=click.Path(file_okay=False), default=None,
          help="Load the latest checkpoint in this folder before training and continue from its step "
          "up to --steps (total optimizer steps); 'auto': the newest complete checkpoint in "
-         "OUTPUT/checkpoints (none: start from step 0). Shapes, dtype, ranks and checksums are checked first"),
+         "OUTPUT/checkpoints (none: start from step 0). Shapes, dtype, ranks and checksums are checked first. "
+         "--lr, --weight-decay, --lr-scheduler, --warmup-steps given for this run (flag, --config, "
+         "--deepspeed-config) apply from the first resumed step (a note names each change); those not given "
+         "continue the checkpoint's. A checkpoint already at --steps: nothing to do, exit 0, nothing written"),
     flag("--checkpoint-every", section="train", field="checkpoint_every", type=int, default=None,
          help="Save a checkpoint to OUTPUT/checkpoints/global_step<N> every N steps (atomic)"),
     flag("--checkpoint-every-minutes", section="train", field="checkpoint_every_minutes", type=float, default=None,

@@ -268,6 +268,29 @@ def resolve_resume(resume: str, output_dir: str | os.PathLike) -> Checkpoint | N
     raise UserError(f"--resume {resume}: no checkpoint there (no 'latest' file and not a global_step<N> folder)")
 
 
+def nothing_left(train_cfg: Any, output_dir: str | os.PathLike, *, output_given: bool) -> str | None:
+    """The line for a resume with no step left to run, or ``None``: ``--resume`` names a checkpoint
+    already at the run's last step (``--steps``). Such a run ends at once with exit code 0 and
+    leaves the output folder, the checkpoints and everything else as they are. Read before anything
+    is written; a checkpoint that cannot be resolved returns ``None`` (the run then reports it).
+
+    ``--resume auto`` is checked only with an explicit ``--output`` (otherwise the run gets a fresh
+    folder, which holds no checkpoint), and ``--epochs`` runs are not (their steps are counted from
+    the data).
+    """
+    resume = train_cfg.resume
+    if resume is None or train_cfg.epochs is not None or (resume == "auto" and not output_given):
+        return None
+    try:
+        ck = resolve_resume(resume, output_dir)
+    except (UserError, IntegrityError):
+        return None
+    if ck is None or ck.step != train_cfg.steps:
+        return None
+    return (f"--resume {resume}: {ck.path} is at step {ck.step}, the run's last (--steps {train_cfg.steps}): nothing "
+            "left to do; nothing was written (give a larger --steps to train on)")
+
+
 # ---- saving ------------------------------------------------------------------------------------
 
 

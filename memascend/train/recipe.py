@@ -34,7 +34,7 @@ from memascend.resolve import resolve
 from memascend.telemetry import MemorySampler, read_proc_io
 from memascend.telemetry.tensorboard import check_tensorboard
 from memascend.train import checkpoints as ckpt
-from memascend.train import ckpt_hosts, console, determinism, schedule
+from memascend.train import ckpt_hosts, console, determinism, resume_schedule, schedule
 from memascend.train import dist as dist_setup
 from memascend.train import report as report_mod
 from memascend.train.preflight import check_aio_for_swap_folder, check_memlock_for_run, check_stock_param_dram
@@ -229,9 +229,24 @@ class FinetuneRecipe:
             ckpt.check_compatible(self.resume_ck, param_shapes=self.layout, dtype=train.dtype,
                                   world_size=info.world_size)
             ckpt.verify_checkpoint(self.resume_ck, rank=info.rank, world_size=info.world_size)
+            if self.is_rank0:
+                print(f"memascend: --resume {train.resume}: resuming {self.resume_ck.path} (step {self.resume_ck.step})",
+                      file=sys.stderr, flush=True)
+            self._resumed_settings()
         elif self.is_rank0:
             print(f"memascend: --resume auto: no complete checkpoint in {ckpt.periodic_root(self.out_dir)}; "
                   "starting from step 0", file=sys.stderr)
+
+    def _resumed_settings(self) -> None:
+        """The optimizer settings the resumed run trains with: the checkpoint's, except those given
+        for this run (:func:`memascend.train.resume_schedule.resumed_train`; one note line names the
+        changes). The run's config holds them from here on (DeepSpeed JSON, report, next checkpoint)."""
+        cfg, ck = self.cfg, self.resume_ck
+        train, note = resume_schedule.resumed_train(cfg.train, cfg.train_given, ck.manifest.get("schedule"),
+                                                    user_ds_config=cfg.user_ds_config, where=str(ck.path))
+        self.cfg = dataclasses.replace(cfg, train=train)
+        if note and self.is_rank0:
+            print(f"memascend: note: {note}", file=sys.stderr, flush=True)
 
     def _resolve(self) -> None:
         """The run's DeepSpeed JSON, settings and estimates; the swap folder's path is filled in
@@ -331,11 +346,18 @@ class FinetuneRecipe:
             from memascend.integrations.deepspeed.store_checkpoint import prepare_folder_resume
 
             prepare_folder_resume(self.engine, ck.load_dir, ck.tag)
-        load_path, self.client_state = self.engine.load_checkpoint(str(ck.load_dir), tag=ck.tag)
+        # memascend's schedule is set from the run's settings below, not from the saved scheduler
+        # state (which a constant-rate checkpoint does not have, and which holds the old rate)
+        owns_schedule = resume_schedule.owns_schedule(self.cfg.user_ds_config)
+        load_path, self.client_state = self.engine.load_checkpoint(str(ck.load_dir), tag=ck.tag,
+                                                                   load_lr_scheduler_states=not owns_schedule)
         resume_dir = self.cfg.train.resume
         if load_path is None:
             raise UserError(f"--resume {resume_dir}: DeepSpeed found no checkpoint to load")
         self.start_step = int(self.engine.global_steps)
+        if owns_schedule:
+            resume_schedule.apply_at_step(self.engine, self.cfg.train,
+                                          self.start_step - int(getattr(self.engine, "skipped_steps", 0)))
         if self.start_step > self.steps:
             raise UserError(f"--resume {resume_dir} is at step {self.start_step}, beyond --steps {self.steps}")
 
@@ -471,7 +493,8 @@ class FinetuneRecipe:
 
     def _periodic_checkpointer(self) -> ckpt.PeriodicCheckpointer:
         self.ck_info = {"dtype": self.cfg.train.dtype, "world_size": self.info.world_size, "engine": self.cfg.engine,
-                        "backend": self.nvme_backend, "param_shapes": self.layout}
+                        "backend": self.nvme_backend, "param_shapes": self.layout,
+                        "schedule": resume_schedule.schedule_record(self.cfg.train, self.cfg.user_ds_config)}
         train = self.cfg.train
         return ckpt.PeriodicCheckpointer(ckpt.periodic_root(self.out_dir), every_steps=train.checkpoint_every,
                                          every_minutes=train.checkpoint_every_minutes, keep=train.keep_checkpoints,
