@@ -584,10 +584,14 @@ def _parse_config_text(path: Path, text: str) -> Any:
             raise UserError(f"config file {path} is not valid YAML: {' '.join(str(exc).split())}") from None
         except _AliasExpansionError as exc:
             raise UserError(f"config file {path} is refused: {exc}") from None
+        except RecursionError:
+            raise UserError(f"config file {path} is refused: its values are nested too deeply") from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"config file {path} is not valid TOML: {exc}") from None
+    except RecursionError:
+        raise UserError(f"config file {path} is refused: its values are nested too deeply") from None
 
 
 def load_config_file(path: str | os.PathLike) -> dict[str, Any]:

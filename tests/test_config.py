@@ -96,7 +96,8 @@ def test_yaml_alias_bomb_is_refused_while_loading(tmp_path, key):
 
 
 @pytest.mark.parametrize("name, text", [("deep.yaml", "train: " + "[" * 20000 + "]" * 20000 + "\n"),
-                                        ("deep.toml", "[train]\nx = " + "[" * 20000 + "]" * 20000 + "\n")])
+                                        ("deep.toml", "[train]\nx = " + "[" * 20000 + "]" * 20000 + "\n")],
+                         ids=["yaml", "toml"])
 def test_a_config_nested_too_deeply_is_refused(tmp_path, name, text):
     from memascend.config import load_config_file
 
