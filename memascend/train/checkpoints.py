@@ -187,6 +187,33 @@ def check_checkpoint_space(train_cfg: Any, output_dir: str | os.PathLike, total_
         check_checkpoint_target(path, need, what)
 
 
+def check_tag_folders(train_cfg: Any, output_dir: str | os.PathLike, start_step: int, total_steps: int) -> None:
+    """Refuse, before the first step, a ``global_step<N>`` folder that is not a memascend checkpoint
+    (no manifest: another tool's, or a copy) where this run would save its step-``N`` checkpoint:
+    ``--save-checkpoint`` (step ``total_steps``) and, with periodic checkpoints,
+    :func:`periodic_root` (any step after ``start_step``). :func:`save_checkpoint` refuses to replace
+    such a folder; found only then, after training, the run would end without its checkpoint.
+
+    Raises:
+        UserError: naming the folder and what to do; nothing is created or removed.
+    """
+    wants: list[tuple[Path, range, str]] = []
+    if train_cfg.save_checkpoint is not None:
+        wants.append((Path(train_cfg.save_checkpoint), range(total_steps, total_steps + 1), "--save-checkpoint"))
+    if train_cfg.checkpoint_every is not None or train_cfg.checkpoint_every_minutes is not None:
+        wants.append((periodic_root(output_dir), range(start_step + 1, total_steps + 1), "periodic checkpoints"))
+    for root, steps, what in wants:
+        if not root.is_dir():
+            continue
+        for child in sorted(root.iterdir()):
+            m = _TAG_RE.match(child.name)
+            if m and int(m.group(1)) in steps and not (child / MANIFEST_NAME).is_file():
+                raise UserError(
+                    f"{what}: {child} exists and is not a memascend checkpoint (no {MANIFEST_NAME}); this run would "
+                    f"save its step-{m.group(1)} checkpoint there: move that folder away or choose another folder"
+                )
+
+
 def verify_checkpoint(ck: Checkpoint, *, rank: int = 0, world_size: int = 1) -> None:
     """:func:`verify_files` with the files shared among the ranks (each hashes its share; every
     rank then raises the first failure any rank found, naming the newest older complete checkpoint

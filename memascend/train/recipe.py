@@ -165,6 +165,7 @@ class FinetuneRecipe:
         ckpt.check_checkpoint_space(self.cfg.train, self.out_dir, self.shape.total_numel)
         self._resolve()
         self.steps = self._total_steps()
+        ckpt.check_tag_folders(self.cfg.train, self.out_dir, self.resume_ck.step if self.resume_ck else 0, self.steps)
         self._open_swap_target()
         if self.cfg.engine == "baseline":
             check_stock_param_dram(self.resolved.ds_config, self.shape.param_numels, self.info.world_size)
@@ -610,11 +611,12 @@ class FinetuneRecipe:
         self.ledger.run(failed=failed)
 
     def fail(self, exc: BaseException) -> None:
-        """Record ``exc`` in the partial report (bad input, a :class:`UserError`, leaves nothing
-        behind; a crash or an interrupt leaves its record) and clean up. Raises nothing: the run's
-        own error (e.g. a checksum mismatch naming tensor and offset) is what the user must see."""
+        """Record ``exc`` in the partial report (bad input found before the first step, a
+        :class:`UserError`, leaves nothing behind; a crash, an interrupt, or any error once a step
+        ran leaves its record: what the run produced is never deleted) and clean up. Raises nothing:
+        the run's own error (e.g. a checksum mismatch naming tensor and offset) is what the user must see."""
         if self.run_log is not None:
             with contextlib.suppress(Exception):
-                self.run_log.fail(exc, discard=isinstance(exc, UserError))
+                self.run_log.fail(exc, discard=isinstance(exc, UserError) and not self.records)
         with contextlib.suppress(Exception):
             self.cleanup(failed=True)
