@@ -264,16 +264,30 @@ def periodic_root(output_dir: str | os.PathLike) -> Path:
     return Path(output_dir) / CHECKPOINTS_SUBDIR
 
 
+def _latest_tag(base: Path, resume: str) -> str | None:
+    """The tag ``base/latest`` names (``None`` without the file)."""
+    latest = base / "latest"
+    if not latest.is_file():
+        return None
+    try:
+        return latest.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"--resume {resume}: cannot read {latest}: {exc}") from None
+
+
 def resolve_resume(resume: str, output_dir: str | os.PathLike) -> Checkpoint | None:
     """The checkpoint ``--resume`` names.
 
     ``auto``: the newest complete checkpoint in :func:`periodic_root` (``None`` when there is none:
-    the run starts from step 0). A folder holding ``latest``: the tag it names, which must be
-    complete. A tag folder with a manifest: that one.
+    the run starts from step 0). A tag folder with a manifest: that one. Another folder: the newest
+    complete checkpoint in it (:func:`complete_checkpoints`), which is the tag ``latest`` names
+    unless a save was cut off between renaming its tag folder into place and writing ``latest``
+    (``latest`` then names an older tag, or is missing); without a complete one, the tag ``latest``
+    names, which must be complete (:func:`pick_reason` says why a pick differs from ``latest``).
 
     Raises:
         UserError: nothing to resume in an explicit folder, or ``latest`` names an incomplete
-            checkpoint. IntegrityError: its manifest is damaged.
+            checkpoint and no other is complete. IntegrityError: its manifest is damaged.
     """
     if resume == "auto":
         found = complete_checkpoints(periodic_root(output_dir))
@@ -281,18 +295,38 @@ def resolve_resume(resume: str, output_dir: str | os.PathLike) -> Checkpoint | N
     base = Path(resume)
     if not base.is_dir():
         raise UserError(f"--resume {resume}: no such folder")
-    latest = base / "latest"
-    if latest.is_file():
-        try:
-            tag = latest.read_text().strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UserError(f"--resume {resume}: cannot read {latest}: {exc}") from None
-        if not tag or "/" in tag or not (base / tag).is_dir():
-            raise UserError(f"--resume {resume}: {latest} names '{tag}', which is not a folder there")
-        return Checkpoint(base, tag, read_manifest(base / tag))
-    if (base / MANIFEST_NAME).is_file() or _TAG_RE.match(base.name):
+    if (base / MANIFEST_NAME).is_file():
         return Checkpoint(base.parent, base.name, read_manifest(base))
-    raise UserError(f"--resume {resume}: no checkpoint there (no 'latest' file and not a global_step<N> folder)")
+    tag = _latest_tag(base, resume)
+    found = complete_checkpoints(base)
+    if found and (tag is None or found[-1].tag != tag):
+        named = [c for c in found if c.tag == tag]
+        if not named or named[0].step < found[-1].step:
+            return found[-1]
+    if tag is not None:
+        if not tag or "/" in tag or not (base / tag).is_dir():
+            raise UserError(f"--resume {resume}: {base / 'latest'} names '{tag}', which is not a folder there")
+        return Checkpoint(base, tag, read_manifest(base / tag))
+    if _TAG_RE.match(base.name):
+        return Checkpoint(base.parent, base.name, read_manifest(base))
+    raise UserError(f"--resume {resume}: no checkpoint there (no 'latest' file, no complete global_step<N> folder, "
+                    "and not a global_step<N> folder itself)")
+
+
+def pick_reason(resume: str, ck: Checkpoint) -> str | None:
+    """Why :func:`resolve_resume` picked ``ck`` rather than the tag ``latest`` names (``None``: it
+    is that one, or ``resume`` is ``auto`` or a tag folder)."""
+    if resume == "auto" or ck.load_dir != Path(resume):
+        return None
+    try:
+        tag = _latest_tag(ck.load_dir, resume)
+    except UserError:
+        tag = "?"
+    if tag == ck.tag:
+        return None
+    said = "there is no 'latest' file" if tag is None else f"'latest' names {tag}"
+    return (f"the newest complete checkpoint there; {said} (a save cut off before it wrote 'latest', or "
+            "'latest' was removed)")
 
 
 def nothing_left(train_cfg: Any, output_dir: str | os.PathLike, *, output_given: bool) -> str | None:
@@ -322,8 +356,9 @@ def nothing_left(train_cfg: Any, output_dir: str | os.PathLike, *, output_given:
 
 
 def remove_stale_partials(root: str | os.PathLike) -> list[Path]:
-    """Remove staging folders (``.partial-<tag>-<YYYYmmdd-HHMMSS>-<pid>``) under ``root`` whose
-    process is gone: what a save killed mid-way left. Returns the folders removed."""
+    """Remove staging folders (``.partial-<tag>-<YYYYmmdd-HHMMSS>-<pid>``) and temporary ``latest``
+    files (``.latest.tmp-<pid>``, :func:`~memascend.io.durable.write_text_durable`'s) under ``root``
+    whose process is gone: what a save killed mid-way left. Returns what was removed."""
     base = Path(root)
     removed = []
     if not base.is_dir():
@@ -332,6 +367,10 @@ def remove_stale_partials(root: str | os.PathLike) -> list[Path]:
         m = re.match(rf"^{re.escape(PARTIAL_PREFIX)}global_step\d+-(?:old-)?\d{{8}}-\d{{6}}-(\d+)$", child.name)
         if m and child.is_dir() and not pid_alive(int(m.group(1))):
             shutil.rmtree(child, ignore_errors=True)
+            removed.append(child)
+        m = re.match(r"^\.latest\.tmp-(\d+)$", child.name)
+        if m and child.is_file() and not child.is_symlink() and not pid_alive(int(m.group(1))):
+            child.unlink(missing_ok=True)
             removed.append(child)
     return removed
 

@@ -231,8 +231,9 @@ class FinetuneRecipe:
                                   world_size=info.world_size)
             ckpt.verify_checkpoint(self.resume_ck, rank=info.rank, world_size=info.world_size)
             if self.is_rank0:
-                print(f"memascend: --resume {train.resume}: resuming {self.resume_ck.path} (step {self.resume_ck.step})",
-                      file=sys.stderr, flush=True)
+                reason = ckpt.pick_reason(train.resume, self.resume_ck)
+                print(f"memascend: --resume {train.resume}: resuming {self.resume_ck.path} (step {self.resume_ck.step}"
+                      f"{f'; {reason}' if reason else ''})", file=sys.stderr, flush=True)
             self._resumed_settings()
         elif self.is_rank0:
             print(f"memascend: --resume auto: no complete checkpoint in {ckpt.periodic_root(self.out_dir)}; "

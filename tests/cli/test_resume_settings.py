@@ -107,3 +107,20 @@ def test_resume_with_nothing_left_says_so_and_writes_nothing(first, tmp_path):
     proc = _run(first["tmp"], other, "--steps", "2", "--resume", str(first["ck"]))
     assert "nothing left to do" in proc.stderr and not other.exists()
     assert _tree(first["out"]) == before
+
+
+def test_a_save_cut_off_before_latest_resumes_the_newest_complete_checkpoint(first, tmp_path):
+    """A kill between the tag folder's rename and the 'latest' write leaves a complete
+    global_step2 and no 'latest': --resume DIR resumes it (it said "no checkpoint there")."""
+    import shutil
+
+    ck = tmp_path / "ck"
+    shutil.copytree(first["ck"], ck)
+    (ck / "latest").unlink()
+    out = tmp_path / "cut"
+    proc = _run(first["tmp"], out, "--steps", "3", "--resume", str(ck))
+    picked = [ln for ln in proc.stderr.splitlines() if ln.startswith(f"memascend: --resume {ck}: resuming")]
+    assert picked == [f"memascend: --resume {ck}: resuming {ck / 'global_step2'} (step 2; the newest complete "
+                      "checkpoint there; there is no 'latest' file (a save cut off before it wrote 'latest', or "
+                      "'latest' was removed))"], proc.stderr[-3000:]
+    assert sorted(_step_lrs(out)) == [3]

@@ -326,3 +326,23 @@ def test_raw_store_save_names_latest_only_after_the_export(tmp_path):
     assert (tmp_path / "ck" / "latest").read_text() == "global_step3"
     save(Engine(), str(tmp_path / "ck2"), "tagX", save_latest=False)
     assert not (tmp_path / "ck2" / "latest").exists()
+
+
+def test_latest_behind_a_newer_complete_checkpoint_and_stale_latest_temporaries(tmp_path):
+    """A save cut off between renaming global_step4 into place and writing 'latest': 'latest' still
+    names global_step2 and a '.latest.tmp-<pid>' of the dead process is left; the newest complete
+    checkpoint is resumed, and the next save removes the dead process's temporary (a live one stays)."""
+    root = tmp_path / "ck"
+    _save(root, 2)
+    _save(root, 4)
+    (root / "latest").write_text("global_step2")
+    dead, live = root / ".latest.tmp-999999999", root / f".latest.tmp-{os.getppid()}"  # a live process
+    dead.write_text("global_step4")
+    live.write_text("global_step4")
+    found = ckpt.resolve_resume(str(root), tmp_path)
+    assert found.tag == "global_step4"
+    assert ckpt.pick_reason(str(root), found).startswith("the newest complete checkpoint there; 'latest' names "
+                                                         "global_step2")
+    _save(root, 6)
+    assert not dead.exists() and live.exists() and (root / "latest").read_text() == "global_step6"
+    assert ckpt.pick_reason(str(root), ckpt.resolve_resume(str(root), tmp_path)) is None
