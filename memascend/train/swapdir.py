@@ -6,6 +6,7 @@ which are turned into :class:`KeyboardInterrupt` so the same unwinding runs.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -71,24 +72,36 @@ def prepare_swap_dir(nvme_path: str, need_bytes: int, run_id: str) -> Path:
     """Create ``<nvme_path>/memascend-<run_id>`` after checking the folder is writable and large enough.
 
     Raises:
-        UserError: the path is not a folder, not writable, refuses O_DIRECT, or lacks ``need_bytes``
-            of free space.
+        UserError: the path is not a folder, not writable, lacks ``need_bytes`` of free space
+            (checked first: a full disk also fails the O_DIRECT probe, and is named as what it is),
+            or refuses O_DIRECT.
     """
     base = check_swap_base(nvme_path)
+
+    def no_space(free: int) -> UserError:
+        return UserError(
+            f"--nvme-path {nvme_path} has {format_bytes(free)} free; this run needs about "
+            f"{format_bytes(need_bytes)} for swapped parameters and optimizer state"
+        )
+
+    usage = shutil.disk_usage(base)
+    if usage.total and usage.free < need_bytes:  # total 0: a filesystem without a size (ramfs)
+        raise no_space(usage.free)
     # DeepSpeed's aio opens every swap file with O_DIRECT; where that is refused its swapper fails
     # deep inside zero.Init with a bare assertion. Probe one block now and say what to do instead.
-    refused = o_direct_works(base)
+    try:
+        refused = o_direct_works(base)
+    except OSError as exc:  # the probe file itself could not be created
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise no_space(shutil.disk_usage(base).free) from None
+        raise UserError(f"--nvme-path {nvme_path}: cannot create a file there ({exc.strerror})") from None
+    if refused is not None and any(os.strerror(code) in refused for code in (errno.ENOSPC, errno.EDQUOT)):
+        raise no_space(shutil.disk_usage(base).free)
     if refused is not None:
         raise UserError(
             f"--nvme-path {nvme_path} does not take O_DIRECT I/O: {refused}; use a folder on a local "
             "disk filesystem such as ext4 or xfs (in a container: a bind mount or volume, "
             "docker run -v HOST_DIR:/swap ... --nvme-path /swap) or a raw store (a block device or FILE.store)"
-        )
-    free = shutil.disk_usage(base).free
-    if free < need_bytes:
-        raise UserError(
-            f"--nvme-path {nvme_path} has {format_bytes(free)} free; this run needs about "
-            f"{format_bytes(need_bytes)} for swapped parameters and optimizer state"
         )
     run_dir = base / f"{RUN_DIR_PREFIX}{run_id}"
     run_dir.mkdir(exist_ok=True)
