@@ -60,13 +60,17 @@ class _Group(click.Group):
         sys.exit(rv if isinstance(rv, int) else 0)
 
     def invoke(self, ctx: click.Context):
+        # A rank of a supervised launch with several ranks: the launch prints each line once
+        # (memascend.train.run_state.say_error); elsewhere it is printed as it is.
+        from memascend.train.run_state import say_error
+
         try:
             return super().invoke(ctx)
         except MemascendError as exc:
-            click.echo(f"memascend: error: {exc}", err=True)
+            say_error(f"memascend: error: {exc}")
             sys.exit(exc.exit_code)
         except KeyboardInterrupt:
-            click.echo("memascend: interrupted", err=True)
+            say_error("memascend: interrupted")
             sys.exit(130)
 
 

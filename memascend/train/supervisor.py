@@ -31,11 +31,16 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-#: Environment variable naming the folder where ranks write their run-state files.
-STATE_DIR_ENV = "MEMASCEND_RUN_STATE_DIR"
+# STATE_DIR_ENV: the folder where ranks write their run-state files (also this module's name for it)
+from memascend.train.run_state import (
+    STATE_DIR_ENV,
+    make_state_dir,
+    orphaned_state_dirs,
+    other_ranks_lines,
+)
+
 #: Set in the child's environment: the job runs in this process, no further supervisor.
 SUPERVISED_ENV = "MEMASCEND_SUPERVISED"
 #: A swap folder's filesystem with less free space than this, after a hard death, counts as full.
@@ -82,7 +87,8 @@ def supervise(cmd: list[str]) -> int:
         The exit code for this process: the child's own, or after a death by signal the code of
         :func:`_report_hard_death`.
     """
-    state_dir = Path(tempfile.mkdtemp(prefix="memascend-run-state-"))
+    _reclaim_orphaned_states()
+    state_dir = make_state_dir()
     env = {**os.environ, STATE_DIR_ENV: str(state_dir), SUPERVISED_ENV: "1"}
     try:
         # In its own process group: a terminal's Ctrl-C reaches only this parent, which forwards it
@@ -94,6 +100,8 @@ def supervise(cmd: list[str]) -> int:
         finally:
             for sig, handler in old.items():
                 signal.signal(sig, handler)
+        for line in other_ranks_lines(state_dir):  # rank 0 printed its own; the others' once each
+            print(line, file=sys.stderr, flush=True)
         states = _read_states(state_dir)
         left = _clean_leftovers(states)
         if code < 0 or left:
@@ -101,6 +109,18 @@ def supervise(cmd: list[str]) -> int:
         return code
     finally:
         shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def _reclaim_orphaned_states() -> None:
+    """Clean what runs whose supervising parent was killed outright left (their swap folders, store
+    files, key folders) and remove their run-state folders (:func:`~memascend.train.run_state.orphaned_state_dirs`:
+    only when the parent and every rank it records are gone)."""
+    for folder in orphaned_state_dirs():
+        removed = _clean_leftovers(_read_states(folder))
+        shutil.rmtree(folder, ignore_errors=True)
+        if removed:
+            print(f"memascend: note: removed {', '.join(removed)}, left by an earlier run whose processes were killed",
+                  file=sys.stderr, flush=True)
 
 
 def _die_with_parent(parent_pid: int):
