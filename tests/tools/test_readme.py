@@ -1,5 +1,5 @@
 """The README's measured numbers equal what the committed baselines give
-(``python3 -m memascend.regress.readme --write`` renders them; no training here)."""
+(``python3 -m tools.readme --write`` renders them; no training here)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from memascend.regress import readme
-from memascend.regress.readme_blocks import Baselines, scaling_points
+from tools import readme
+from tools.readme_blocks import Baselines, scaling_points
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -20,7 +20,7 @@ def rendered():
 
 def test_every_readme_number_block_matches_the_baselines(rendered):
     problems = readme.differences((REPO / "README.md").read_text(), rendered)
-    assert not problems, "\n".join(problems) + "\nrun: python3 -m memascend.regress.readme --write"
+    assert not problems, "\n".join(problems) + "\nrun: python3 -m tools.readme --write"
 
 
 def test_a_hand_edited_number_is_caught_and_rewritten(rendered):

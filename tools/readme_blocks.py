@@ -1,4 +1,4 @@
-"""The renderers of the README's generated blocks (:mod:`memascend.regress.readme`): each reads one
+"""The renderers of the README's generated blocks (:mod:`tools.readme`): each reads one
 profile's committed baselines and returns markdown. Sizes are GiB (2^30 bytes), times seconds,
 ratios memascend / stock of the same run unless a block says otherwise."""
 

@@ -1,13 +1,13 @@
-"""The README's cap table and bytes-per-parameter fit (memascend/regress/readme_caps.py)."""
+"""The README's cap table and bytes-per-parameter fit (tools/readme_caps.py)."""
 
 from __future__ import annotations
 
 import pytest
-from bench_reports import LOSSES, make_report
 
 from memascend.regress.compare import ConfigResult, RunMetrics
 from memascend.regress.matrix import get_matrix
-from memascend.regress.readme_caps import FIT_MIN_NUMEL, bytes_per_param_fit
+from tests.regress.bench_reports import LOSSES, make_report
+from tools.readme_caps import FIT_MIN_NUMEL, bytes_per_param_fit
 
 GIB = 1 << 30
 

@@ -5,7 +5,7 @@ Every table and number sentence about a measurement in ``README.md`` sits betwee
 files under ``baselines/<profile>/`` (regress ``results.json`` and ``report.json`` files, golden
 files, capped-run outcomes, io-bench and store-e2e JSON) and from :func:`memascend.plan.plan_run`.
 
-``python3 -m memascend.regress.readme --write`` rewrites the blocks (and draws the profile's
+``python3 -m tools.readme --write`` rewrites the blocks (and draws the profile's
 ``cpu-full/scaling.png`` from every measured size); ``--check`` (the default) exits 1 and names each
 block that differs from what the baselines give (``tests/regress/test_readme.py`` runs it).
 """
@@ -17,10 +17,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from memascend.regress import readme_blocks as rb
-from memascend.regress import readme_caps as rc
+from tools import readme_blocks as rb
+from tools import readme_caps as rc
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 PROFILE = "cpu-2c-24g"
 BEGIN = "<!-- generated: {name} -->"
 END = "<!-- end generated -->"
@@ -78,7 +78,7 @@ def differences(text: str, rendered: dict[str, str]) -> list[str]:
     """One line per block that is missing from ``text``, unknown to :data:`BLOCKS`, or differs."""
     found = readme_blocks(text)
     out = [f"{n}: no <!-- generated: {n} --> block in the README" for n in rendered if n not in found]
-    out += [f"{n}: not a known block (memascend/regress/readme.py BLOCKS)" for n in found if n not in rendered]
+    out += [f"{n}: not a known block (tools/readme.py BLOCKS)" for n in found if n not in rendered]
     for name, content in found.items():
         if name in rendered and content != rendered[name]:
             old, new = content.splitlines(), rendered[name].splitlines()
@@ -90,10 +90,10 @@ def differences(text: str, rendered: dict[str, str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python3 -m memascend.regress.readme [--write | --check] [--readme PATH] [--baselines DIR]``."""
+    """``python3 -m tools.readme [--write | --check] [--readme PATH] [--baselines DIR]``."""
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python3 -m memascend.regress.readme", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python3 -m tools.readme", description=__doc__.split("\n\n")[0])
     ap.add_argument("--write", action="store_true", help="rewrite the README's generated blocks and scaling.png")
     ap.add_argument("--check", action="store_true", help="exit 1 when a block differs (the default)")
     ap.add_argument("--readme", type=Path, default=REPO / "README.md")
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in problems:
         print(p)
     if problems:
-        print("README numbers differ from baselines/: run python3 -m memascend.regress.readme --write")
+        print("README numbers differ from baselines/: run python3 -m tools.readme --write")
     return 1 if problems else 0
 
 
