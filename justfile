@@ -68,7 +68,7 @@ lint:
     cd ansible && ansible-lint --offline
     hadolint Dockerfile
 
-# Baseline-vs-memascend regression suite: MATRIX smoke, cpu-full, gpu, scaling (the largest-model search: needs --memory-cap 16GiB), ablation or chunking (memascend against memascend before issue 21); exits 1 on any regression (flags pass through, e.g. --only 'smollm2-*-r1' --update-golden)
+# Baseline-vs-memascend regression suite: MATRIX smoke, cpu-full, gpu, scaling (the largest-model search: needs --memory-cap 16GiB), ablation or chunking (memascend against its unchunked optimizer step); exits 1 on any regression (flags pass through, e.g. --only 'smollm2-*-r1' --update-golden)
 regress matrix="smoke" *ARGS:
     {{python}} -m memascend regress --matrix {{matrix}} --output runs/regress-{{matrix}} {{ARGS}}
 

@@ -36,7 +36,7 @@ Usage::
         --repeats 11 --crc both --json io.json        # root
 
 Measure a few GiB per measurement: on a fast device a few hundred MiB take a tenth of a second,
-and the repeat-by-repeat ratios then spread by tens of percent (README, io-bench section).
+and the repeat-by-repeat ratios then spread by tens of percent (docs/results.md, io-bench section).
 
 Source: MemAscend (arXiv 2505.23254), direct NVMe engine: "at least 0.95x fio and at least
 DeepSpeed's aio handle".
@@ -114,7 +114,7 @@ class Case:
         stock and memascend swappers never have two transfers of one buffer in flight), even when
         the region has fewer distinct blocks than the queue depth (16 MiB at depth 32 over 256 MiB).
         With 16 buffers shared by 32 requests the engine's 16 MiB depth-32 writes were at
-        0.90-0.94x of fio, with one buffer per request 0.98-1.04x (README, io-bench records)."""
+        0.90-0.94x of fio, with one buffer per request 0.98-1.04x (docs/results.md, io-bench records)."""
         return min(self.queue_depth, self.n_requests)
 
     def offsets(self) -> list[int]:
@@ -585,7 +585,7 @@ def _geomean(xs: list[float]) -> float:
 
 
 def summary(rows: list[Row]) -> str:
-    """Worst and geometric-mean ratios of the table (the issue's targets: >= 0.95 and >= 1)."""
+    """Worst and geometric-mean ratios of the table (the targets: >= 0.95 and >= 1)."""
     parts = []
     for _, name, num, den in RATIOS:
         xs = [x for x in (r.ratio(num, den) for r in rows) if x]

@@ -1,6 +1,6 @@
 """End-to-end fine-tune through the raw store against the folder of swap files, same device.
 
-Issue 4's end-to-end target: the SmolLM2-135M NVMe fine-tune (``cpu-full``'s
+The end-to-end target: the SmolLM2-135M NVMe fine-tune (``cpu-full``'s
 ``smollm2-shakespeare-bf16-256x4``: bf16, micro-batch 4 x 256, parameters and optimizer state
 offloaded) with ``--nvme-path`` on a raw partition (memascend's store: O_DIRECT extents with
 CRC32C, :mod:`memascend.integrations.deepspeed.raw_store`) must take at most the step time of the
@@ -57,7 +57,7 @@ class Comparison:
 
     @property
     def ok(self) -> bool:
-        """Issue 4's target: step time at most the folder's, identical losses."""
+        """The end-to-end target: step time at most the folder's, identical losses."""
         return self.losses_equal and self.step_time_ratio <= 1.0
 
     def to_dict(self) -> dict:

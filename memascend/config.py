@@ -147,7 +147,7 @@ FROM_SCRATCH_PRESETS: dict[str, FromScratchConfig] = {
     "llama-70b": FromScratchConfig(hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
                                    intermediate_size=28672, vocab_size=32000, max_position_embeddings=4096,
                                    tie_word_embeddings=False),
-    # The other families of the regression suite (issue 21): memascend.families.PRESETS.
+    # The other families of the regression suite: memascend.families.PRESETS.
     **{name: FromScratchConfig(**sizes) for name, sizes in families.PRESETS.items()},
 }
 

@@ -63,7 +63,7 @@ FAMILIES: dict[str, Family] = {
 """``--from-scratch`` ``arch`` values and their layouts (``llama`` is the default)."""
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # The issue's untied Mistral shape (~67 M): GQA 8:2, MLP 3.5x as Mistral-7B, own lm_head.
+    # An untied Mistral shape (~67 M): GQA 8:2, MLP 3.5x as Mistral-7B, own lm_head.
     "mistral-0.07b": dict(arch="mistral", hidden_size=512, num_layers=5, num_heads=8, num_kv_heads=2,
                           intermediate_size=1792, tie_word_embeddings=False),
     # Qwen2 ties its embeddings at this size (Qwen2-0.5B): q/k/v biases, GQA 5:1.

@@ -77,7 +77,7 @@ class MemAscendSettings:
             :data:`memascend.integrations.deepspeed.sizing.PARAM_DRAM_AUTO_MAX_BYTES` (bytes; 2 per
             element in bf16/fp16, 4 in fp32), else the config's: the copy is the largest host
             consumer of a large model, while on a small one the pool slots replacing it cost about
-            as much as the copy. The measured trade-off is in the README ("The ~1B Llama").
+            as much as the copy. The measured trade-off is in docs/results.md ("The ~1B Llama").
         param_pool_bytes: bytes of locked parameter partitions the adaptive pool may hold for the
             prefetcher and for gathered parameters kept for their reuse (``enable_param_pool``).
             An integer: the prefetcher swaps in only the partitions that fit under it (a module's

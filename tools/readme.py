@@ -1,13 +1,16 @@
-"""The README's measured numbers, rendered from the committed baselines (never typed by hand).
+"""The measured numbers of the README and docs/, rendered from the committed baselines (never typed by hand).
 
-Every table and number sentence about a measurement in ``README.md`` sits between
+Every table and number sentence about a measurement in ``README.md`` and ``docs/*.md`` sits between
 ``<!-- generated: NAME -->`` and ``<!-- end generated -->``; :data:`BLOCKS` renders each NAME from
 files under ``baselines/<profile>/`` (regress ``results.json`` and ``report.json`` files, golden
 files, capped-run outcomes, io-bench and store-e2e JSON) and from :func:`memascend.plan.plan_run`.
+Each block lives in whichever of those files holds its text (most in ``docs/results.md``); a block
+may appear in more than one (the README repeats the cap table), and every copy is rewritten.
 
 ``python3 -m tools.readme --write`` rewrites the blocks (and draws the profile's
-``cpu-full/scaling.png`` from every measured size); ``--check`` (the default) exits 1 and names each
-block that differs from what the baselines give (``tests/regress/test_readme.py`` runs it).
+``cpu-full/scaling.png`` and ``caps/scaling.png`` from every measured size); ``--check`` (the
+default) exits 1 and names each block that differs from what the baselines give
+(``tests/tools/test_readme.py`` runs it).
 """
 
 from __future__ import annotations
@@ -63,9 +66,14 @@ def render_all(baselines: rb.Baselines) -> dict[str, str]:
     return {name: fn(baselines).rstrip("\n") + "\n" for name, fn in BLOCKS.items()}
 
 
-def readme_blocks(text: str) -> dict[str, str]:
-    """The generated blocks of a README text: name -> content between its markers."""
-    return {m.group(1): m.group(2) for m in _BLOCK_RE.finditer(text)}
+def doc_files(repo: Path = REPO) -> list[Path]:
+    """The files that may hold generated blocks: ``README.md`` and ``docs/*.md``."""
+    return [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]
+
+
+def readme_blocks(text: str) -> list[tuple[str, str]]:
+    """The generated blocks of one markdown text, in order: (name, content between its markers)."""
+    return [(m.group(1), m.group(2)) for m in _BLOCK_RE.finditer(text)]
 
 
 def rewrite(text: str, rendered: dict[str, str]) -> str:
@@ -74,44 +82,53 @@ def rewrite(text: str, rendered: dict[str, str]) -> str:
                          text)
 
 
-def differences(text: str, rendered: dict[str, str]) -> list[str]:
-    """One line per block that is missing from ``text``, unknown to :data:`BLOCKS`, or differs."""
-    found = readme_blocks(text)
-    out = [f"{n}: no <!-- generated: {n} --> block in the README" for n in rendered if n not in found]
-    out += [f"{n}: not a known block (tools/readme.py BLOCKS)" for n in found if n not in rendered]
-    for name, content in found.items():
+def differences(texts: dict[str, str] | str, rendered: dict[str, str]) -> list[str]:
+    """One line per block that is in none of ``texts`` (file name -> markdown; a bare string is one
+    file called README), unknown to :data:`BLOCKS`, or differs from ``rendered`` (every copy checked)."""
+    if isinstance(texts, str):
+        texts = {"README": texts}
+    found = {name: (file, content) for file, text in texts.items() for name, content in readme_blocks(text)}
+    copies = [(file, name, content) for file, text in texts.items() for name, content in readme_blocks(text)]
+    out = [f"{n}: no <!-- generated: {n} --> block in {', '.join(texts)}" for n in rendered if n not in found]
+    out += [f"{n}: not a known block in {f} (tools/readme.py BLOCKS)" for f, n, _ in copies if n not in rendered]
+    for file, name, content in copies:
         if name in rendered and content != rendered[name]:
             old, new = content.splitlines(), rendered[name].splitlines()
             first = next((i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b), min(len(old), len(new)))
-            out.append(f"{name}: README line {first + 1} of the block differs from the baselines:\n"
-                       f"  README:    {old[first] if first < len(old) else '(missing)'}\n"
+            out.append(f"{name}: {file} line {first + 1} of the block differs from the baselines:\n"
+                       f"  {file}: {old[first] if first < len(old) else '(missing)'}\n"
                        f"  baselines: {new[first] if first < len(new) else '(missing)'}")
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python3 -m tools.readme [--write | --check] [--readme PATH] [--baselines DIR]``."""
+    """``python3 -m tools.readme [--write | --check] [--baselines DIR] [FILE ...]``."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="python3 -m tools.readme", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--write", action="store_true", help="rewrite the README's generated blocks and scaling.png")
+    ap.add_argument("--write", action="store_true", help="rewrite the generated blocks and the scaling plots")
     ap.add_argument("--check", action="store_true", help="exit 1 when a block differs (the default)")
-    ap.add_argument("--readme", type=Path, default=REPO / "README.md")
     ap.add_argument("--baselines", type=Path, default=REPO / "baselines" / PROFILE)
+    ap.add_argument("files", type=Path, nargs="*", help="markdown files (default: README.md and docs/*.md)")
     args = ap.parse_args(argv)
+    files = args.files or doc_files()
     baselines = rb.Baselines(args.baselines)
     rendered = render_all(baselines)
-    text = args.readme.read_text()
+    texts = {str(f.relative_to(REPO) if f.is_absolute() and REPO in f.parents else f): f.read_text() for f in files}
     if args.write:
-        args.readme.write_text(rewrite(text, rendered))
+        for f, (name, text) in zip(files, texts.items(), strict=True):
+            new = rewrite(text, rendered)
+            if new != text:
+                f.write_text(new)
+                print(f"{name}: generated blocks rewritten")
         pngs = [rb.write_scaling_png(baselines), rc.write_caps_png(baselines)]
-        print(f"{args.readme}: {len(rendered)} generated blocks written; " + ", ".join(str(p) for p in pngs if p))
+        print(f"{len(rendered)} blocks rendered; " + ", ".join(str(p) for p in pngs if p))
         return 0
-    problems = differences(text, rendered)
+    problems = differences(texts, rendered)
     for p in problems:
         print(p)
     if problems:
-        print("README numbers differ from baselines/: run python3 -m tools.readme --write")
+        print("numbers differ from baselines/: run python3 -m tools.readme --write")
     return 1 if problems else 0
 
 

@@ -1,4 +1,4 @@
-"""The renderers of the README's generated blocks (:mod:`tools.readme`): each reads one
+"""The renderers of the generated blocks of the README and docs/ (:mod:`tools.readme`): each reads one
 profile's committed baselines and returns markdown. Sizes are GiB (2^30 bytes), times seconds,
 ratios memascend / stock of the same run unless a block says otherwise."""
 
@@ -242,7 +242,7 @@ def llama_1b_notes(b: Baselines) -> str:
     rss = r.check("peak_rss_ratio")
     return "\n".join([
         f"- Losses {_losses_word([r])}: {', '.join(f'{x:.4f}' for x in r.memascend.losses)}.",
-        f"- Peak RSS {rss.measured:.3f} of stock's (limit {rss.limit:.2f}, issue 3's ~1B target) at "
+        f"- Peak RSS {rss.measured:.3f} of stock's (limit {rss.limit:.2f}, the ~1B target) at "
         f"{_ratio(r, 'step_time_ratio'):.3f}x stock's step time.",
         f"- Per phase (median s per step, stock / memascend): {_phases(r)}; page faults per step "
         f"{_kfaults(r.baseline.median_minor_faults)} / {_kfaults(r.memascend.median_minor_faults)}.",
@@ -314,7 +314,7 @@ def scaling_notes(b: Baselines) -> str:
             f"- `single/reports/{key}` ({format_params(numel)}): {gib(mem['peak_rss_bytes'])} GiB RSS, "
             f"{gib(mem['peak_locked_bytes'])} GiB locked, {rep['median_step_s']:.1f} s/step"
             + (f" (plan: {gib(plan['rss'][0])} / {gib(plan['locked'][0])} GiB)" if plan else "")
-            + ("; an older memascend that kept a DRAM copy of the parameters" if copy else "") + ".")
+            + ("; recorded with a DRAM copy of the parameters" if copy else "") + ".")
     return "\n".join(lines)
 
 

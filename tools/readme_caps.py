@@ -1,11 +1,11 @@
-"""README blocks of issue 21's numbers: the largest model per engine under 4, 8 and 16 GiB caps, and
+"""Generated blocks of the cap search: the largest model per engine under 4, 8 and 16 GiB caps, and
 the fitted host bytes per parameter over from-scratch Llama 0.1B-3B.
 
 Data: ``baselines/<profile>/caps/<cap>/results.json`` of ``memascend regress --matrix scaling
 --memory-cap <cap>`` (the 8 and 16 GiB folders resumed from the 4 GiB one, so outcomes that carry
 over between caps are reused: :meth:`memascend.host.memcap.CappedResult.under_cap`), with each run's
 ``report.json`` under ``caps/reports/``; ``chunking/results.json`` of ``memascend regress --matrix
-chunking`` (step time against memascend before issue 21).
+chunking`` (step time against the unchunked optimizer step).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tools.readme_blocks import GIB, Baselines, _losses_word, _md, _ratio, gib
 CAPS = ("4g", "8g", "16g")
 """Cap folders under ``caps/``, ascending."""
 FIT_MIN_NUMEL = 100_000_000
-"""Fit over models of at least 0.1 B parameters (issue 21: "from-scratch Llama 0.1B to 3B"): below,
+"""Fit over models of at least 0.1 B parameters (the cap search's from-scratch Llama 0.1B to 3B): below,
 the framework's fixed memory is the whole peak and says nothing about the slope."""
 ENGINES = {"baseline": "stock", "memascend": "memascend"}
 
@@ -96,7 +96,7 @@ def caps_notes(b: Baselines) -> str:
                      f"(peak RSS GiB by size: {sizes}).")
     if "memascend" in fit:
         target = "meets" if fit["memascend"][0] <= 0.5 else "misses"
-        lines.append(f"- memascend's slope {target} issue 21's target of at most 0.5 bytes/param"
+        lines.append(f"- memascend's slope {target} the target of at most 0.5 bytes/param"
                      + (f"; stock's is {fit['baseline'][0] / fit['memascend'][0]:.0f}x steeper." if "baseline" in fit
                         else "."))
     return "\n".join(lines)
@@ -144,12 +144,13 @@ CHUNKING = "chunking/results.json"
 
 
 def chunking_table(b: Baselines) -> str:
-    """Matrix ``chunking``: memascend's defaults against memascend before issue 21, same run."""
+    """Matrix ``chunking``: memascend's defaults against the unchunked step (chunked step and gradient
+    streaming off), same run."""
     return markdown_table(b.results(CHUNKING))
 
 
 def chunking_notes(b: Baselines) -> str:
-    """Issue 21's step-time target (<= 1.15x memascend before it) per row, from the same run."""
+    """The chunked step's step-time target (<= 1.15x the unchunked step's) per row, from the same run."""
     rs = b.results(CHUNKING)
     doc = b.json(CHUNKING)
     rows = "; ".join(f"{r.config.name.removesuffix('-vs-pre-chunking')} {_ratio(r, 'step_time_ratio'):.3f}x "
@@ -157,7 +158,7 @@ def chunking_notes(b: Baselines) -> str:
                      f"{_ratio(r, 'peak_rss_ratio'):.2f}x, locked {r.memascend.peak_locked_bytes / GIB:.2f} vs "
                      f"{r.baseline.peak_locked_bytes / GIB:.2f} GiB" for r in rs)
     within = sum(r.check("step_time_ratio").ok for r in rs)
-    return (f"Step time of memascend's defaults over memascend before issue 21 (medians of {doc['repeats']} "
+    return (f"Step time of memascend's defaults over the unchunked step (chunked step and gradient streaming off; medians of {doc['repeats']} "
             f"alternating pair(s) in one run): {rows}. {within} of {len(rs)} rows within "
             f"{CHUNKING_THRESHOLDS.max_step_time_ratio}x; losses "
             f"{_losses_word(rs)}.")

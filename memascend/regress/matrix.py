@@ -2,10 +2,9 @@
 
 A matrix is data: frozen dataclasses listing configurations (model x data x dtype x sequence length
 x micro-batch x ranks x offload targets) and, per configuration, the limits the memascend run must
-meet against the stock-DeepSpeed baseline measured in the same run. The thresholds come from the
-memory-core issue (issue 3): for SmolLM2-135M peak RSS <= 40 % of the baseline's, locked memory
-<= 25 %, step time <= 1.05x; for a ~1B Llama peak RSS <= 45 %; losses bit-for-bit equal in bf16 and
-fp32.
+meet against the stock-DeepSpeed baseline measured in the same run. The thresholds are the memory
+core's targets: for SmolLM2-135M peak RSS <= 40 % of the baseline's, locked memory <= 25 %, step
+time <= 1.05x; for a ~1B Llama peak RSS <= 45 %; losses bit-for-bit equal in bf16 and fp32.
 
 Step time on a shared 2-core machine is noisy (other processes, page cache): the step-time check
 compares medians of the steady steps (the first step pays swap-file creation) and allows
@@ -53,20 +52,20 @@ class Thresholds:
 
 
 SMOLLM2_THRESHOLDS = Thresholds()
-"""Issue 3, SmolLM2-135M: RSS <= 40 %, locked <= 25 %, step time <= 1.05x (+ noise), bitwise losses."""
+"""The memory core's targets for SmolLM2-135M: RSS <= 40 %, locked <= 25 %, step time <= 1.05x (+ noise), bitwise losses."""
 
 LLAMA_1B_THRESHOLDS = Thresholds(max_peak_rss_ratio=0.45, max_peak_locked_ratio=0.25)
-"""Issue 3, ~1B from-scratch Llama: RSS <= 45 %, same loss per step."""
+"""The memory core's target for a ~1B from-scratch Llama: RSS <= 45 %, same loss per step."""
 
 LLAMA_1B_TUNED_THRESHOLDS = Thresholds(max_peak_rss_ratio=0.45, max_peak_locked_ratio=1.0)
-"""Issue 3's ~1B promise (RSS <= 45 %, same loss per step) against stock tuned to fit the host
+"""The ~1B target (RSS <= 45 %, same loss per step) against stock tuned to fit the host
 (``sub_group_size`` 1e8): stock's optimizer then locks 4 x 1e8 fp32 elements instead of 4 x 1e9, and
 memascend's sub-groups are about as large, so locked memory is only held to at most stock's."""
 
 SMOKE_THRESHOLDS = Thresholds(max_peak_rss_ratio=0.50, max_peak_locked_ratio=0.25, max_step_time_ratio=1.30,
                               step_time_noise=0.20)
-"""The smoke matrix is a regression gate, not issue 3's promise (which ``cpu-full``'s
-``smollm2-shakespeare-bf16-256x4``, the issue's exact configuration, checks with
+"""The smoke matrix is a regression gate, not the memory core's targets (which ``cpu-full``'s
+``smollm2-shakespeare-bf16-256x4``, the default job's exact configuration, checks with
 :data:`SMOLLM2_THRESHOLDS`). Its shapes are cut to 2 x 128 tokens so that eight runs fit in minutes,
 which leaves less activation memory to save, and two ranks each pay the framework's fixed RSS.
 Step time: memascend hands memory back between phases and touches it again, and on the 2-core
@@ -80,7 +79,7 @@ holds (no issue gives a number; these points are for the scaling fit, not the pr
 
 SCALING_SEARCH_THRESHOLDS = Thresholds(max_peak_rss_ratio=1.0, max_peak_locked_ratio=1.0, max_step_time_ratio=2.0,
                                        step_time_noise=0.25)
-"""The capped scaling search (matrix ``scaling``) asks which model fits, not issue 3's ratios (``cpu-full``
+"""The capped scaling search (matrix ``scaling``) asks which model fits, not the memory core's ratios (``cpu-full``
 checks those on the same configurations): where both engines fit it gates correctness (bit-for-bit
 losses, same parameter dtype) and gross regressions only: memascend must not need more host memory
 or locked memory than stock, nor take more than 2x its step time (+0.25 for a noisy host; medians of
@@ -121,7 +120,7 @@ class BenchConfig:
         reference_settings: ``None``: the pair's reference run (the ``baseline`` slot of every
             table and check) is stock DeepSpeed (``--engine baseline``). Else ``(name, value)`` pairs
             of ``MemAscendSettings``: the reference is ``--engine memascend`` with them, i.e.
-            memascend against an earlier memascend (matrix ``chunking``), same run, same checks.
+            memascend against memascend with other settings (matrix ``chunking``), same run, same checks.
 
     Each engine's ``--deepspeed-config`` (when it has anything in it) is written next to the runs as
     ``<engine>-deepspeed.json`` and shared by the repeats of the configuration.
@@ -314,7 +313,7 @@ def _cpu_full() -> Matrix:
         BenchConfig(name="smollm2-shakespeare-bf16-256x4", thresholds=SMOLLM2_THRESHOLDS),
         BenchConfig(name="smollm2-shakespeare-fp32-256x4", dtype="fp32", thresholds=SMOLLM2_THRESHOLDS),
         BenchConfig(name="smollm2-chitchat-bf16-256x4-r2", data="chitchat", nproc=2, thresholds=SMOLLM2_THRESHOLDS),
-        # Two simulated nodes of one rank each (issue 22), the smoke shape: memory per node, losses
+        # Two simulated nodes of one rank each, the smoke shape: memory per node, losses
         # bit-for-bit equal to stock's under the same two launchers.
         BenchConfig(name="smollm2-shakespeare-2nodes-r1", nnodes=2, seq_len=128, micro_batch=2, steps=3,
                     thresholds=SMOKE_THRESHOLDS),
@@ -337,8 +336,8 @@ def _cpu_full() -> Matrix:
     configs.append(BenchConfig(name="llama-1b-bf16-256x1-sub-group-1e8", from_scratch="llama-1b", micro_batch=1,
                                steps=4, activation_checkpointing=True, thresholds=LLAMA_1B_TUNED_THRESHOLDS,
                                deepspeed_settings=(("zero_optimization.sub_group_size", 100_000_000),)))
-    # The memory core's targets on other model families (issue 21), from scratch: an untied
-    # Mistral shape (the issue's ~67 M case), Qwen2 (tied, q/k/v biases), GPT-NeoX (untied,
+    # The memory core's targets on other model families, from scratch: an untied
+    # Mistral shape (~67 M), Qwen2 (tied, q/k/v biases), GPT-NeoX (untied,
     # parallel attention, LayerNorms, dropout 0.1) and Phi (untied with an lm_head bias, one
     # LayerNorm per block, dropout 0.1); memascend.families.PRESETS.
     for preset in FAMILY_PRESETS:
@@ -423,11 +422,11 @@ ABLATIONS: tuple[tuple[str, tuple[tuple[str, object], ...]], ...] = (
     ("keep-optimizer-buffers", (("enable_optimizer_buffer_release", False),)),
 )
 """The memascend variants of the ablation matrix: the defaults, then one time-for-memory trade
-turned off at a time (README "Memory against time")."""
+turned off at a time (docs/results.md, "Memory against time")."""
 
 
 def _ablation() -> Matrix:
-    # Issue 3's configuration (cpu-full's smollm2-shakespeare-bf16-256x4, one more step for the
+    # The default job's configuration (cpu-full's smollm2-shakespeare-bf16-256x4, one more step for the
     # medians); every variant is paired with its own baseline run, so each ratio is same-run.
     configs = tuple(BenchConfig(name=f"smollm2-bf16-256x4-{name}", steps=5, thresholds=SMOLLM2_THRESHOLDS,
                                 memascend_settings=settings) for name, settings in ABLATIONS)
@@ -439,16 +438,16 @@ def _ablation() -> Matrix:
     )
 
 
-PRE_CHUNKING_SETTINGS: tuple[tuple[str, object], ...] = (("optimizer_chunk_numel", None),
-                                                          ("enable_grad_streaming", False))
-"""memascend as it was before issue 21 (host memory bounded by the largest layer): whole sub-group
-optimizer steps and stage 3's gradient partition buffer."""
+UNCHUNKED_SETTINGS: tuple[tuple[str, object], ...] = (("optimizer_chunk_numel", None),
+                                                       ("enable_grad_streaming", False))
+"""memascend with the unchunked optimizer step and gradient streaming off: whole sub-group optimizer
+steps and stage 3's gradient partition buffer (host memory not bounded by the largest layer)."""
 
 CHUNKING_THRESHOLDS = Thresholds(max_peak_rss_ratio=1.05, max_peak_locked_ratio=None, max_step_time_ratio=1.15,
                                  step_time_noise=0.0)
-"""Issue 21's step-time target against memascend before it: at most 1.15x (no noise allowance: run
+"""The chunked step's step-time target against :data:`UNCHUNKED_SETTINGS`: at most 1.15x (no noise allowance: run
 with ``--repeats``, the medians of alternating pairs), bit-identical losses, peak RSS no more than
-5 % over. Locked memory is not held to the earlier memascend's: on a model whose largest sub-group
+5 % over. Locked memory is not held to the unchunked step's: on a model whose largest sub-group
 is a few chunks (SmolLM2) the read-ahead's second chunk-buffer set locks more than the whole
 sub-group buffers it replaces (the memory targets are ``scaling``'s and ``cpu-full``'s)."""
 
@@ -458,15 +457,15 @@ def _chunking() -> Matrix:
     # medians) and cpu-full's llama-1b scaling row, one more step.
     configs = (
         BenchConfig(name="smollm2-bf16-256x4-vs-pre-chunking", steps=5, thresholds=CHUNKING_THRESHOLDS,
-                    reference_settings=PRE_CHUNKING_SETTINGS),
+                    reference_settings=UNCHUNKED_SETTINGS),
         BenchConfig(name="llama-1b-bf16-256x1-vs-pre-chunking", from_scratch="llama-1b", micro_batch=1, steps=4,
                     activation_checkpointing=True, thresholds=CHUNKING_THRESHOLDS,
-                    reference_settings=PRE_CHUNKING_SETTINGS),
+                    reference_settings=UNCHUNKED_SETTINGS),
     )
     return Matrix(
         name="chunking",
-        description="issue 21's step time: memascend's defaults against memascend before issue 21 (whole "
-                    "sub-group optimizer steps, stage 3's gradient buffer) in the baseline slot, SmolLM2-135M "
+        description="the chunked step's step time: memascend's defaults against memascend with the unchunked "
+                    "step (whole sub-group optimizer steps, stage 3's gradient buffer) in the baseline slot, SmolLM2-135M "
                     "default job and from-scratch llama-1b; ~25 min per repeat on a 2-core CPU",
         configs=configs,
     )

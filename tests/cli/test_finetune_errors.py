@@ -1,6 +1,6 @@
 """Bad input: exactly one ``memascend: error:`` line on stderr, its exit code, no traceback, nothing
 created, changed or deleted. The cases live in :mod:`tests.cli.bad_input_cases`, which also writes the
-README's table from them."""
+table of docs/usage.md from them."""
 
 import hashlib
 import os
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.cli.bad_input_cases import CASES, README, argv, readme_with_section
+from tests.cli.bad_input_cases import CASES, REPO, USAGE_DOC, argv, readme_with_section
 from tests.conftest import run_cli
 
 
@@ -125,16 +125,16 @@ def test_fp16_on_a_cpu_without_fp16_is_refused(tmp_path):
 
 
 def test_readme_table_is_generated_from_the_cases():
-    text = README.read_text()
+    text = USAGE_DOC.read_text()
     assert readme_with_section(text) == text, (
-        "README.md's bad-input table differs from tests/cli/bad_input_cases.py: "
+        "docs/usage.md's bad-input table differs from tests/cli/bad_input_cases.py: "
         "run python3 -m tests.cli.bad_input_cases --write-readme"
     )
 
 
 def test_generator_check_mode_runs():
     proc = subprocess.run([sys.executable, "-m", "tests.cli.bad_input_cases", "--check"],
-                          cwd=README.parent, capture_output=True, text=True, timeout=120)
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
 
 

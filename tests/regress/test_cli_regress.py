@@ -253,7 +253,7 @@ def test_median_phase_s_skips_the_first_step():
 
 
 def test_a_reference_run_is_named_in_the_results(tmp_path, monkeypatch):
-    """Matrix ``chunking``: the baseline slot is memascend before issue 21; results.md says so and
+    """Matrix ``chunking``: the baseline slot is memascend with the unchunked step; results.md says so and
     the pair is judged with the chunking thresholds (1.15x step time, no noise allowance)."""
     same = make_report(rss_gib=2.0, locked_gib=0.5, step_s=7.0, losses=LOSSES)
     slower = make_report(rss_gib=2.0, locked_gib=0.6, step_s=7.0 * 1.2, losses=LOSSES)

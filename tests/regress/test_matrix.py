@@ -106,16 +106,16 @@ def test_ablation_passes_settings_to_the_memascend_run_only(tmp_path):
         [a for a in base if a != "baseline"]
 
 
-def test_chunking_runs_memascend_in_both_slots_the_reference_before_issue_21(tmp_path):
-    """Issue 21's step-time target is against memascend before it: the baseline slot runs
+def test_chunking_runs_memascend_in_both_slots_the_reference_unchunked(tmp_path):
+    """The chunked step's step-time target is against the unchunked step: the baseline slot runs
     ``--engine memascend`` with the chunked step and gradient streaming off; the memascend slot the
     defaults; the training arguments are otherwise identical."""
-    from memascend.regress.matrix import PRE_CHUNKING_SETTINGS, BenchConfig, get_matrix
+    from memascend.regress.matrix import UNCHUNKED_SETTINGS, BenchConfig, get_matrix
 
     m = get_matrix("chunking")
     assert {c.from_scratch for c in m.configs} == {None, "llama-1b"}
     for cfg in m.configs:
-        assert cfg.reference_settings == PRE_CHUNKING_SETTINGS and cfg.thresholds.max_step_time_ratio == 1.15
+        assert cfg.reference_settings == UNCHUNKED_SETTINGS and cfg.thresholds.max_step_time_ratio == 1.15
         out = tmp_path / cfg.name / "baseline"
         ref = cfg.finetune_args(engine="baseline", output_dir=str(out), nvme_path="/swap")
         mine = cfg.finetune_args(engine="memascend", output_dir=str(out), nvme_path="/swap")
