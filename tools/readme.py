@@ -57,6 +57,7 @@ BLOCKS: dict[str, Callable[[rb.Baselines], str]] = {
     "chunking-table": rc.chunking_table,
     "chunking-notes": rc.chunking_notes,
     "caps-plan-notes": rc.caps_plan_notes,
+    "memascend-settings": rb.settings_reference,
 }
 """Block name -> renderer (a function of the profile's baselines, returning markdown)."""
 

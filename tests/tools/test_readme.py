@@ -65,3 +65,17 @@ def test_scaling_figure_has_every_measured_size():
     mine = sorted(p.param_numel for p in pts if p.engine == "memascend" and p.peak_rss_bytes)
     assert len(mine) == len(set(mine)) and mine[-1] > 2.7e9  # one point per size, up to llama-3b
     assert any(p.engine == "baseline" and p.peak_rss_bytes is None for p in pts)  # OOM-killed under the cap
+
+
+def test_the_settings_reference_has_every_field_with_its_default(rendered):
+    """docs/configuration.md's "memascend" table comes from MemAscendSettings itself."""
+    import dataclasses
+
+    from memascend.settings import MemAscendSettings
+
+    table = rendered["memascend-settings"]
+    for f in dataclasses.fields(MemAscendSettings):
+        row = next(line for line in table.splitlines() if line.startswith(f"| `{f.name}` |"))
+        assert row.split(" | ")[1].strip("`") == {True: "true", False: "false", None: "null"}.get(
+            f.default, f'"{f.default}"' if isinstance(f.default, str) else str(f.default))
+    assert len(table.splitlines()) == 2 + len(dataclasses.fields(MemAscendSettings))
