@@ -191,17 +191,21 @@ def check_tag_folders(train_cfg: Any, output_dir: str | os.PathLike, start_step:
     """Refuse, before the first step, a ``global_step<N>`` folder that is not a memascend checkpoint
     (no manifest: another tool's, or a copy) where this run would save its step-``N`` checkpoint:
     ``--save-checkpoint`` (step ``total_steps``) and, with periodic checkpoints,
-    :func:`periodic_root` (any step after ``start_step``). :func:`save_checkpoint` refuses to replace
+    :func:`periodic_root` (the multiples of ``checkpoint_every`` after ``start_step``; with
+    ``checkpoint_every_minutes`` any step after it). :func:`save_checkpoint` refuses to replace
     such a folder; found only then, after training, the run would end without its checkpoint.
 
     Raises:
         UserError: naming the folder and what to do; nothing is created or removed.
     """
-    wants: list[tuple[Path, range, str]] = []
+    wants: list[tuple[Path, set[int], str]] = []
     if train_cfg.save_checkpoint is not None:
-        wants.append((Path(train_cfg.save_checkpoint), range(total_steps, total_steps + 1), "--save-checkpoint"))
-    if train_cfg.checkpoint_every is not None or train_cfg.checkpoint_every_minutes is not None:
-        wants.append((periodic_root(output_dir), range(start_step + 1, total_steps + 1), "periodic checkpoints"))
+        wants.append((Path(train_cfg.save_checkpoint), {total_steps}, "--save-checkpoint"))
+    every = train_cfg.checkpoint_every
+    if every is not None or train_cfg.checkpoint_every_minutes is not None:
+        steps = range(start_step + 1, total_steps + 1)
+        due = set(steps) if train_cfg.checkpoint_every_minutes is not None else {s for s in steps if s % every == 0}
+        wants.append((periodic_root(output_dir), due, "periodic checkpoints"))
     for root, steps, what in wants:
         if not root.is_dir():
             continue
@@ -280,14 +284,15 @@ def resolve_resume(resume: str, output_dir: str | os.PathLike) -> Checkpoint | N
 
     ``auto``: the newest complete checkpoint in :func:`periodic_root` (``None`` when there is none:
     the run starts from step 0). A tag folder with a manifest: that one. Another folder: the newest
-    complete checkpoint in it (:func:`complete_checkpoints`), which is the tag ``latest`` names
-    unless a save was cut off between renaming its tag folder into place and writing ``latest``
-    (``latest`` then names an older tag, or is missing); without a complete one, the tag ``latest``
-    names, which must be complete (:func:`pick_reason` says why a pick differs from ``latest``).
+    folder: the tag ``latest`` names, which must be complete; but the newest complete checkpoint
+    (:func:`complete_checkpoints`) when ``latest`` is missing or names an older tag folder than that
+    one, as a save cut off between renaming its tag folder into place and writing ``latest`` leaves
+    it (:func:`pick_reason` says so).
 
     Raises:
-        UserError: nothing to resume in an explicit folder, or ``latest`` names an incomplete
-            checkpoint and no other is complete. IntegrityError: its manifest is damaged.
+        UserError: nothing to resume in an explicit folder, or ``latest`` names a tag that is not a
+            folder there or an incomplete checkpoint (no newer complete one). IntegrityError: its
+            manifest is damaged.
     """
     if resume == "auto":
         found = complete_checkpoints(periodic_root(output_dir))
@@ -299,10 +304,11 @@ def resolve_resume(resume: str, output_dir: str | os.PathLike) -> Checkpoint | N
         return Checkpoint(base.parent, base.name, read_manifest(base))
     tag = _latest_tag(base, resume)
     found = complete_checkpoints(base)
-    if found and (tag is None or found[-1].tag != tag):
-        named = [c for c in found if c.tag == tag]
-        if not named or named[0].step < found[-1].step:
-            return found[-1]
+    if found and tag is None:
+        return found[-1]
+    lagging = _TAG_RE.match(tag or "")
+    if found and lagging and (base / tag).is_dir() and int(lagging.group(1)) < found[-1].step:
+        return found[-1]  # 'latest' names an existing older tag: the newer one's save stopped before 'latest'
     if tag is not None:
         if not tag or "/" in tag or not (base / tag).is_dir():
             raise UserError(f"--resume {resume}: {base / 'latest'} names '{tag}', which is not a folder there")

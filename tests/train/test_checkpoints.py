@@ -346,3 +346,21 @@ def test_latest_behind_a_newer_complete_checkpoint_and_stale_latest_temporaries(
     _save(root, 6)
     assert not dead.exists() and live.exists() and (root / "latest").read_text() == "global_step6"
     assert ckpt.pick_reason(str(root), ckpt.resolve_resume(str(root), tmp_path)) is None
+
+
+def test_tag_folders_without_a_manifest_are_refused_only_where_the_run_saves(tmp_path):
+    from types import SimpleNamespace
+
+    out = tmp_path / "out"
+    root = ckpt.periodic_root(out)
+    (root / "global_step3").mkdir(parents=True)  # another tool's, no manifest
+    every2 = SimpleNamespace(save_checkpoint=None, checkpoint_every=2, checkpoint_every_minutes=None)
+    ckpt.check_tag_folders(every2, out, 2, 6)  # saves at 4 and 6 only
+    with pytest.raises(UserError, match=r"periodic checkpoints: .*global_step3 exists and is not a memascend checkpoint"):
+        ckpt.check_tag_folders(SimpleNamespace(**{**vars(every2), "checkpoint_every": 3}), out, 0, 6)
+    with pytest.raises(UserError, match="global_step3 exists"):  # by the clock: any step may be saved
+        ckpt.check_tag_folders(SimpleNamespace(**{**vars(every2), "checkpoint_every_minutes": 5.0}), out, 0, 6)
+    ckpt.check_tag_folders(SimpleNamespace(**{**vars(every2), "checkpoint_every_minutes": 5.0}), out, 3, 6)
+    with pytest.raises(UserError, match="--save-checkpoint: .*global_step3 exists"):
+        ckpt.check_tag_folders(SimpleNamespace(save_checkpoint=str(root), checkpoint_every=None,
+                                               checkpoint_every_minutes=None), out, 0, 3)
