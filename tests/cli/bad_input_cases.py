@@ -271,6 +271,10 @@ CASES: tuple[Case, ...] = (
          ("--data", "{tmp}/qa.csv", "--data-format", "alpaca"),
          "qa.csv: --data-format alpaca needs a column 'instruction' (columns: q, a; map one with --data-columns "
          "instruction=COLUMN)", files={"qa.csv": b"q,a\nWhat?,That.\n"}),
+    Case("data-columns-no-such-column", "--data-columns naming a column no row of a .jsonl has (chat rows)",
+         "finetune", ("--from-scratch", "llama-tiny", "--data", "{tmp}/d.jsonl", "--data-columns", "text=nope"),
+         "d.jsonl: --data-columns text=nope: no row has a column 'nope'",
+         files={"d.jsonl": b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'}),
     Case("data-row-wrong-type", "--data: a .json row whose value has the wrong type", "finetune",
          ("--data", "{tmp}/alpaca.json"), "alpaca.json row 2: 'output' must be a string, got int",
          files={"alpaca.json": b'[{"instruction": "a", "output": "b"}, {"instruction": "c", "output": 5}]\n'}),
@@ -290,6 +294,11 @@ CASES: tuple[Case, ...] = (
     Case("save-checkpoint-unwritable", "--save-checkpoint where nothing can be written", "finetune",
          ("--from-scratch", "llama-tiny", "--data", "{tmp}/small.txt", "--save-checkpoint", "/proc/memascend-ck"),
          "--save-checkpoint /proc/memascend-ck is not writable", files={"small.txt": b"a few words of text\n" * 400}),
+    Case("save-checkpoint-foreign-tag", "--save-checkpoint holding a global_step<N> without a manifest where the run "
+         "saves", "finetune", ("--from-scratch", "llama-tiny", "--data", "{tmp}/small.txt", "--save-checkpoint",
+                               "{tmp}/ck"),
+         "global_step1 exists and is not a memascend checkpoint (no memascend_checkpoint.json)",
+         files={"small.txt": b"a few words of text\n" * 400, "ck/global_step1/mp_rank_00_model_states.pt": b"other"}),
     Case("resume-incomplete", "--resume of a checkpoint whose save never finished (no manifest)", "finetune",
          ("--from-scratch", "llama-tiny", "--data", "{tmp}/small.txt", "--resume", "{tmp}/ck"),
          "global_step2 is incomplete: no memascend_checkpoint.json",
