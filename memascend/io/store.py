@@ -1,7 +1,7 @@
 """``TensorStore``: tensors swapped to a raw block device (or one preallocated file) by key.
 
-Each key maps to one extent (aligned offset and length) from :class:`~memascend.io.extent.ExtentAllocator`;
-bytes move through the io_uring/O_DIRECT engine (``csrc/nvme_io``), so swapping never grows the
+Each key maps to one extent (aligned offset and length), kept by the store's
+:class:`~memascend.io.extent_table.ExtentTable`; bytes move through the io_uring/O_DIRECT engine (``csrc/nvme_io``), so swapping never grows the
 page cache. A CRC32C of every extent is recorded on write and checked on read (``enable_crc``).
 The extent table lives on the device (:mod:`memascend.io.header`) and is persisted by
 :meth:`TensorStore.flush` / :meth:`TensorStore.close`. Checkpoints (:mod:`memascend.io.checkpoint`:
@@ -37,7 +37,7 @@ from memascend.io.engine import check_job, new_header, read_header, read_table
 from memascend.io.engine import crc_bytes as _crc_bytes
 from memascend.io.engine import open_engine as _open_engine
 from memascend.io.errors import ChecksumError, DeviceRefusedError, StoreError, StoreFullError
-from memascend.io.extent import Extent, ExtentAllocator
+from memascend.io.extent_table import ExtentTable
 from memascend.io.header import StoreHeader, encode_table
 from memascend.io.records import ExtentRecord, IOCounters, Reservation, Ticket
 from memascend.io.target import TargetChange
@@ -70,14 +70,14 @@ class TensorStore:
         self.info = info
         self.header = header
         self.enable_crc = enable_crc
-        self._records = records
-        self._alloc = ExtentAllocator(header.data_offset, engine.size_bytes, header.align_bytes)
-        for rec in records.values():
-            if rec.alloc_bytes:
-                self._alloc.reserve(Extent(rec.offset_bytes, rec.alloc_bytes))
+        self._table = ExtentTable(
+            info.path,
+            start_bytes=header.data_offset,
+            end_bytes=engine.size_bytes,
+            align_bytes=header.align_bytes,
+            records=records,
+        )
         self._lock = threading.Lock()
-        self._reads: dict[str, int] = {}
-        self._writes: set[str] = set()
         self._tickets: dict[int, Ticket] = {}
         self._closed = False
         self._counters = [0, 0, 0, 0]  # read, write, payload read, payload write (bytes)
@@ -202,19 +202,19 @@ class TensorStore:
     @property
     def capacity_bytes(self) -> int:
         """Bytes of the data region."""
-        return self._alloc.capacity_bytes
+        return self._table.alloc.capacity_bytes
 
     @property
     def used_bytes(self) -> int:
-        return self._alloc.used_bytes
+        return self._table.alloc.used_bytes
 
     @property
     def free_bytes(self) -> int:
-        return self._alloc.free_bytes
+        return self._table.alloc.free_bytes
 
     @property
     def largest_free_bytes(self) -> int:
-        return self._alloc.largest_free_bytes
+        return self._table.alloc.largest_free_bytes
 
     @property
     def engine(self):
@@ -236,20 +236,20 @@ class TensorStore:
 
     def keys(self) -> list[str]:
         with self._lock:
-            return list(self._records)
+            return list(self._table.records)
 
     def __contains__(self, key: str) -> bool:
         with self._lock:
-            return key in self._records
+            return key in self._table.records
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._records)
+            return len(self._table.records)
 
     def record(self, key: str) -> ExtentRecord:
         """The extent record of ``key``. Raises ``KeyError`` for an unknown key."""
         with self._lock:
-            return self._records[key]
+            return self._table.records[key]
 
     # ------------------------------------------------------------------ transfers
     def write(self, key: str, tensor: torch.Tensor) -> ExtentRecord:
@@ -282,37 +282,17 @@ class TensorStore:
         nbytes = tensor.numel() * tensor.element_size()
         with self._lock:
             self._check_open()
-            if key in self._writes or self._reads.get(key):
+            if self._table.busy(key):
                 raise ValueError(f"tensor '{key}' has a transfer in flight; wait for it before writing")
-            old = self._records.get(key)
-            need = self._alloc.aligned_size(nbytes) if nbytes else 0
-            if old is not None and old.alloc_bytes == need:
-                offset = old.offset_bytes
-            elif nbytes:
-                offset = self._allocate(key, nbytes, old)
-            else:  # an empty tensor needs no extent; give back the old one
-                offset = 0
-                if old is not None and old.alloc_bytes:
-                    self._alloc.free(Extent(old.offset_bytes, old.alloc_bytes))
-            rec = ExtentRecord(
-                key=key,
-                offset_bytes=offset,
-                nbytes=nbytes,
-                alloc_bytes=need,
-                crc32c=0 if nbytes == 0 else None,
-                dtype=str(tensor.dtype),
-                shape=tuple(tensor.shape),
-            )
-            self._records[key] = rec
-            self._writes.add(key)
+            rec = self._table.place(key, nbytes, dtype=str(tensor.dtype), shape=tuple(tensor.shape))
         job = None
         if nbytes:
             try:
-                job = self._engine.submit_write(tensor, offset, nbytes, self.enable_crc)
+                job = self._engine.submit_write(tensor, rec.offset_bytes, nbytes, self.enable_crc)
                 self._count("write", nbytes)
             except BaseException:
                 with self._lock:
-                    self._drop_locked(key)
+                    self._table.drop(key)
                 raise
         ticket = Ticket(key=key, op="write", job_id=job, record=rec, tensor=tensor)
         if job is not None:
@@ -335,15 +315,15 @@ class TensorStore:
         self._check_tensor(out)
         with self._lock:
             self._check_open()
-            rec = self._records[key]
-            if key in self._writes:
+            rec = self._table.records[key]
+            if key in self._table.writes:
                 raise ValueError(f"tensor '{key}' has a write in flight; wait for it before reading")
             have = out.numel() * out.element_size()
             if have < rec.nbytes:
                 raise ValueError(
                     f"tensor '{key}' holds {rec.nbytes} bytes; the output tensor has only {have}"
                 )
-            self._reads[key] = self._reads.get(key, 0) + 1
+            self._table.start_read(key)
         job = None
         if rec.nbytes:
             try:
@@ -353,7 +333,7 @@ class TensorStore:
                 self._count("read", rec.nbytes)
             except BaseException:
                 with self._lock:
-                    self._reads[key] -= 1
+                    self._table.end_transfer(key, "read")
                 raise
         ticket = Ticket(key=key, op="read", job_id=job, record=rec, tensor=out)
         if job is not None:
@@ -376,21 +356,16 @@ class TensorStore:
         with self._lock:
             if ticket.job_id is not None:
                 self._tickets.pop(ticket.job_id, None)
-            if ticket.op == "write":
-                self._writes.discard(ticket.key)
-            else:
-                self._reads[ticket.key] -= 1
-                if not self._reads[ticket.key]:
-                    del self._reads[ticket.key]
+            self._table.end_transfer(ticket.key, ticket.op)
             if result is None:
                 return ticket.record
             failed = result.error != 0 or result.short_transfer
             if ticket.op == "write":
                 if failed:
-                    self._drop_locked(ticket.key)
+                    self._table.drop(ticket.key)
                 else:
                     rec = dataclasses.replace(ticket.record, crc32c=result.crc32c if result.has_crc else None)
-                    self._records[ticket.key] = rec
+                    self._table.records[ticket.key] = rec
                     ticket.record = rec
         check_job(result, ticket.key, ticket.record.offset_bytes, self.path, op=ticket.op)
         rec = ticket.record
@@ -431,18 +406,18 @@ class TensorStore:
         """
         with self._lock:
             self._check_open()
-            if key not in self._records:
+            if key not in self._table.records:
                 raise KeyError(key)
-            if key in self._writes or self._reads.get(key):
+            if self._table.busy(key):
                 raise ValueError(f"tensor '{key}' has a transfer in flight; wait for it before freeing")
-            self._drop_locked(key)
+            self._table.drop(key)
 
     # ------------------------------------------------------------------ streaming (checkpoints)
     def records(self) -> list[ExtentRecord]:
         """A snapshot of every key's record, sorted by key (keys with a write in flight included:
         call :meth:`wait_all` first for a quiet store)."""
         with self._lock:
-            return sorted(self._records.values(), key=lambda r: r.key)
+            return sorted(self._table.records.values(), key=lambda r: r.key)
 
     def read_extent(self, rec: ExtentRecord, buf: torch.Tensor, pos_bytes: int, nbytes: int) -> None:
         """Read bytes ``[pos_bytes, pos_bytes + nbytes)`` of ``rec``'s extent into the start of
@@ -465,11 +440,9 @@ class TensorStore:
         """
         with self._lock:
             self._check_open()
-            if key in self._writes or self._reads.get(key):
+            if self._table.busy(key):
                 raise ValueError(f"tensor '{key}' has a transfer in flight")
-            offset = self._allocate(key, nbytes, self._records.get(key)) if nbytes else 0
-            self._writes.add(key)
-        return Reservation(key, offset, nbytes)
+            return self._table.reserve(key, nbytes)
 
     def write_extent(self, res: Reservation, buf: torch.Tensor, pos_bytes: int, nbytes: int) -> None:
         """Write the first ``nbytes`` of ``buf`` (as for :meth:`read_extent`) at byte ``pos_bytes``
@@ -480,29 +453,16 @@ class TensorStore:
         """Make a reserved extent, fully written, the key's tensor and return its new record.
         ``crc32c`` (of the bytes written) is kept when checksums are on or the tensor is empty;
         ``dtype`` is ``str(torch.dtype)``."""
-        rec = ExtentRecord(
-            key=res.key,
-            offset_bytes=res.offset_bytes,
-            nbytes=res.nbytes,
-            alloc_bytes=self._alloc.aligned_size(res.nbytes) if res.nbytes else 0,
-            crc32c=crc32c if self.enable_crc or res.nbytes == 0 else None,
-            dtype=dtype,
-            shape=tuple(shape),
-        )
+        kept_crc32c = crc32c if self.enable_crc or res.nbytes == 0 else None
         with self._lock:
-            self._writes.discard(res.key)
-            self._records[res.key] = rec
-        return rec
+            return self._table.commit(res, crc32c=kept_crc32c, dtype=dtype, shape=shape)
 
     def release(self, res: Reservation) -> None:
         """Give back the extent of a failed streamed write. The key's tensor from before
         :meth:`reserve` is gone too: ``reserve`` gave its extent back, so other writes may hold it now
         (keeping the record would let a read return their bytes and a free give the extent twice)."""
         with self._lock:
-            self._writes.discard(res.key)
-            self._records.pop(res.key, None)
-            if res.nbytes:
-                self._alloc.free(Extent(res.offset_bytes, self._alloc.aligned_size(res.nbytes)))
+            self._table.release(res)
 
     # ------------------------------------------------------------------ persistence
     def flush(self) -> None:
@@ -513,7 +473,7 @@ class TensorStore:
         """
         with self._lock:
             self._check_open()
-            data = encode_table({k: r.to_json() for k, r in self._records.items() if k not in self._writes})
+            data = encode_table(self._table.persistent_json())
             hdr = self.header
             if len(data) > hdr.table_slot_bytes:
                 raise StoreFullError(
@@ -549,35 +509,6 @@ class TensorStore:
         self.close()
 
     # ------------------------------------------------------------------ internals
-    def _allocate(self, key: str, nbytes: int, old: ExtentRecord | None) -> int:
-        """Extent offset for ``nbytes`` under ``key`` (lock held); frees ``old`` on success."""
-        ext = self._alloc.allocate(nbytes)
-        if ext is None and old is not None and old.alloc_bytes:
-            self._alloc.free(Extent(old.offset_bytes, old.alloc_bytes))
-            self._records.pop(key)
-            old_freed = True
-            ext = self._alloc.allocate(nbytes)
-            if ext is None:
-                self._alloc.reserve(Extent(old.offset_bytes, old.alloc_bytes))
-                self._records[key] = old
-                old_freed = False
-        else:
-            old_freed = False
-        if ext is None:
-            raise StoreFullError(
-                f"store {self.path} is full: tensor '{key}' needs {self._alloc.aligned_size(nbytes)} bytes, "
-                f"{self._alloc.free_bytes} free, largest free extent {self._alloc.largest_free_bytes} bytes"
-            )
-        if old is not None and old.alloc_bytes and not old_freed:
-            self._alloc.free(Extent(old.offset_bytes, old.alloc_bytes))
-        return ext.offset_bytes
-
-    def _drop_locked(self, key: str) -> None:
-        rec = self._records.pop(key, None)
-        self._writes.discard(key)
-        if rec is not None and rec.alloc_bytes:
-            self._alloc.free(Extent(rec.offset_bytes, rec.alloc_bytes))
-
     def _write_raw(self, offset: int, data: bytes, what: str) -> None:
         buf = _op.load().aligned_empty(len(data))
         buf.numpy()[:] = memoryview(data)

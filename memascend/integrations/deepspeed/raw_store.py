@@ -366,27 +366,44 @@ def open_raw_store(
         store = _create_store(path, prior, size_bytes=size_bytes, allow_overwrite=allow_overwrite,
                               queue_depth=queue_depth, request_bytes=request_bytes, enable_crc=enable_crc,
                               backend=backend, min_capacity_bytes=min_capacity_bytes)
-        handle = RawStoreHandle(
-            store=store,
-            target=path,
-            key_root=_make_key_root(key_root, world_rank),
-            world_rank=world_rank,
-            created_file=prior in ("new", "leftover"),
-            owns_key_root=key_root is None,
-            run_lock=run_lock,
-            restore_size_bytes=0 if prior == "empty" else None,
-            lock_handle_buffers=lock_handle_buffers,
-        )
+        handle = _new_handle(store, path, prior, run_lock, key_root=key_root, world_rank=world_rank,
+                             lock_handle_buffers=lock_handle_buffers)
         _patch_deepspeed(registry, handle)
     except BaseException:
-        registry.restore_after(mark)
-        if store is not None:
-            store.close()
-        if not existed:
-            path.unlink(missing_ok=True)
-        run_lock.release()
+        _undo_open(registry, mark, store, path, existed=existed, run_lock=run_lock)
         raise
     return handle
+
+
+def _new_handle(store: TensorStore, path: Path, prior: str, run_lock: RunLock, *,
+                key_root: str | os.PathLike | None, world_rank: int, lock_handle_buffers: bool) -> RawStoreHandle:
+    """The handle of ``store`` on ``path``, with its key folder (:func:`_make_key_root`). What its
+    close deletes or restores follows from the target's ``prior`` kind (:func:`_prior_store_kind`):
+    a new or leftover file is deleted, a file that was empty is truncated back to 0 bytes; a scratch
+    key folder (``key_root`` not given) is removed."""
+    return RawStoreHandle(
+        store=store,
+        target=path,
+        key_root=_make_key_root(key_root, world_rank),
+        world_rank=world_rank,
+        created_file=prior in ("new", "leftover"),
+        owns_key_root=key_root is None,
+        run_lock=run_lock,
+        restore_size_bytes=0 if prior == "empty" else None,
+        lock_handle_buffers=lock_handle_buffers,
+    )
+
+
+def _undo_open(registry: PatchRegistry, mark: int, store: TensorStore | None, path: Path, *,
+               existed: bool, run_lock: RunLock) -> None:
+    """Undo a failed :func:`open_raw_store`: the patches recorded after ``mark`` are restored, the
+    store (if created) closed, the target file removed if the call created it, the run lock released."""
+    registry.restore_after(mark)
+    if store is not None:
+        store.close()
+    if not existed:
+        path.unlink(missing_ok=True)
+    run_lock.release()
 
 
 def _create_store(path: Path, prior: str, **options: Any) -> TensorStore:
@@ -417,8 +434,8 @@ def _prior_store_kind(path: Path) -> str:
     store file memascend created in a run that is gone: the run lock was free), ``store`` (a kept
     store or another owner's: :meth:`TensorStore.create` decides) or ``data``."""
     from memascend.io.device import probe_info, read_head
+    from memascend.io.engine import crc_bytes
     from memascend.io.header import STORE_MAGIC, StoreHeader
-    from memascend.io.store import _crc_bytes
 
     if probe_info(path).is_block_device:
         return "device"
@@ -428,7 +445,7 @@ def _prior_store_kind(path: Path) -> str:
     if head[:8] != STORE_MAGIC:
         return "data"
     try:
-        owner = StoreHeader.unpack(head, _crc_bytes).owner_uuid
+        owner = StoreHeader.unpack(head, crc_bytes).owner_uuid
     except UserError:
         return "data"
     return "leftover" if owner == FINETUNE_CREATED_FILE_UUID else "store"
