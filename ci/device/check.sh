@@ -37,10 +37,13 @@ RES=${DEVICE_CHECK_RESULTS:-/var/tmp/memascend-device/results}
 SWAP=${DEVICE_CHECK_SWAP:-/var/tmp/memascend-device/swap}
 STAGE=${DEVICE_CHECK_STAGE:-/var/tmp/memascend-stage}
 BUDGET_S=${DEVICE_CHECK_BUDGET_S:-540}
-# Rows in order of value, each with the seconds it needs at the least (the pair on the device's
-# ~2 GB/s virtio disk: Adam moves >= 24 bytes/param per step through the swap folder).
-ROWS=${DEVICE_CHECK_ROWS:-llama-1b-bf16-2048x1,smollm2-shakespeare-bf16-256x4,llama-3b-bf16-2048x1}
-declare -A ROW_MIN_S=([llama-1b-bf16-2048x1]=150 [smollm2-shakespeare-bf16-256x4]=60 [llama-3b-bf16-2048x1]=330)
+# Rows in order of value per second, each with the seconds it needs at the least (the pair on the
+# device's ~2 GB/s virtio disk: Adam moves >= 24 bytes/param per step through the swap folder).
+# Measured on an H200 (baselines/nvidia-h200-x1/device-run-2026-11-27): stock llama-1b 1 x 2048,
+# 3 steps, ~110 s from launch to report (16.6 s/step, 13.5-15 s of it the optimizer step); stock
+# SmolLM2's default job did not finish in 51 s (its first run converts the GGUF).
+ROWS=${DEVICE_CHECK_ROWS:-smollm2-shakespeare-bf16-256x4,llama-1b-bf16-2048x1,llama-3b-bf16-2048x1}
+declare -A ROW_MIN_S=([llama-1b-bf16-2048x1]=260 [smollm2-shakespeare-bf16-256x4]=150 [llama-3b-bf16-2048x1]=600)
 declare -A ROW_SWAP_GIB=([llama-1b-bf16-2048x1]=20 [llama-3b-bf16-2048x1]=52)
 IO_BENCH_S=45   # kept for step f by every step before it
 PY=${PYTHON:-python3}
@@ -229,7 +232,10 @@ PYEOF
 step_c() {
   local log=$OUT/c-ops.log t=$(date +%s)
   : > "$log"
-  export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
+  # The device image sets TORCH_CUDA_ARCH_LIST=9.0a (Hopper's arch-specific target), which DeepSpeed
+  # 0.19.8's compute_capability_args cannot parse (int('0a'): every DeepSpeed op build, model load and
+  # run failed on the H200, 2026-11-27): build for plain sm_90 unless DEVICE_CHECK_ARCH says otherwise.
+  export TORCH_CUDA_ARCH_LIST=${DEVICE_CHECK_ARCH:-9.0} MAX_JOBS=${MAX_JOBS:-16}
   if [[ $DRY == 1 ]]; then
     local rc
     rc=$(run_limited "$log" 60 "$PY" -c 'import memascend.integrations.deepspeed.ops_build as b; from memascend.ops.build import op_names; print("would build:", op_names(), "+ deepspeed async_io, cpu_adam")')
