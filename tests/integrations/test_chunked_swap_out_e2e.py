@@ -3,7 +3,7 @@
 
 One run in the default suite: llama-tiny (its 49152 x 64 embedding is 48 chunks of 64 Ki elements)
 on a raw-store file; its per-step losses are stock DeepSpeed's (``--engine baseline``, recorded in
-``test_grad_stream_e2e.BASELINE_LOSSES_HEX``) and the locked window is one chunk. The slow test
+the ``baseline_losses_hex`` fixture) and the locked window is one chunk. The slow test
 runs the same on a swap folder.
 """
 
@@ -14,7 +14,7 @@ import json
 import pytest
 
 from tests.conftest import run_cli
-from tests.integrations.test_grad_stream_e2e import ARGS, BASELINE_LOSSES_HEX
+from tests.integrations.test_grad_stream_e2e import ARGS
 
 pytest.importorskip("deepspeed")
 
@@ -35,10 +35,10 @@ def _finetune(tmp_path, nvme: str) -> dict:
     return report
 
 
-def _check(report: dict, backend: str) -> None:
+def _check(report: dict, backend: str, baseline_losses_hex: list[str]) -> None:
     assert report["nvme"]["backend"] == backend
     assert report["memascend_settings"]["optimizer_chunk_numel"] == CHUNK_NUMEL
-    assert report["losses_hex"] == BASELINE_LOSSES_HEX
+    assert report["losses_hex"] == baseline_losses_hex
     locked = report["memory_breakdown"]["locked"]
     assert locked["optimizer_chunk_buffers_bytes"] > 0  # the step ran in chunks
     # Gradients and the fp32 write-out went through one chunk, not through the largest partition.
@@ -50,10 +50,10 @@ def on_raw_store(tmp_path_factory):
     return _finetune(tmp_path_factory.mktemp("chunked-swap-out"), "run.store")
 
 
-def test_raw_store_chunk_window_and_stock_losses(on_raw_store):
-    _check(on_raw_store, "raw_store")
+def test_raw_store_chunk_window_and_stock_losses(on_raw_store, baseline_losses_hex):
+    _check(on_raw_store, "raw_store", baseline_losses_hex)
 
 
 @pytest.mark.slow
-def test_swap_folder_chunk_window_and_stock_losses(tmp_path):
-    _check(_finetune(tmp_path, "swap"), "folder")
+def test_swap_folder_chunk_window_and_stock_losses(tmp_path, baseline_losses_hex):
+    _check(_finetune(tmp_path, "swap"), "folder", baseline_losses_hex)

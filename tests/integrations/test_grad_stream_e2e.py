@@ -2,7 +2,8 @@
 
 One run in the default suite (llama-tiny, 2 steps of 2 micro-batches of 2 x 32 tokens, bf16): the
 gradient partitions buffer is never allocated and the per-step losses are the ones stock
-DeepSpeed (``--engine baseline``, same command) computes, recorded in :data:`BASELINE_LOSSES_HEX`.
+DeepSpeed (``--engine baseline``, same command) computes, recorded per CPU kernel level in
+:data:`RECORDED_BASELINE_LOSSES_HEX` (measured live on a host of another level).
 The slow test runs the baseline live beside it.
 """
 
@@ -18,8 +19,13 @@ pytest.importorskip("deepspeed")
 
 ARGS = ["--from-scratch", "llama-tiny", "--grad-accum", "2", "--steps", "2", "--seq-len", "32", "--micro-batch", "2",
         "--eval-blocks", "0", "--no-save-model", "--report-to", "none"]
-BASELINE_LOSSES_HEX = ["0x1.5948d10000000p+3", "0x1.5822450000000p+3"]
-"""``memascend finetune --engine baseline`` with :data:`ARGS` (this repository's CPU host)."""
+RECORDED_BASELINE_LOSSES_HEX = {
+    "avx512+amx": ["0x1.5948d10000000p+3", "0x1.5822450000000p+3"],
+    "avx512": ["0x1.5948d10000000p+3", "0x1.58229d0000000p+3"],
+}
+"""``memascend finetune --engine baseline`` with :data:`ARGS`, per CPU kernel level
+(:func:`memascend.regress.golden.cpu_isa`: torch's bf16 kernels round differently with and without
+AMX, so step 2 differs between an Intel host with AMX and an AMD EPYC with AVX512)."""
 
 
 def _finetune(tmp_path, name: str, *extra: str) -> dict:
@@ -37,17 +43,17 @@ def streamed(tmp_path_factory):
     return _finetune(tmp_path_factory.mktemp("grad-stream"), "memascend")
 
 
-def test_no_gradient_buffer_and_stock_losses(streamed):
+def test_no_gradient_buffer_and_stock_losses(streamed, baseline_losses_hex):
     assert streamed["memascend_settings"]["enable_grad_streaming"] is True
     assert streamed["memory_breakdown"]["gradient_buffers"]["grad_partitions_flat"]["allocated_bytes"] == 0
-    assert streamed["losses_hex"] == BASELINE_LOSSES_HEX
+    assert streamed["losses_hex"] == baseline_losses_hex
 
 
 @pytest.mark.slow
-def test_baseline_live_and_streaming_off(tmp_path, streamed):
+def test_baseline_live_and_streaming_off(tmp_path, streamed, baseline_losses_hex):
     baseline = _finetune(tmp_path, "baseline", "--engine", "baseline")
     off_config = tmp_path / "off.json"
     off_config.write_text(json.dumps({"memascend": {"enable_grad_streaming": False}}))
     off = _finetune(tmp_path, "off", "--deepspeed-config", str(off_config))
-    assert baseline["losses_hex"] == BASELINE_LOSSES_HEX == streamed["losses_hex"] == off["losses_hex"]
+    assert baseline["losses_hex"] == baseline_losses_hex == streamed["losses_hex"] == off["losses_hex"]
     assert off["memory_breakdown"]["gradient_buffers"]["grad_partitions_flat"]["allocated_bytes"] > 0
