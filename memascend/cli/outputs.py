@@ -256,16 +256,12 @@ def lock_output(folder: Path) -> OutputLock:
     """
     from memascend.train.runner import check_output_dir
 
-    check_output_dir(folder)
+    check_output_dir(folder)  # a file or a folder inside one, an unwritable parent: one line
     created = not folder.exists()
     try:
         folder.mkdir(parents=True, exist_ok=True)
-    except NotADirectoryError:
-        raise UserError(f"--output {folder} is a file, not a folder") from None
-    except OSError as exc:
+    except OSError as exc:  # what changed since the check
         raise UserError(f"--output {folder} cannot be created: {exc.strerror}") from None
-    if not folder.is_dir():
-        raise UserError(f"--output {folder} is a file, not a folder")
     try:
         lock = acquire_run_lock(folder, what="--output")
     except BaseException:

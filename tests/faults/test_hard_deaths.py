@@ -49,6 +49,14 @@ def _start(args: list[str], cwd: Path, *, supervised: bool) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
+def sigkill_training_process(parent: subprocess.Popen) -> None:
+    """SIGKILL the training process of a supervised ``memascend finetune`` (the parent's child) and
+    wait for the parent to report it."""
+    child = int(subprocess.run(["pgrep", "-P", str(parent.pid)], capture_output=True, text=True).stdout.split()[0])
+    os.kill(child, signal.SIGKILL)
+    parent.wait(timeout=120)
+
+
 def _wait_for_steps(proc: subprocess.Popen, out: Path, n: int = 1, timeout_s: float = 300) -> None:
     deadline = time.monotonic() + timeout_s
     log = out / "steps.jsonl"
@@ -122,9 +130,7 @@ def test_supervisor_cleans_up_after_sigkill_of_the_training_process(tmp_path):
                     supervised=True)
     try:
         _wait_for_steps(parent, out)
-        child = int(subprocess.run(["pgrep", "-P", str(parent.pid)], capture_output=True, text=True).stdout.split()[0])
-        os.kill(child, signal.SIGKILL)
-        parent.wait(timeout=120)
+        sigkill_training_process(parent)
     finally:
         if parent.poll() is None:
             parent.kill()

@@ -53,12 +53,10 @@ def test_sigkill_while_the_engine_starts_gives_the_report_the_timeline_s_peaks(t
     """A real run killed (SIGKILL, as the OOM killer does) after its first partial report, while the
     model is built and DeepSpeed starts: the report's peaks equal the timeline's maxima."""
     import csv
-    import os
     import signal
-    import subprocess
     import time
 
-    from tests.faults.test_hard_deaths import TINY, _start
+    from tests.faults.test_hard_deaths import TINY, _start, sigkill_training_process
 
     out = tmp_path / "out"
     parent = _start([*TINY, "--steps", "100000", "--output", str(out), "--nvme-path", str(tmp_path / "swap")],
@@ -70,9 +68,7 @@ def test_sigkill_while_the_engine_starts_gives_the_report_the_timeline_s_peaks(t
             assert parent.poll() is None and time.monotonic() < deadline, parent.stderr.read()[-3000:]
             time.sleep(0.05)
         time.sleep(0.5)  # a few samples into the engine's start
-        child = int(subprocess.run(["pgrep", "-P", str(parent.pid)], capture_output=True, text=True).stdout.split()[0])
-        os.kill(child, signal.SIGKILL)
-        parent.wait(timeout=120)
+        sigkill_training_process(parent)
     finally:
         if parent.poll() is None:
             parent.kill()

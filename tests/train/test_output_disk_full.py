@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
@@ -19,20 +18,6 @@ from memascend.telemetry import MemorySampler
 from memascend.train.run_log import REPORT, STEPS_LOG, TIMELINE_CSV, RunLog, write_json_atomic
 
 pytestmark = pytest.mark.root
-
-
-@pytest.fixture
-def small_fs(tmp_path):
-    """A 1 MiB tmpfs mounted under ``tmp_path`` (unmounted afterwards)."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("needs root to mount a small tmpfs")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def fill(folder: Path) -> None:

@@ -91,25 +91,18 @@ def test_sigterm_unwinds_through_finally(tmp_path):
 
 
 @pytest.mark.root
-def test_a_swap_folder_on_a_full_disk_is_refused_for_its_space_not_for_o_direct(tmp_path):
+def test_a_swap_folder_on_a_full_disk_is_refused_for_its_space_not_for_o_direct(small_fs):
     """A full filesystem also fails the O_DIRECT probe's write (ENOSPC): the line names the space."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("needs root to mount a small tmpfs")
+    mnt = small_fs
+    fd = os.open(mnt / "filler", os.O_CREAT | os.O_WRONLY)  # every free byte
     try:
-        fd = os.open(mnt / "filler", os.O_CREAT | os.O_WRONLY)  # every free byte
-        try:
-            with pytest.raises(OSError):
-                while True:
-                    os.write(fd, b"\0" * 4096)
-        finally:
-            os.close(fd)
-        for need_bytes in (1 << 20, 0):  # less free than needed; enough "free" but no block for the probe
-            with pytest.raises(UserError) as exc:
-                prepare_swap_dir(str(mnt), need_bytes, "20261127-000000-1")
-            assert "O_DIRECT" not in str(exc.value) and f"--nvme-path {mnt} has 0 B free" in str(exc.value)
-        assert sorted(p.name for p in mnt.iterdir()) == ["filler"]
+        with pytest.raises(OSError):
+            while True:
+                os.write(fd, b"\0" * 4096)
     finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+        os.close(fd)
+    for need_bytes in (1 << 20, 0):  # less free than needed; enough "free" but no block for the probe
+        with pytest.raises(UserError) as exc:
+            prepare_swap_dir(str(mnt), need_bytes, "20261127-000000-1")
+        assert "O_DIRECT" not in str(exc.value) and f"--nvme-path {mnt} has 0 B free" in str(exc.value)
+    assert sorted(p.name for p in mnt.iterdir()) == ["filler"]
