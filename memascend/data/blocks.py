@@ -17,7 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from memascend.data import token_cache
 from memascend.data.readers import Document
+from memascend.data.token_cache import Pieces
 from memascend.errors import UserError
 
 IGNORE_INDEX = -100
@@ -133,7 +135,6 @@ def text_pieces(text: str, window_chars: int = TOKENIZE_WINDOW_CHARS) -> Iterato
 
 #: One document's tokens as consecutive pieces: ``(ids, mask)`` with int32 ids ``[k]`` and a bool
 #: mask ``[k]`` of the tokens that carry a loss, or ``None`` when all of them do (plain text).
-Pieces = list[tuple[torch.Tensor, "torch.Tensor | None"]]
 
 
 def _assistant_mask(offsets: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
@@ -245,7 +246,11 @@ def build_blocks(docs: Sequence[Document], tokenizer, seq_len: int, eval_blocks:
     """
     order = list(range(len(docs)))
     random.Random(seed).shuffle(order)
-    tokenized = [_tokenize_pieces(docs[i], tokenizer) for i in order]
+    # one (ids, mask) list per document, from the token cache when it holds this corpus and tokenizer
+    by_doc = token_cache.tokenized_documents(docs, tokenizer, TOKENIZE_WINDOW_CHARS,
+                                             lambda doc: _tokenize_pieces(doc, tokenizer))
+    tokenized = [by_doc[i] for i in order]
+    del by_doc
     total = sum(_num_tokens(d) for d in tokenized)
     eval_tokens_needed = eval_blocks * seq_len
     n_eval_docs, acc = 0, 0
