@@ -1,4 +1,4 @@
-"""Every field of every config section is checked against its type (pydantic, strict: memascend/validate.py),
+"""Every field of every config section is checked against its type (pydantic, strict: memascend/config/validate.py),
 so a value from a --config file or a flag can never reach the run unchecked: non-finite numbers (nan, inf)
 in any float field, a non-integer in an int field, a string where a number goes, a number where a string
 goes. The checks are generic (from the dataclass annotations), so fields added later are covered too, and
@@ -14,20 +14,20 @@ import typing
 import pytest
 
 from memascend.config import (
-    _SECTIONS,
     MAX_EPOCHS,
     MAX_SEED,
     MAX_STEPS,
     build_run_config,
-    load_toml,
+    load_config_file,
     parse_from_scratch,
 )
+from memascend.config.schema import SECTIONS
 from memascend.errors import UserError
 
 
 def _fields_of(kind) -> list[tuple[str, str]]:
     out = []
-    for section, cls in _SECTIONS.items():
+    for section, cls in SECTIONS.items():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             hint = hints[f.name]
@@ -44,7 +44,7 @@ BOOL_FIELDS = _fields_of(bool)
 
 
 def _flag(name: str) -> str:
-    from memascend.config import _FLAGS
+    from memascend.config.schema import _FLAGS
 
     return _FLAGS.get(name, "--" + name.replace("_", "-"))
 
@@ -110,10 +110,10 @@ def test_toml_nan_and_inf_literals_are_refused(tmp_path):
     f = tmp_path / "run.toml"
     f.write_text("[train]\nlr = nan\n")
     with pytest.raises(UserError, match=r"run.toml: train.lr: Input should be a finite number, got nan"):
-        build_run_config(load_toml(f), {}, file_name=f)
+        build_run_config(load_config_file(f), {}, file_name=f)
     f.write_text("[data]\neval_blocks = -inf\n")
     with pytest.raises(UserError, match=r"run.toml: data.eval_blocks: Input should be a valid integer, got -inf"):
-        build_run_config(load_toml(f), {}, file_name=f)
+        build_run_config(load_config_file(f), {}, file_name=f)
 
 
 def test_bounds():

@@ -1,4 +1,4 @@
-"""--deepspeed-config against flags and --config (memascend/ds_conflicts.py): a value the user set and a
+"""--deepspeed-config against flags and --config (memascend/config/user_ds.py): a value the user set and a
 different JSON value stop the run naming both; a JSON value nobody else set becomes the run's and is
 reported; the same value twice is fine."""
 
@@ -82,7 +82,7 @@ def test_a_json_value_of_the_wrong_type_names_the_json_key(tmp_path):
 
 
 def test_the_rendered_json_is_what_the_run_config_says(ds):
-    from memascend.resolve import ModelShape, resolve
+    from memascend.config.render import ModelShape, resolve
 
     cfg = build_run_config({}, {"deepspeed_config": ds, "model": {"from_scratch": "llama-tiny"}})
     run = resolve(cfg, ModelShape(1000, (600, 400), (1, 1)), world_size=1)
@@ -108,7 +108,7 @@ def test_train_batch_size_follows_deepspeed_s_batch_rule(tmp_path, value, micro,
     when the DeepSpeed config is rendered what fails for this one; one line naming the JSON."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from memascend.resolve import ModelShape, render_ds_config
+    from memascend.config.render import ModelShape, render_ds_config
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_batch_size": value}))

@@ -548,7 +548,7 @@ def settings_reference(_b: Baselines | None = None) -> str:
     import inspect
     import re
 
-    from memascend.settings import MemAscendSettings
+    from memascend.config.settings import MemAscendSettings
 
     attrs = inspect.getdoc(MemAscendSettings).split("Attributes:\n", 1)[1]
     docs = dict(re.findall(r"^    (\w+): (.*?)(?=^    \w+: |\Z)", attrs, re.S | re.M))

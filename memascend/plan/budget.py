@@ -24,12 +24,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from memascend.config import RunConfig
+from memascend.config.render import ModelShape, resolve
+from memascend.config.settings import MemAscendSettings
+from memascend.config.sizing import DS_DEFAULT_MAX_REUSE_DISTANCE_NUMEL, auto_param_pool_bytes
 from memascend.errors import UserError
-from memascend.integrations.deepspeed.sizing import DS_DEFAULT_MAX_REUSE_DISTANCE_NUMEL, auto_param_pool_bytes
 from memascend.plan.model import EnginePlan, plan_engine
 from memascend.plan.shapes import ModelDims, live_window_partitions, model_dims
-from memascend.resolve import ModelShape, resolve
-from memascend.settings import MemAscendSettings
 from memascend.units import DTYPE_BYTES, GIB
 
 BUDGET_HEADROOM_FRACTION = 0.10
@@ -51,7 +51,7 @@ class Knob:
     """One sizing setting the budget may choose.
 
     Attributes:
-        name: a :class:`memascend.settings.MemAscendSettings` field.
+        name: a :class:`memascend.config.settings.MemAscendSettings` field.
         candidates: ``candidates(dims, cfg, world_size)``: the values to try, fastest first.
     """
 
@@ -68,7 +68,7 @@ def _chunk_numel(value: Any) -> int | None:
     """Elements per optimizer chunk of an ``optimizer_chunk_numel`` value (``None``: no chunks)."""
     if value == "auto":
         try:
-            from memascend.integrations.deepspeed.chunk_plan import AUTO_CHUNK_NUMEL
+            from memascend.config.sizing import AUTO_CHUNK_NUMEL
         except ImportError:
             return 8 << 20
         return int(AUTO_CHUNK_NUMEL)

@@ -8,7 +8,7 @@ from memascend.units import GIB
 AIO_ALIGN_BYTES = 1024
 """``AIO_ALIGNED_BYTES`` of ``runtime/swap_tensor/utils.py``: swap buffers are whole multiples of it."""
 
-# --- DeepSpeed 0.19.8 defaults (runtime/zero/offload_config.py; the others: memascend.resolve) -------
+# --- DeepSpeed 0.19.8 defaults (runtime/zero/offload_config.py; the others: memascend.config.render) -------
 DS_OPTIMIZER_BUFFER_COUNT = 4
 
 # --- calibrated on this project's CPU host (report.json of real runs; see module docstring) -------

@@ -2,7 +2,7 @@
 
 The model adds up what DeepSpeed 0.19.8 (ZeRO-3, ``offload_param``/``offload_optimizer``) allocates
 on the host, per rank, from the run's resolved DeepSpeed config (the same
-:func:`memascend.resolve.resolve` that ``memascend finetune`` uses) and the
+:func:`memascend.config.render.resolve` that ``memascend finetune`` uses) and the
 model's parameter layout (a meta-device instance: no weights read):
 
 Locked (VmLck; aio ``new_cpu_locked_tensor``, exact size):
@@ -64,7 +64,17 @@ import math
 from dataclasses import dataclass
 
 from memascend.config import RunConfig
-from memascend.integrations.deepspeed.sizing import DS_DEFAULT_REDUCE_BUCKET_NUMEL
+from memascend.config.render import (
+    DS_DEFAULT_MAX_IN_CPU_NUMEL,
+    DS_DEFAULT_PARAM_BUFFER_COUNT,
+    DS_DEFAULT_PARAM_BUFFER_SIZE_NUMEL,
+    ModelShape,
+    ResolvedRun,
+    nvme_swap_bytes,
+    resolve,
+)
+from memascend.config.settings import MemAscendSettings
+from memascend.config.sizing import DS_DEFAULT_REDUCE_BUCKET_NUMEL
 from memascend.plan.calibration import (
     CORPUS_BYTES_PER_TOKEN,
     DS_MAX_LIVE_PARAMETERS,
@@ -92,16 +102,6 @@ from memascend.plan.shapes import (
     live_window_partitions,
     model_dims,
 )
-from memascend.resolve import (
-    DS_DEFAULT_MAX_IN_CPU_NUMEL,
-    DS_DEFAULT_PARAM_BUFFER_COUNT,
-    DS_DEFAULT_PARAM_BUFFER_SIZE_NUMEL,
-    ModelShape,
-    ResolvedRun,
-    nvme_swap_bytes,
-    resolve,
-)
-from memascend.settings import MemAscendSettings
 from memascend.units import DTYPE_BYTES as _DTYPE_BYTES
 from memascend.units import FP32_BYTES as _FP32
 
@@ -135,7 +135,7 @@ class EnginePlan:
         engine: ``baseline`` or ``memascend``.
         components: every consumer, largest first.
         nvme_bytes: bytes written to the swap target, all ranks (params + optimizer state;
-            :func:`memascend.resolve.nvme_swap_bytes`).
+            :func:`memascend.config.render.nvme_swap_bytes`).
         preflight_nvme_bytes_per_rank: NVMe space ``memascend finetune`` requires of each rank's
             swap target before it starts (``ResolvedRun.nvme_bytes_per_rank``, with a margin).
         preflight_locked_bytes_per_rank: locked memory ``memascend finetune`` requires of each rank
@@ -398,7 +398,7 @@ def plan_run(cfg: RunConfig, world_size: int = 1, dims: ModelDims | None = None,
              chunk_window: bool = True) -> dict[str, EnginePlan]:
     """Predict both engines for ``cfg`` on ``world_size`` ranks of one host.
 
-    Each engine is planned from its own :func:`memascend.resolve.resolve` (the baseline's config
+    Each engine is planned from its own :func:`memascend.config.render.resolve` (the baseline's config
     carries stock-only crash fixes, e.g. ``max_in_cpu``).
 
     Args:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from memascend.integrations.deepspeed.sizing import DS_DEFAULT_SUB_GROUP_NUMEL
+from memascend.config.sizing import DS_DEFAULT_SUB_GROUP_NUMEL
 from memascend.plan.calibration import (
     AIO_ALIGN_BYTES,
     DS_OPTIMIZER_BUFFER_COUNT,
@@ -30,12 +30,12 @@ def _aligned(numel: int, elem_bytes: int) -> int:
 
 def _sub_groups(ds_cfg: dict, param_numels: tuple[int, ...], world_size: int) -> list[list[int]]:
     """The optimizer sub-groups, each as its parameters' partition sizes (elements per rank), in
-    registration order, grouped by :func:`~memascend.integrations.deepspeed.grad_norm.stock_sub_groups`
+    registration order, grouped by :func:`~memascend.config.sizing.stock_sub_groups`
     (DeepSpeed 0.19.8's ``_create_fp16_sub_groups``: a group closes once it holds at least
     ``sub_group_size`` elements, so it exceeds the size by up to its last partition; a model no
     larger than the size is one group).
     """
-    from memascend.integrations.deepspeed.grad_norm import stock_sub_groups
+    from memascend.config.sizing import stock_sub_groups
 
     size = int(ds_cfg.get("zero_optimization", {}).get("sub_group_size", DS_DEFAULT_SUB_GROUP_NUMEL))
     return stock_sub_groups([math.ceil(n / world_size) for n in param_numels], size, int)
@@ -72,8 +72,8 @@ def _bounce_slab_numel(groups: list[list[int]], align_bytes: int) -> int:
     rounds of at most ``BOUNCE_BUDGET_BYTES`` (or one fragment, if larger), each fragment padded to
     ``DIRECT_IO_ALIGN_BYTES``. Sub-groups under the swappable size are not swapped. An untied
     ``lm_head`` behind the final norm is one such fragment, a slab of its whole size."""
+    from memascend.config.sizing import MIN_SWAPPABLE_BYTES
     from memascend.integrations.deepspeed.aligned_io import BOUNCE_BUDGET_BYTES, DIRECT_IO_ALIGN_BYTES
-    from memascend.integrations.deepspeed.sizing import MIN_SWAPPABLE_BYTES
 
     pad, budget = DIRECT_IO_ALIGN_BYTES // _FP32, BOUNCE_BUDGET_BYTES // _FP32
     slab = 0
@@ -94,7 +94,8 @@ def _step_chunk_numel(z: dict, sub: int, ma: bool, settings) -> int | None:
     """Elements of the chunked step's buffers (:mod:`memascend.integrations.deepspeed.chunked_step`:
     every NVMe-swapped sub-group is stepped in chunks of at most ``optimizer_chunk_numel``), or
     ``None`` when the step swaps whole sub-groups (stock, or the setting ``None``)."""
-    from memascend.integrations.deepspeed.chunk_plan import CHUNK_ALIGN_NUMEL, align_up, resolve_chunk_numel
+    from memascend.config.sizing import resolve_chunk_numel
+    from memascend.integrations.deepspeed.chunk_plan import CHUNK_ALIGN_NUMEL, align_up
 
     chunk = resolve_chunk_numel(getattr(settings, "optimizer_chunk_numel", None)) if ma else None
     if chunk is None or z.get("offload_optimizer", {}).get("device") != "nvme":
@@ -124,7 +125,8 @@ def _add_swap_window(add, settings, sub: int, released: bool) -> None:
     still swaps each sub-group's master weights in whole, into one buffer of the largest sub-group.
     Released: the window exists at construction and in backward, the buffer at construction; kept:
     both resident."""
-    from memascend.integrations.deepspeed.chunk_plan import resolve_chunk_numel, window_numel
+    from memascend.config.sizing import resolve_chunk_numel
+    from memascend.integrations.deepspeed.chunk_plan import window_numel
 
     window = window_numel(_aligned(sub, _FP32), resolve_chunk_numel(settings.optimizer_chunk_numel))
     for phase in ("initialize", "backward") if released else ("resident",):

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 
 from memascend.config import RunConfig
-from memascend.integrations.deepspeed.sizing import MIN_SWAPPABLE_BYTES
+from memascend.config.sizing import MIN_SWAPPABLE_BYTES
 from memascend.plan.calibration import BUILTIN_CORPUS_TOKENS, LOGITS_FP32_TENSORS
 from memascend.units import FP32_BYTES as _FP32
 
@@ -59,8 +59,8 @@ def model_dims(cfg: RunConfig) -> ModelDims:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from memascend.config.render import model_shape
     from memascend.models.loading import from_scratch_config, resolve_model
-    from memascend.resolve import model_shape
 
     if cfg.model.from_scratch:
         hf_cfg = from_scratch_config(cfg.model.from_scratch)

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from memascend.integrations.deepspeed import init_resolve, sizing
-from memascend.settings import MemAscendSettings
+from memascend.config import sizing
+from memascend.config.settings import MemAscendSettings
+from memascend.integrations.deepspeed import init_resolve
 
 WORKER = Path(__file__).with_name("init_resolve_worker.py")
 

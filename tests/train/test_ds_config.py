@@ -1,13 +1,13 @@
 import pytest
 
 from memascend.config import build_run_config
-from memascend.errors import UserError
-from memascend.resolve import (
+from memascend.config.render import (
     DS_DEFAULT_PARAM_BUFFER_SIZE_NUMEL,
     ModelShape,
     render_ds_config,
 )
-from memascend.settings import read_ds_config
+from memascend.config.user_ds import read_ds_config
+from memascend.errors import UserError
 
 SMALL = ModelShape(total_numel=10_000, param_numels=(5_000, 5_000), module_param_counts=(1, 1))
 

@@ -8,7 +8,7 @@ that live in DeepSpeed's own config and depend on the model (``optimizer_sub_gro
 reads those three only in ``deepspeed.initialize`` (the stage-3 optimizer), where the model is at
 hand: :func:`make_initialize` wraps ``deepspeed.initialize`` so that, when memascend is applied and
 the config holds a ``"memascend"`` section (or the applied settings still say ``"auto"``), the config
-is rewritten by :func:`memascend.integrations.deepspeed.sizing.prepare_ds_config` -- the function
+is rewritten by :func:`memascend.config.sizing.prepare_ds_config` -- the function
 ``memascend finetune`` uses -- from the model's real parameter sizes (``ds_numel`` of a ZeRO-3
 partitioned parameter) before DeepSpeed reads it.
 
@@ -31,9 +31,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from memascend.config.settings import DS_CONFIG_SECTION, MemAscendSettings
+from memascend.config.sizing import prepare_ds_config
+from memascend.config.user_ds import read_ds_config
 from memascend.errors import UserError
-from memascend.integrations.deepspeed.sizing import prepare_ds_config
-from memascend.settings import DS_CONFIG_SECTION, MemAscendSettings, read_ds_config
 
 __all__ = ["CONFIG_KEYS", "has_auto", "make_initialize", "model_param_numels", "warn"]
 
@@ -54,7 +55,7 @@ def has_auto(settings: MemAscendSettings) -> bool:
 def model_param_numels(model: Any) -> list[int]:
     """Elements of every parameter of ``model`` (a ``torch.nn.Module``), in registration order, tied
     weights once; a ZeRO-3 partitioned parameter counts its full size (``ds_numel``), as
-    :func:`memascend.resolve.model_shape` counts a meta-device instance."""
+    :func:`memascend.config.render.model_shape` counts a meta-device instance."""
     seen: set[int] = set()
     numels = []
     for p in model.parameters():

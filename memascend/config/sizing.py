@@ -2,7 +2,7 @@
 
 :func:`prepare_ds_config` resolves the model-dependent ``"auto"`` sizes (sub-group size, reduce
 bucket, parameter DRAM copy) and writes them with :func:`rewrite_ds_config`. It is the one
-implementation: :func:`memascend.resolve.resolve` calls it for ``memascend finetune --engine
+implementation: :func:`memascend.config.render.resolve` calls it for ``memascend finetune --engine
 memascend`` (and ``memascend plan``) before :func:`memascend.integrations.deepspeed.apply`; code
 that drives DeepSpeed itself can call it the same way with its model's parameter sizes::
 
@@ -16,12 +16,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from memascend.integrations.deepspeed.chunk_plan import resolve_chunk_numel
-from memascend.integrations.deepspeed.grad_norm import stock_sub_groups
-from memascend.settings import MemAscendSettings
+from memascend.config.settings import MemAscendSettings
 
 _FP32_BYTES = 4
 
@@ -40,6 +38,55 @@ MIN_SWAPPABLE_BYTES = 1024**2
 both ``max(MIN_AIO_BYTES, aio.block_size)``, 1 MiB with the default block size; smaller ones stay in DRAM."""
 
 
+AUTO_CHUNK_NUMEL = 8 << 20
+"""``optimizer_chunk_numel="auto"``: 8 Mi elements, 32 MiB of fp32 per tensor and request, 128 MiB
+for the step's four buffers (master weights, two moments, gradient). An NVMe drive reaches its
+sequential bandwidth with requests of a few MiB, so larger chunks buy no I/O speed, while the step's
+locked memory stays the same whatever the model (a 49152 x 2048 embedding alone is 100.7 M elements:
+12 chunks)."""
+
+
+def resolve_chunk_numel(value: int | str | None) -> int | None:
+    """Elements per chunk for a setting value: ``"auto"`` -> :data:`AUTO_CHUNK_NUMEL`, an integer
+    as given, ``None`` -> ``None`` (no chunking)."""
+    if value == "auto":
+        return AUTO_CHUNK_NUMEL
+    return None if value is None else int(value)
+
+
+def stock_sub_groups(params: Sequence[Any], sub_group_numel: int | None,
+                     numel_of: Callable[[Any], int]) -> list[list[Any]]:
+    """Split one parameter group into sub-groups exactly as stock ZeRO-3 does.
+
+    Mirrors the rule of ``DeepSpeedZeroOptimizer_Stage3._create_fp16_sub_groups`` (0.19.8): one
+    group when ``sub_group_numel`` is ``None`` or covers the whole group; otherwise parameters are
+    appended in order and a sub-group is closed as soon as it holds ``>= sub_group_numel``
+    elements (so a sub-group may exceed the size by up to one parameter), the last one at the end.
+
+    Args:
+        params: the parameters of one optimizer parameter group, in order.
+        sub_group_numel: ``zero_optimization.sub_group_size`` (elements).
+        numel_of: elements of one parameter's partition on this rank.
+
+    Returns:
+        The sub-groups, as lists of the given parameter objects.
+    """
+    params = list(params)
+    total = sum(numel_of(p) for p in params)
+    if sub_group_numel is None or sub_group_numel >= total:
+        return [params]
+    groups: list[list[Any]] = []
+    current: list[Any] = []
+    filled = 0
+    for index, param in enumerate(params):
+        current.append(param)
+        filled += numel_of(param)
+        if filled >= sub_group_numel or index == len(params) - 1:
+            groups.append(current)
+            current, filled = [], 0
+    return groups
+
+
 def auto_sub_group_numel(param_numels: Iterable[int], world_size: int = 1,
                          min_swappable_bytes: int = MIN_SWAPPABLE_BYTES) -> int:
     """Sub-group size for ``optimizer_sub_group_numel="auto"``: the largest parameter partition,
@@ -49,7 +96,7 @@ def auto_sub_group_numel(param_numels: Iterable[int], world_size: int = 1,
     largest partition; at that size the optimizer's ``states + 1`` locked fp32 buffers are as small
     as they can get and every sub-group is still at least one whole parameter (large I/O).
 
-    Stock grouping (:func:`~memascend.integrations.deepspeed.grad_norm.stock_sub_groups`) closes a
+    Stock grouping (:func:`~memascend.config.sizing.stock_sub_groups`) closes a
     sub-group once it reaches the size, so only the last one can be small. One below
     ``min_swappable_bytes`` of fp32 is kept in DRAM by the stock swapper, and DeepSpeed 0.19.8's
     ``load_checkpoint`` with the optimizer on NVMe restores only the swapped sub-groups (it copies
@@ -139,7 +186,7 @@ def auto_param_dram_numel(ds_config: Mapping[str, Any], param_numels: Iterable[i
     partition elements (``_create_param_groups_fp16_flat_cpu_memory``), 2 bytes per parameter in
     bf16/fp16 (4 in fp32): the largest host consumer of a large model. Without it the adaptive pool
     reads the partitions from NVMe when used, which costs pool slots and read time that only pay
-    off for a large model (:attr:`memascend.settings.MemAscendSettings.param_dram_numel`).
+    off for a large model (:attr:`memascend.config.settings.MemAscendSettings.param_dram_numel`).
 
     Args:
         ds_config: the DeepSpeed config (``bf16``/``fp16`` sections give the parameter dtype).

@@ -4,7 +4,7 @@
 (:func:`render_ds_config`: the user's JSON as the base, memascend's run settings, and the stock
 settings that would crash on this model, each recorded as :class:`Derived`), then for
 ``--engine memascend`` the memascend settings that live in DeepSpeed's own config, sized from the
-model by :func:`memascend.integrations.deepspeed.sizing.prepare_ds_config` (the seam's public API
+model by :func:`memascend.config.sizing.prepare_ds_config` (the seam's public API
 for scripts that drive DeepSpeed themselves; the same code). It also makes the run's two estimates
 that are checked before DeepSpeed starts: NVMe space (:func:`nvme_space_bytes`) and up-front locked
 memory (:func:`upfront_locked_bytes`). ``memascend finetune``, ``memascend plan``, the preflight
@@ -29,10 +29,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from memascend.config import RunConfig
-from memascend.ds_conflicts import check_train_batch_size
+from memascend.config.settings import MemAscendSettings
+from memascend.config.sizing import prepare_ds_config
+from memascend.config.user_ds import check_train_batch_size
 from memascend.errors import UserError
-from memascend.integrations.deepspeed.sizing import prepare_ds_config
-from memascend.settings import MemAscendSettings
 from memascend.units import DTYPE_BYTES, FP32_BYTES
 
 __all__ = [
@@ -199,7 +199,7 @@ def _derive_stock_max_in_cpu(z: dict, shape: ModelShape, world_size: int) -> lis
     :func:`memascend.train.preflight.check_stock_param_dram`); the default 1e9 is below every model of
     more than 1e9 parameters per rank. memascend's engine is left as is: its pool never runs out,
     and its ``param_dram_numel="auto"`` decides the DRAM copy
-    (:func:`memascend.integrations.deepspeed.sizing.auto_param_dram_numel`).
+    (:func:`memascend.config.sizing.auto_param_dram_numel`).
     """
     op = z["offload_param"]
     per_rank_numel = per_rank_param_numel(shape.param_numels, world_size)

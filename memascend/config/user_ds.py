@@ -9,21 +9,27 @@ optimizer state lives, the swap folder, ...):
   loader agree with what DeepSpeed runs), and a line says so (:attr:`Reconciled.notes`), also when it
   equals memascend's default;
 - set only by memascend: as before, memascend's value goes into the JSON
-  (:func:`memascend.resolve.render_ds_config`).
+  (:func:`memascend.config.render.render_ds_config`).
 
 A JSON value ``"auto"`` counts as not set.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from memascend.errors import UserError
+from memascend.errors import UserError, read_user_text
 
 _UNSET = object()
+
+DS_CONFIG_SECTION = "memascend"
+"""Name of the top-level key of a DeepSpeed config that holds the memascend settings
+(:class:`memascend.config.settings.MemAscendSettings`)."""
 
 SHARED_KEYS: tuple[tuple[str, str, str], ...] = (
     ("train", "micro_batch", "train_micro_batch_size_per_gpu"),
@@ -181,3 +187,38 @@ def check_train_batch_size(doc: Mapping, ds_name: str, micro_batch: int, grad_ac
     elif value != per_rank * world_size:
         raise UserError(f"{where} {value} is not micro-batch {micro_batch} x grad-accum {grad_accum} x {world_size} "
                         f"rank(s) = {per_rank * world_size} ({rule}): remove it or make them agree")
+
+
+def read_ds_config(path: str | Path) -> dict[str, Any]:
+    """Read a DeepSpeed config JSON file (``--deepspeed-config``): the one reader of the user's JSON.
+
+    Raises:
+        UserError: missing/unreadable file, invalid JSON or UTF-8, ``NaN``/``Infinity`` anywhere in
+            it, or a document that is not an object (``[1, 2, 3]``), or a ``"memascend"`` section
+            that is not an object.
+    """
+
+    def refuse_constant(name: str):
+        raise UserError(f"DeepSpeed config {path} holds {name}: every number must be finite")
+
+    text = read_user_text(path, "DeepSpeed config")
+    try:
+        doc = json.loads(text, parse_constant=refuse_constant)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"DeepSpeed config {path} is not valid JSON: line {exc.lineno}: {exc.msg}") from None
+    if not isinstance(doc, dict):
+        raise UserError(f"DeepSpeed config {path} must be a JSON object ({{...}}), got a {type(doc).__name__}")
+    if not isinstance(doc.get(DS_CONFIG_SECTION, {}), Mapping):
+        raise UserError(f"DeepSpeed config {path}: its \"memascend\" section must be a JSON object")
+    return doc
+
+
+def load_ds_config(ds_config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
+    """Return a DeepSpeed config as a dict: a copy of a mapping, or the file read by :func:`read_ds_config`.
+
+    Raises:
+        UserError: as :func:`read_ds_config`.
+    """
+    if isinstance(ds_config, Mapping):
+        return dict(ds_config)
+    return read_ds_config(ds_config)
