@@ -28,7 +28,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from memascend.config import RunConfig
+from memascend.config import ds_defaults
+from memascend.config.schema import RunConfig
 from memascend.config.settings import MemAscendSettings
 from memascend.config.sizing import prepare_ds_config
 from memascend.config.user_ds import check_train_batch_size
@@ -36,9 +37,6 @@ from memascend.errors import UserError
 from memascend.units import DTYPE_BYTES, FP32_BYTES
 
 __all__ = [
-    "DS_DEFAULT_MAX_IN_CPU_NUMEL",
-    "DS_DEFAULT_PARAM_BUFFER_COUNT",
-    "DS_DEFAULT_PARAM_BUFFER_SIZE_NUMEL",
     "Derived",
     "ModelShape",
     "ResolvedRun",
@@ -53,10 +51,6 @@ __all__ = [
     "upfront_locked_bytes",
 ]
 
-# DeepSpeed 0.19.8 defaults (deepspeed/runtime/zero/offload_config.py, zero/config.py).
-DS_DEFAULT_PARAM_BUFFER_COUNT = 5
-DS_DEFAULT_PARAM_BUFFER_SIZE_NUMEL = 100_000_000
-DS_DEFAULT_MAX_IN_CPU_NUMEL = 1_000_000_000
 AIO_ALIGN_NUMEL = 1024  # swap buffers are rounded to whole 4 KiB+ I/O units; keep headroom
 
 
@@ -203,11 +197,11 @@ def _derive_stock_max_in_cpu(z: dict, shape: ModelShape, world_size: int) -> lis
     """
     op = z["offload_param"]
     per_rank_numel = per_rank_param_numel(shape.param_numels, world_size)
-    if "max_in_cpu" in op or per_rank_numel <= DS_DEFAULT_MAX_IN_CPU_NUMEL:
+    if "max_in_cpu" in op or per_rank_numel <= ds_defaults.MAX_IN_CPU_NUMEL:
         return []
     op["max_in_cpu"] = per_rank_numel
-    return [Derived("zero_optimization.offload_param.max_in_cpu", per_rank_numel, DS_DEFAULT_MAX_IN_CPU_NUMEL,
-                    f"{per_rank_numel} parameter elements per rank > max_in_cpu {DS_DEFAULT_MAX_IN_CPU_NUMEL} "
+    return [Derived("zero_optimization.offload_param.max_in_cpu", per_rank_numel, ds_defaults.MAX_IN_CPU_NUMEL,
+                    f"{per_rank_numel} parameter elements per rank > max_in_cpu {ds_defaults.MAX_IN_CPU_NUMEL} "
                     "(stock would fail in step 2: 'Not enough swap in buffers')")]
 
 
@@ -216,7 +210,7 @@ def _derive_param_buffers(z: dict, shape: ModelShape, world_size: int) -> list[D
     out: list[Derived] = []
     op = z["offload_param"]
     largest_partition = math.ceil(shape.largest_numel / world_size)
-    size = op.get("buffer_size", DS_DEFAULT_PARAM_BUFFER_SIZE_NUMEL)
+    size = op.get("buffer_size", ds_defaults.PARAM_BUFFER_SIZE_NUMEL)
     if largest_partition > size:
         new = math.ceil(largest_partition / AIO_ALIGN_NUMEL) * AIO_ALIGN_NUMEL
         op["buffer_size"] = new
@@ -233,7 +227,7 @@ def _derive_param_buffers(z: dict, shape: ModelShape, world_size: int) -> list[D
     # in flight; one more slot covers the parameter being released while the next is fetched.
     most_per_module = max(shape.module_param_counts, default=1)
     need = 2 * most_per_module + 1
-    count = op.get("buffer_count", DS_DEFAULT_PARAM_BUFFER_COUNT)
+    count = op.get("buffer_count", ds_defaults.PARAM_BUFFER_COUNT)
     if count < need:
         op["buffer_count"] = need
         out.append(
@@ -308,8 +302,8 @@ def upfront_locked_bytes(ds_cfg: dict, dtype: str, largest_param_numel: int, wor
         return params + optimizer
     if op.get("device") != "nvme":
         return 0
-    count = int(op.get("buffer_count", DS_DEFAULT_PARAM_BUFFER_COUNT))
-    size = int(op.get("buffer_size", DS_DEFAULT_PARAM_BUFFER_SIZE_NUMEL))
+    count = int(op.get("buffer_count", ds_defaults.PARAM_BUFFER_COUNT))
+    size = int(op.get("buffer_size", ds_defaults.PARAM_BUFFER_SIZE_NUMEL))
     return count * size * elt
 
 

@@ -19,24 +19,14 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from memascend.config import ds_defaults
+from memascend.config.ds_defaults import ds_value
 from memascend.config.settings import MemAscendSettings
+from memascend.units import FP32_BYTES
 
-_FP32_BYTES = 4
-
-DS_DEFAULT_SUB_GROUP_NUMEL = 1_000_000_000
-"""``zero_optimization.sub_group_size`` when a config leaves it out (DeepSpeed 0.19.8 zero/config.py)."""
-DS_DEFAULT_REDUCE_BUCKET_NUMEL = 500_000_000
-"""``zero_optimization.reduce_bucket_size`` when a config leaves it out (DeepSpeed 0.19.8 zero/config.py)."""
 PARAM_DRAM_AUTO_MAX_BYTES = 1024**3
 """``param_dram_numel="auto"``: largest total of one rank's parameter partitions (bytes) whose DRAM
 copy is kept; above it every partition lives on NVMe only (``max_in_cpu`` 0)."""
-
-
-MIN_SWAPPABLE_BYTES = 1024**2
-"""Smallest tensor the stock swappers put on NVMe: an fp32 sub-group (0.19.8 ``OptimizerSwapper
-.is_swappable_tensor``) or a parameter partition (``AsyncPartitionedParameterSwapper.swappable_tensor``),
-both ``max(MIN_AIO_BYTES, aio.block_size)``, 1 MiB with the default block size; smaller ones stay in DRAM."""
-
 
 AUTO_CHUNK_NUMEL = 8 << 20
 """``optimizer_chunk_numel="auto"``: 8 Mi elements, 32 MiB of fp32 per tensor and request, 128 MiB
@@ -88,7 +78,7 @@ def stock_sub_groups(params: Sequence[Any], sub_group_numel: int | None,
 
 
 def auto_sub_group_numel(param_numels: Iterable[int], world_size: int = 1,
-                         min_swappable_bytes: int = MIN_SWAPPABLE_BYTES) -> int:
+                         min_swappable_bytes: int = ds_defaults.MIN_SWAPPABLE_BYTES) -> int:
     """Sub-group size for ``optimizer_sub_group_numel="auto"``: the largest parameter partition,
     grown until no sub-group stays in DRAM.
 
@@ -115,11 +105,11 @@ def auto_sub_group_numel(param_numels: Iterable[int], world_size: int = 1,
     parts = [math.ceil(int(n) / max(1, world_size)) for n in param_numels]
     if not parts:
         return 1
-    return max(1, _grow_until_swappable(parts, max(parts), -(-min_swappable_bytes // _FP32_BYTES)))
+    return max(1, _grow_until_swappable(parts, max(parts), -(-min_swappable_bytes // FP32_BYTES)))
 
 
 def auto_chunked_sub_group_numel(param_numels: Iterable[int], chunk_numel: int, world_size: int = 1,
-                                 min_swappable_bytes: int = MIN_SWAPPABLE_BYTES) -> int:
+                                 min_swappable_bytes: int = ds_defaults.MIN_SWAPPABLE_BYTES) -> int:
     """Sub-group size for ``optimizer_sub_group_numel="auto"`` when the step is chunked
     (:mod:`.chunked_step`): the one whose largest sub-group is smallest.
 
@@ -144,7 +134,7 @@ def auto_chunked_sub_group_numel(param_numels: Iterable[int], chunk_numel: int, 
     parts = [math.ceil(int(n) / max(1, world_size)) for n in param_numels]
     if not parts:
         return 1
-    min_numel = -(-min_swappable_bytes // _FP32_BYTES)
+    min_numel = -(-min_swappable_bytes // FP32_BYTES)
     unchunked = auto_sub_group_numel(parts, 1, min_swappable_bytes)
     best = (max(sum(group) for group in stock_sub_groups(parts, unchunked, int)), unchunked)
     candidates, size = set(), min(int(chunk_numel), sum(parts))
@@ -202,11 +192,9 @@ def auto_param_dram_numel(ds_config: Mapping[str, Any], param_numels: Iterable[i
         return None
     half = any((ds_config.get(key) or {}).get("enabled") for key in ("bf16", "fp16"))
     rank_numel = sum(math.ceil(int(n) / max(1, world_size)) for n in param_numels)
-    return 0 if rank_numel * (2 if half else _FP32_BYTES) > PARAM_DRAM_AUTO_MAX_BYTES else None
+    return 0 if rank_numel * (2 if half else FP32_BYTES) > PARAM_DRAM_AUTO_MAX_BYTES else None
 
 
-DS_DEFAULT_MAX_REUSE_DISTANCE_NUMEL = 1_000_000_000
-"""``zero_optimization.stage3_max_reuse_distance`` when a config leaves it out (DeepSpeed 0.19.8 zero/config.py)."""
 PARAM_POOL_AUTO_PREFETCH_LAYERS = 1
 """``param_pool_bytes="auto"``: layers the prefetcher may read ahead of the one computing."""
 _MAX_LAYER_PERIOD = 64
@@ -272,7 +260,7 @@ def auto_param_pool_bytes(param_numels: Iterable[int], elem_bytes: int, world_si
 
 
 def _param_elem_bytes(ds_config: Mapping[str, Any]) -> int:
-    return 2 if any((ds_config.get(key) or {}).get("enabled") for key in ("bf16", "fp16")) else _FP32_BYTES
+    return 2 if any((ds_config.get(key) or {}).get("enabled") for key in ("bf16", "fp16")) else FP32_BYTES
 
 
 def _resolve_param_pool_bytes(ds_config: Mapping[str, Any], settings: MemAscendSettings, dram: int | None,
@@ -286,7 +274,7 @@ def _resolve_param_pool_bytes(ds_config: Mapping[str, Any], settings: MemAscendS
     if param_numels is None or offload_param.get("device") != "nvme":
         return None
     numels = [int(n) for n in param_numels]
-    max_in_cpu = dram if isinstance(dram, int) else int(offload_param.get("max_in_cpu", 1_000_000_000))
+    max_in_cpu = dram if isinstance(dram, int) else ds_value(ds_config, "zero_optimization.offload_param.max_in_cpu")
     if sum(math.ceil(n / max(1, world_size)) for n in numels) <= max_in_cpu:
         return None  # every partition has its DRAM copy: the pool is not used
     return auto_param_pool_bytes(numels, _param_elem_bytes(ds_config), world_size)
@@ -320,7 +308,7 @@ def prepare_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings,
         The rewritten config and the resolved settings (pass those to ``apply``).
     """
     zero = ds_config.get("zero_optimization", {}) or {}
-    stock_sub_group = int(zero.get("sub_group_size", DS_DEFAULT_SUB_GROUP_NUMEL))
+    stock_sub_group = int(zero.get("sub_group_size", ds_defaults.SUB_GROUP_NUMEL))
     optimizer_on_nvme = (zero.get("offload_optimizer") or {}).get("device") == "nvme"
     sub_group = settings.optimizer_sub_group_numel
     if sub_group == "auto":
@@ -334,7 +322,7 @@ def prepare_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings,
     bucket = settings.reduce_bucket_numel
     if bucket == "auto":
         # One whole (unpartitioned) gradient must fit; the stock size is kept if it is smaller.
-        bucket = (min(max([int(n) for n in param_numels] or [1]), int(zero.get("reduce_bucket_size", DS_DEFAULT_REDUCE_BUCKET_NUMEL)))
+        bucket = (min(max([int(n) for n in param_numels] or [1]), int(zero.get("reduce_bucket_size", ds_defaults.REDUCE_BUCKET_NUMEL)))
                   if param_numels is not None else None)
     dram = settings.param_dram_numel
     if dram == "auto":
@@ -381,7 +369,7 @@ def rewrite_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings)
             and offload_param.get("device") == "nvme" and settings.enable_param_pool:
         window = max(1, settings.param_pool_bytes // _param_elem_bytes(ds_config))
         zero["stage3_max_reuse_distance"] = min(window, int(zero.get("stage3_max_reuse_distance",
-                                                                     DS_DEFAULT_MAX_REUSE_DISTANCE_NUMEL)))
+                                                                     ds_defaults.MAX_REUSE_DISTANCE_NUMEL)))
     if zero or "zero_optimization" in out:
         out["zero_optimization"] = zero
     return out

@@ -6,7 +6,8 @@ config and ``ResolvedRun.upfront_locked_bytes`` (:func:`~memascend.resolve.upfro
 
 from __future__ import annotations
 
-from memascend.config.render import DS_DEFAULT_MAX_IN_CPU_NUMEL, per_rank_param_numel
+from memascend.config.ds_defaults import MAX_IN_CPU_NUMEL as DS_DEFAULT_MAX_IN_CPU_NUMEL
+from memascend.config.render import per_rank_param_numel
 from memascend.errors import UserError
 from memascend.host.memlock import check_memlock
 from memascend.host.result import HostPaths, Status

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from memascend.config.render import DS_DEFAULT_PARAM_BUFFER_COUNT, DS_DEFAULT_PARAM_BUFFER_SIZE_NUMEL
+from memascend.config.ds_defaults import PARAM_BUFFER_COUNT as DS_DEFAULT_PARAM_BUFFER_COUNT
+from memascend.config.ds_defaults import PARAM_BUFFER_SIZE_NUMEL as DS_DEFAULT_PARAM_BUFFER_SIZE_NUMEL
 from memascend.memory.pool import AdaptiveSwapPool
 
 HIDDEN, INTERMEDIATE, KV, LAYERS, VOCAB = 576, 1536, 192, 30, 49152

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from memascend.config.ds_defaults import MIN_SWAPPABLE_BYTES
 from memascend.config.settings import MemAscendSettings
 from memascend.config.sizing import (
-    MIN_SWAPPABLE_BYTES,
     auto_param_dram_numel,
     auto_param_pool_bytes,
     auto_sub_group_numel,
