@@ -43,10 +43,10 @@ STR_FIELDS = _fields_of(str)
 BOOL_FIELDS = _fields_of(bool)
 
 
-def _flag(name: str) -> str:
-    from memascend.config.schema import _FLAGS
+def _flag(section: str, name: str) -> str:
+    from memascend.config.schema import flag_name
 
-    return _FLAGS.get(name, "--" + name.replace("_", "-"))
+    return flag_name(section, name)
 
 
 def test_the_sections_have_float_and_int_fields():
@@ -57,7 +57,7 @@ def test_the_sections_have_float_and_int_fields():
 @pytest.mark.parametrize("section, name", FLOAT_FIELDS)
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
 def test_non_finite_float_is_refused_naming_the_flag(section, name, value):
-    with pytest.raises(UserError, match=rf"^{_flag(name)}: Input should be a finite number, got {value}$"):
+    with pytest.raises(UserError, match=rf"^{_flag(section, name)}: Input should be a finite number, got {value}$"):
         build_run_config({}, {section: {name: value}})
 
 
@@ -72,7 +72,7 @@ def test_float_field_from_a_file_names_the_file_and_key(section, name, value, me
 @pytest.mark.parametrize("section, name", INT_FIELDS)
 @pytest.mark.parametrize("value", [1.5, 2.0, "7", True])
 def test_int_field_takes_only_integers(section, name, value):
-    with pytest.raises(UserError, match=rf"^{_flag(name)}: Input should be a valid integer, got {value!r}$"):
+    with pytest.raises(UserError, match=rf"^{_flag(section, name)}: Input should be a valid integer, got {value!r}$"):
         build_run_config({}, {section: {name: value}})
     with pytest.raises(UserError, match=rf"^run.toml: {section}\.{name}: Input should be a valid integer"):
         build_run_config({section: {name: value}}, {}, file_name="run.toml")

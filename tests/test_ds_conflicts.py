@@ -58,6 +58,15 @@ def test_a_flag_that_disagrees_stops_the_run_naming_both(ds, overrides, message)
     assert message.format(ds=ds) in str(exc.value) and "(give one of them)" in str(exc.value)
 
 
+def test_a_note_names_the_flag_that_sets_the_value(tmp_path):
+    """The flag comes from the schema: gradient_clipping is set by --max-grad-norm."""
+    path = tmp_path / "clip.json"
+    path.write_text(json.dumps({"gradient_clipping": 0.5}))
+    cfg = build_run_config({}, {"deepspeed_config": str(path)})
+    assert cfg.train.gradient_clipping == 0.5
+    assert cfg.ds_config_notes == (f"{path}: gradient_clipping = 0.5 is the run's --max-grad-norm (default 1)",)
+
+
 def test_a_config_file_value_counts_as_set_and_agreeing_values_pass(ds):
     with pytest.raises(UserError, match=r"^run.toml: train.lr 0.0001 disagrees with"):
         build_run_config({"train": {"lr": 1e-4}}, {"deepspeed_config": ds}, file_name="run.toml")

@@ -13,7 +13,7 @@ from typing import Any
 import tomllib
 
 from memascend.config.presets import parse_from_scratch
-from memascend.config.schema import SECTIONS, TOP_FIELDS, RunConfig, TrainConfig, _flag_name
+from memascend.config.schema import SECTIONS, TOP_FIELDS, RunConfig, TrainConfig, flag_at, flag_name
 from memascend.config.settings import DS_CONFIG_SECTION, MemAscendSettings
 from memascend.config.user_ds import read_ds_config
 from memascend.config.validate import dotted, validate_config
@@ -163,7 +163,7 @@ def build_run_config(file_values: dict[str, Any], overrides: dict[str, dict[str,
     def origin(section: str, name: str) -> str | None:
         """How the user set a section's field: the flag, the config file's key, or None (not set)."""
         if name in given[section]:
-            return _flag_name((section, name))
+            return flag_at((section, name))
         return f"{file_label}: {section}.{name}" if name in file_values.get(section, {}) else None
 
     adopted = _with_user_ds_config(merged, origin)
@@ -179,7 +179,7 @@ def build_run_config(file_values: dict[str, Any], overrides: dict[str, dict[str,
         in_section = loc[0] in SECTIONS
         from_flag = (len(loc) > 1 and loc[1] in given[loc[0]]) if in_section else loc[0] in given_top
         if from_flag:
-            return _flag_name(loc)
+            return flag_at(loc)
         return f"{file_name}: {dotted(loc)}" if file_name is not None else dotted(loc)
 
     return validate_config(RunConfig, merged, name_of)
@@ -201,7 +201,7 @@ def _with_user_ds_config(merged: dict[str, Any], origin) -> dict[tuple[str, str]
     if not isinstance(path, str):
         return {}
     doc = read_ds_config(path)
-    done = reconcile(merged, origin, doc, path, lambda section, name: getattr(SECTIONS[section](), name))
+    done = reconcile(merged, origin, doc, path, lambda section, name: getattr(SECTIONS[section](), name), flag_name)
     merged["user_ds_config"] = doc
     merged["memascend"] = MemAscendSettings.from_mapping(doc.get(DS_CONFIG_SECTION, {}))
     merged["ds_config_notes"] = tuple(done.notes)

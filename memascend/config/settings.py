@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+from memascend.config.flags import cli
 from memascend.config.user_ds import DS_CONFIG_SECTION, load_ds_config
 from memascend.errors import UserError
 from memascend.units import parse_size_bytes
@@ -187,7 +188,13 @@ class MemAscendSettings:
     param_dram_numel: int | Literal["auto"] | None = "auto"
     enable_malloc_policy: bool = True
     param_pool_bytes: int | Literal["auto"] | None = "auto"
-    host_memory_budget: int | None = None
+    host_memory_budget: int | None = dataclasses.field(default=None, metadata=cli(
+        "host memory budget", 0, "--host-memory-budget", kind="size", help=
+        "Host memory (peak RSS, locked included, all ranks of this host) the run must stay under, e.g. "
+        "4GiB: memascend picks the parameter pool, prefetch depth, DRAM copy and optimizer chunk that "
+        "fit with the best expected step time (memascend plan's model), prints the choice, and refuses a "
+        'budget nothing fits, naming the smallest that would; the "memascend" section\'s '
+        "host_memory_budget key does the same [default: no budget]"))
     enable_grad_buffer_release: bool = True
     enable_optimizer_buffer_release: bool = True
     reduce_bucket_numel: int | Literal["auto"] | None = "auto"

@@ -93,7 +93,7 @@ def _json_dtypes(doc: Mapping) -> set[str]:
 
 
 def reconcile(merged: dict[str, Any], origin: Callable[[str, str], str | None], doc: Mapping, ds_name: str,
-              defaults: Callable[[str, str], Any]) -> Reconciled:
+              defaults: Callable[[str, str], Any], flag_name: Callable[[str, str], str]) -> Reconciled:
     """Check the merged config values against the user's DeepSpeed JSON and adopt the JSON's values
     where the user set none (in place).
 
@@ -105,6 +105,7 @@ def reconcile(merged: dict[str, Any], origin: Callable[[str, str], str | None], 
         doc: the JSON (``--deepspeed-config``'s content).
         ds_name: the JSON file, as errors and notes name it.
         defaults: ``(section, field)`` -> memascend's default value.
+        flag_name: ``(section, field)`` -> the flag that sets it (``--max-grad-norm``), as notes name it.
 
     Raises:
         UserError: a value the user set disagrees with the JSON's, e.g. ``--lr 0.0001 disagrees with
@@ -116,7 +117,7 @@ def reconcile(merged: dict[str, Any], origin: Callable[[str, str], str | None], 
         value = _get(doc, path)
         if value is _UNSET:
             continue
-        _settle(merged, origin, done, (section, name), path, value, ds_name, defaults)
+        _settle(merged, origin, done, (section, name), path, value, ds_name, defaults, flag_name(section, name))
     allowed = _json_dtypes(doc)
     if allowed != {"bf16", "fp16", "fp32"}:
         dtype = merged["train"].get("dtype", defaults("train", "dtype"))
@@ -133,7 +134,7 @@ def reconcile(merged: dict[str, Any], origin: Callable[[str, str], str | None], 
 
 
 def _settle(merged: dict, origin: Callable, done: Reconciled, key: tuple[str, str], path: str, value: Any,
-            ds_name: str, defaults: Callable) -> None:
+            ds_name: str, defaults: Callable, flag: str) -> None:
     section, name = key
     where = origin(section, name)
     if where is not None:
@@ -149,7 +150,6 @@ def _settle(merged: dict, origin: Callable, done: Reconciled, key: tuple[str, st
     merged[section][name] = value
     done.adopted[key] = path
     default = defaults(section, name)
-    flag = "--" + {"param": "offload-param", "optimizer": "offload-optimizer"}.get(name, name.replace("_", "-"))
     shown = "the default as well" if _same(key, default, value) else f"default {_show(default)}"
     done.notes.append(f"{ds_name}: {path} = {_show(value)} is the run's {flag} ({shown})")
 
