@@ -24,6 +24,10 @@ from memascend.config.ds_defaults import ds_value
 from memascend.config.settings import MemAscendSettings
 from memascend.units import FP32_BYTES
 
+MODEL_SIZED_SETTINGS = ("optimizer_sub_group_numel", "reduce_bucket_numel", "param_dram_numel", "param_pool_bytes")
+"""The :class:`MemAscendSettings` that live in DeepSpeed's own config and may be ``"auto"``:
+:func:`prepare_ds_config` sizes them from the model's parameters."""
+
 PARAM_DRAM_AUTO_MAX_BYTES = 1024**3
 """``param_dram_numel="auto"``: largest total of one rank's parameter partitions (bytes) whose DRAM
 copy is kept; above it every partition lives on NVMe only (``max_in_cpu`` 0)."""

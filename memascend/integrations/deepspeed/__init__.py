@@ -96,10 +96,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memascend.config.settings import DS_CONFIG_SECTION, MemAscendSettings
-from memascend.config.sizing import prepare_ds_config, resolve_chunk_numel, rewrite_ds_config
+from memascend.config.sizing import (
+    MODEL_SIZED_SETTINGS,
+    prepare_ds_config,
+    resolve_chunk_numel,
+    rewrite_ds_config,
+)
 from memascend.errors import UserError
 from memascend.integrations.deepspeed.accounting import swap_buffer_breakdown
-from memascend.integrations.deepspeed.init_resolve import CONFIG_KEYS
 from memascend.integrations.deepspeed.patches import PatchRecord, PatchRegistry
 
 if TYPE_CHECKING:
@@ -441,7 +445,7 @@ _FLAG_GROUPS: tuple[tuple[Callable[[MemAscendSettings], bool], Callable[[MemAsce
     (lambda s: s.enable_fused_overflow_check, _patch_fused_overflow),
     (lambda s: s.optimizer_chunk_numel is not None, _patch_chunked_step),
     (lambda s: s.optimizer_chunk_numel is not None and s.enable_optimizer_pool, _patch_chunked_swap_out),
-    (lambda s: any(getattr(s, key) is not None for key in CONFIG_KEYS), _patch_initialize),
+    (lambda s: any(getattr(s, key) is not None for key in MODEL_SIZED_SETTINGS), _patch_initialize),
 )
 
 

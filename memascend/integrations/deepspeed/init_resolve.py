@@ -32,14 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from memascend.config.settings import DS_CONFIG_SECTION, MemAscendSettings
-from memascend.config.sizing import prepare_ds_config
+from memascend.config.sizing import MODEL_SIZED_SETTINGS, prepare_ds_config
 from memascend.config.user_ds import read_ds_config
 from memascend.errors import UserError
 
-__all__ = ["CONFIG_KEYS", "has_auto", "make_initialize", "model_param_numels", "warn"]
-
-CONFIG_KEYS = ("optimizer_sub_group_numel", "reduce_bucket_numel", "param_dram_numel", "param_pool_bytes")
-"""The settings that live in DeepSpeed's config and may be ``"auto"``."""
+__all__ = ["has_auto", "make_initialize", "model_param_numels", "warn"]
 
 
 def warn(message: str) -> None:
@@ -48,8 +45,8 @@ def warn(message: str) -> None:
 
 
 def has_auto(settings: MemAscendSettings) -> bool:
-    """Whether any of :data:`CONFIG_KEYS` is ``"auto"`` in ``settings``."""
-    return any(getattr(settings, key) == "auto" for key in CONFIG_KEYS)
+    """Whether any of :data:`~memascend.config.sizing.MODEL_SIZED_SETTINGS` is ``"auto"`` in ``settings``."""
+    return any(getattr(settings, key) == "auto" for key in MODEL_SIZED_SETTINGS)
 
 
 def model_param_numels(model: Any) -> list[int]:
