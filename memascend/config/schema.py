@@ -107,7 +107,9 @@ class DataConfig:
     eval_blocks: int = field(default=16, metadata=cli("run", 0, "--eval-blocks", help=
         "Held-out blocks evaluated before/after training [default: 16]"))
     """Held-out blocks (of ``seq_len`` tokens) evaluated before and after training; 0 disables."""
-    max_documents: int | None = None
+    max_documents: int | None = field(default=None, metadata=cli("data", 5, "--max-documents", help=
+        "Read at most this many documents/conversations of --data, in order (a quick run on part of a large "
+        "data set) [default: all]"))
     """Read at most this many documents/conversations (``None``: all)."""
     format: DataFormat = field(default="auto", metadata=cli("data", 1, "--data-format", help=
         "Row format: text, chat (messages), alpaca (instruction/input/output), sharegpt (conversations "
@@ -140,7 +142,7 @@ class DataConfig:
         if self.eval_blocks < 0:
             raise UserError(f"--eval-blocks must be >= 0, got {self.eval_blocks}")
         if self.max_documents is not None and self.max_documents < 1:
-            raise UserError(f"[data] max_documents must be >= 1, got {self.max_documents}")
+            raise UserError(f"--max-documents ([data] max_documents) must be >= 1, got {self.max_documents}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -96,5 +96,16 @@ def test_errors_name_the_flag_the_schema_declares():
     assert schema.flag_name("train", "gradient_clipping") == "--max-grad-norm"
     assert schema.flag_name("offload", "enable_crc") == "--no-crc"
     assert schema.flag_name("", "output_dir") == "--output"
-    assert schema.flag_name("data", "max_documents") == "--max-documents"  # no flag: the field's name
+    assert schema.flag_name("data", "max_data_bytes") == "--max-data-bytes"  # no such field: its name
     assert schema.flag_at(("model", "from_scratch", "hidden_size")) == "--from-scratch: hidden_size"
+
+
+def test_max_documents_is_a_flag_of_the_data_group(tmp_path):
+    """A setting whose flag was added on its field only: finetune, plan and doctor take it."""
+    data = next(g for g in options.GROUPS if g.title == "data")
+    assert data.names[-1] == "max_documents"
+    cfg = options.run_config_from_flags({"max_documents": 3})
+    assert cfg.data.max_documents == 3
+    assert options.run_config_from_flags({"max_documents": None}).data.max_documents is None
+    res = CliRunner().invoke(cli, ["plan", "--from-scratch", "llama-tiny", "--max-documents", "0"])
+    assert res.exit_code == 2 and "--max-documents ([data] max_documents) must be >= 1, got 0" in res.output
