@@ -10,8 +10,8 @@ that are checked before DeepSpeed starts: NVMe space (:func:`nvme_space_bytes`) 
 memory (:func:`upfront_locked_bytes`). ``memascend finetune``, ``memascend plan``, the preflight
 checks and ``memascend doctor`` all use these.
 
-The baseline keeps DeepSpeed 0.19.8's own defaults except where a default would crash on the model
-at hand. Two stock failures are avoided:
+The baseline keeps DeepSpeed 0.19.8's own defaults (:mod:`memascend.config.ds_defaults`) except where a
+default would crash on the model at hand. Two stock failures are avoided:
 
 - "More elements N than buffer size" (DeepSpeed #3506): every parameter swap buffer must hold the
   largest parameter partition (``offload_param.buffer_size``, in elements, default 1e8).
