@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
         ma_ds.apply_from_config(cfg)  # before the model is built; deepspeed.initialize sizes the rest
     elif args.baseline:
         import memascend.integrations.deepspeed as ma_ds
-        from memascend.settings import MemAscendSettings
+        from memascend.config.settings import MemAscendSettings
 
         ma_ds.apply(MemAscendSettings.baseline())  # every optimization off, the correctness fixes on
     training_args = TrainingArguments(

@@ -4,7 +4,7 @@ from memascend.config import (
     FROM_SCRATCH_PRESETS,
     FromScratchConfig,
     build_run_config,
-    load_toml,
+    load_config_file,
     parse_from_scratch,
 )
 from memascend.errors import UserError
@@ -21,7 +21,7 @@ def test_defaults_are_the_documented_main_job():
 def test_cli_overrides_file_and_none_means_not_given(tmp_path):
     f = tmp_path / "run.toml"
     f.write_text('engine = "baseline"\n[train]\nlr = 0.5\nsteps = 7\n[data]\nseq_len = 128\n')
-    cfg = build_run_config(load_toml(f), {"train": {"lr": 0.25, "steps": None}, "data": {"seq_len": None}})
+    cfg = build_run_config(load_config_file(f), {"train": {"lr": 0.25, "steps": None}, "data": {"seq_len": None}})
     assert cfg.train.lr == 0.25 and cfg.train.steps == 7 and cfg.data.seq_len == 128
 
 
@@ -37,14 +37,14 @@ def test_bad_toml_is_a_user_error(tmp_path, text, match):
     f = tmp_path / "bad.toml"
     f.write_text(text)
     with pytest.raises(UserError, match=match):
-        load_toml(f)
+        load_config_file(f)
 
 
 def test_an_unknown_key_in_a_section_names_the_file_and_key(tmp_path):
     f = tmp_path / "bad.toml"
     f.write_text("[train]\nbogus = 1\n")
     with pytest.raises(UserError, match=r"bad.toml: train.bogus: Unexpected keyword argument"):
-        build_run_config(load_toml(f), {}, file_name=f)
+        build_run_config(load_config_file(f), {}, file_name=f)
 
 
 def test_yaml_config_is_read_like_toml(tmp_path):
@@ -138,7 +138,7 @@ def test_max_data_bytes_is_a_byte_count_in_the_file_and_a_size_as_a_flag(tmp_pat
 
 def test_missing_toml_file():
     with pytest.raises(UserError, match="config file not found"):
-        load_toml("/nonexistent/run.toml")
+        load_config_file("/nonexistent/run.toml")
 
 
 @pytest.mark.parametrize(
@@ -244,7 +244,7 @@ def test_the_swap_target_is_classified_when_the_config_is_built(tmp_path):
 
 
 def test_the_memascend_section_is_parsed_when_the_config_is_built(tmp_path):
-    from memascend.settings import MemAscendSettings
+    from memascend.config.settings import MemAscendSettings
 
     ds = tmp_path / "ds.json"
     ds.write_text('{"memascend": {"param_prefetch_slots": 8}, "gradient_clipping": 0.5}')

@@ -13,7 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 from memascend.cli.main import cli
-from memascend.config import _SECTIONS, _TOP_FIELDS, build_run_config, load_config_file
+from memascend.config import build_run_config, load_config_file
+from memascend.config.schema import SECTIONS, TOP_FIELDS
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 FILES = [EXAMPLES / "finetune.toml", EXAMPLES / "finetune.yaml"]
@@ -27,7 +28,7 @@ def test_toml_and_yaml_say_the_same():
 def test_every_key_is_documented(path):
     text = path.read_text()
     sep = " =" if path.suffix == ".toml" else ":"
-    keys = list(_TOP_FIELDS) + [f.name for cls in _SECTIONS.values() for f in dataclasses.fields(cls) if f.init]
+    keys = list(TOP_FIELDS) + [f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls) if f.init]
     missing = [k for k in keys if not re.search(rf"^\s*(# )?{k}{sep}", text, re.M)]
     assert not missing, f"{path.name} does not show {missing} (add each new config field, commented)"
 

@@ -1,4 +1,4 @@
-"""Every field of every config section is checked against its type (pydantic, strict: memascend/validate.py),
+"""Every field of every config section is checked against its type (pydantic, strict: memascend/config/validate.py),
 so a value from a --config file or a flag can never reach the run unchecked: non-finite numbers (nan, inf)
 in any float field, a non-integer in an int field, a string where a number goes, a number where a string
 goes. The checks are generic (from the dataclass annotations), so fields added later are covered too, and
@@ -14,20 +14,20 @@ import typing
 import pytest
 
 from memascend.config import (
-    _SECTIONS,
     MAX_EPOCHS,
     MAX_SEED,
     MAX_STEPS,
     build_run_config,
-    load_toml,
+    load_config_file,
     parse_from_scratch,
 )
+from memascend.config.schema import SECTIONS
 from memascend.errors import UserError
 
 
 def _fields_of(kind) -> list[tuple[str, str]]:
     out = []
-    for section, cls in _SECTIONS.items():
+    for section, cls in SECTIONS.items():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             hint = hints[f.name]
@@ -43,10 +43,10 @@ STR_FIELDS = _fields_of(str)
 BOOL_FIELDS = _fields_of(bool)
 
 
-def _flag(name: str) -> str:
-    from memascend.config import _FLAGS
+def _flag(section: str, name: str) -> str:
+    from memascend.config.schema import flag_name
 
-    return _FLAGS.get(name, "--" + name.replace("_", "-"))
+    return flag_name(section, name)
 
 
 def test_the_sections_have_float_and_int_fields():
@@ -57,7 +57,7 @@ def test_the_sections_have_float_and_int_fields():
 @pytest.mark.parametrize("section, name", FLOAT_FIELDS)
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
 def test_non_finite_float_is_refused_naming_the_flag(section, name, value):
-    with pytest.raises(UserError, match=rf"^{_flag(name)}: Input should be a finite number, got {value}$"):
+    with pytest.raises(UserError, match=rf"^{_flag(section, name)}: Input should be a finite number, got {value}$"):
         build_run_config({}, {section: {name: value}})
 
 
@@ -72,7 +72,7 @@ def test_float_field_from_a_file_names_the_file_and_key(section, name, value, me
 @pytest.mark.parametrize("section, name", INT_FIELDS)
 @pytest.mark.parametrize("value", [1.5, 2.0, "7", True])
 def test_int_field_takes_only_integers(section, name, value):
-    with pytest.raises(UserError, match=rf"^{_flag(name)}: Input should be a valid integer, got {value!r}$"):
+    with pytest.raises(UserError, match=rf"^{_flag(section, name)}: Input should be a valid integer, got {value!r}$"):
         build_run_config({}, {section: {name: value}})
     with pytest.raises(UserError, match=rf"^run.toml: {section}\.{name}: Input should be a valid integer"):
         build_run_config({section: {name: value}}, {}, file_name="run.toml")
@@ -110,10 +110,10 @@ def test_toml_nan_and_inf_literals_are_refused(tmp_path):
     f = tmp_path / "run.toml"
     f.write_text("[train]\nlr = nan\n")
     with pytest.raises(UserError, match=r"run.toml: train.lr: Input should be a finite number, got nan"):
-        build_run_config(load_toml(f), {}, file_name=f)
+        build_run_config(load_config_file(f), {}, file_name=f)
     f.write_text("[data]\neval_blocks = -inf\n")
     with pytest.raises(UserError, match=r"run.toml: data.eval_blocks: Input should be a valid integer, got -inf"):
-        build_run_config(load_toml(f), {}, file_name=f)
+        build_run_config(load_config_file(f), {}, file_name=f)
 
 
 def test_bounds():

@@ -1,4 +1,4 @@
-"""--deepspeed-config against flags and --config (memascend/ds_conflicts.py): a value the user set and a
+"""--deepspeed-config against flags and --config (memascend/config/user_ds.py): a value the user set and a
 different JSON value stop the run naming both; a JSON value nobody else set becomes the run's and is
 reported; the same value twice is fine."""
 
@@ -58,6 +58,15 @@ def test_a_flag_that_disagrees_stops_the_run_naming_both(ds, overrides, message)
     assert message.format(ds=ds) in str(exc.value) and "(give one of them)" in str(exc.value)
 
 
+def test_a_note_names_the_flag_that_sets_the_value(tmp_path):
+    """The flag comes from the schema: gradient_clipping is set by --max-grad-norm."""
+    path = tmp_path / "clip.json"
+    path.write_text(json.dumps({"gradient_clipping": 0.5}))
+    cfg = build_run_config({}, {"deepspeed_config": str(path)})
+    assert cfg.train.gradient_clipping == 0.5
+    assert cfg.ds_config_notes == (f"{path}: gradient_clipping = 0.5 is the run's --max-grad-norm (default 1)",)
+
+
 def test_a_config_file_value_counts_as_set_and_agreeing_values_pass(ds):
     with pytest.raises(UserError, match=r"^run.toml: train.lr 0.0001 disagrees with"):
         build_run_config({"train": {"lr": 1e-4}}, {"deepspeed_config": ds}, file_name="run.toml")
@@ -82,7 +91,7 @@ def test_a_json_value_of_the_wrong_type_names_the_json_key(tmp_path):
 
 
 def test_the_rendered_json_is_what_the_run_config_says(ds):
-    from memascend.resolve import ModelShape, resolve
+    from memascend.config.render import ModelShape, resolve
 
     cfg = build_run_config({}, {"deepspeed_config": ds, "model": {"from_scratch": "llama-tiny"}})
     run = resolve(cfg, ModelShape(1000, (600, 400), (1, 1)), world_size=1)
@@ -108,7 +117,7 @@ def test_train_batch_size_follows_deepspeed_s_batch_rule(tmp_path, value, micro,
     when the DeepSpeed config is rendered what fails for this one; one line naming the JSON."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from memascend.resolve import ModelShape, render_ds_config
+    from memascend.config.render import ModelShape, render_ds_config
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_batch_size": value}))

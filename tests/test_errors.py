@@ -5,8 +5,8 @@ import os
 import pytest
 
 from memascend.config import load_config_file
+from memascend.config.user_ds import read_ds_config
 from memascend.errors import UserError, read_user_text
-from memascend.settings import read_ds_config
 
 
 def test_read_user_text_names_the_file_and_the_problem(tmp_path):

@@ -1,4 +1,4 @@
-"""memascend.families: the architectures ``--from-scratch`` builds, their parameter counts (checked
+"""memascend.config.families: the architectures ``--from-scratch`` builds, their parameter counts (checked
 against meta-device instances of the real ``transformers`` models), their configs and bad values."""
 
 from __future__ import annotations
@@ -9,8 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from memascend import families
-from memascend.config import FROM_SCRATCH_PRESETS, FromScratchConfig, parse_from_scratch
+from memascend.config import FROM_SCRATCH_PRESETS, FromScratchConfig, families, parse_from_scratch
 from memascend.errors import UserError
 from memascend.models.loading import from_scratch_config
 

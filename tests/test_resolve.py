@@ -1,4 +1,4 @@
-"""The one resolver (issue 20 item 3): :func:`memascend.resolve.resolve` gives the DeepSpeed JSON, the derived
+"""The one resolver (issue 20 item 3): :func:`memascend.config.render.resolve` gives the DeepSpeed JSON, the derived
 settings and the seam settings of the three-stage pipeline it replaced (render -> ``"memascend"`` section ->
 ``prepare_ds_config``), and the planner, the preflight checks and ``memascend doctor`` report its estimates.
 
@@ -20,16 +20,16 @@ from pathlib import Path
 import pytest
 
 from memascend.config import build_run_config
-from memascend.integrations import deepspeed as seam
-from memascend.integrations.deepspeed.sizing import prepare_ds_config
-from memascend.resolve import (
+from memascend.config.render import (
     NVME_SPACE_MARGIN,
     ModelShape,
     nvme_swap_bytes,
     render_ds_config,
     resolve,
 )
-from memascend.settings import MemAscendSettings
+from memascend.config.settings import MemAscendSettings
+from memascend.config.sizing import prepare_ds_config
+from memascend.integrations import deepspeed as seam
 
 GOLDEN = json.loads((Path(__file__).parent / "resolve_golden.json").read_text())
 USERS: dict[str, dict | None] = GOLDEN["users"]
@@ -135,7 +135,7 @@ def test_the_swap_folder_can_come_later(shapes):
 
 def test_the_seam_api_is_the_resolver_path(shapes, monkeypatch):
     """``prepare_ds_config`` (the seam's public API) is what the resolver runs, not a copy of it."""
-    import memascend.resolve as resolve_mod
+    import memascend.config.render as resolve_mod
 
     calls = []
 
@@ -151,13 +151,14 @@ def test_the_seam_api_is_the_resolver_path(shapes, monkeypatch):
 
 
 def test_the_user_json_is_read_and_its_section_parsed_once(shapes, user_files, monkeypatch):
-    import memascend.config as config_mod
+    from memascend.config import loader, schema, user_ds
     from memascend.plan import plan_run
     from memascend.plan.shapes import ModelDims
 
     reads = []
-    real = config_mod.read_ds_config
-    monkeypatch.setattr(config_mod, "read_ds_config", lambda path: reads.append(path) or real(path))
+    real = user_ds.read_ds_config
+    for module in (loader, schema):  # the two readers of --deepspeed-config
+        monkeypatch.setattr(module, "read_ds_config", lambda path: reads.append(path) or real(path))
     cfg = build_run_config({}, {"deepspeed_config": user_files["section"], "model": {"from_scratch": "llama-tiny"}})
     assert cfg.memascend == MemAscendSettings.from_mapping(USERS["section"]["memascend"])
     assert cfg.user_ds_config == USERS["section"]
@@ -174,8 +175,8 @@ def test_the_user_json_is_read_and_its_section_parsed_once(shapes, user_files, m
 @pytest.mark.parametrize("engine", ["memascend", "baseline"])
 @pytest.mark.parametrize("user", ["none", "sizes"])
 def test_plan_preflight_and_the_swap_folder_use_the_resolvers_estimates(engine, world, user, shapes, user_files):
+    from memascend.config.render import nvme_space_bytes, upfront_locked_bytes
     from memascend.plan import model_dims, plan_run
-    from memascend.resolve import nvme_space_bytes, upfront_locked_bytes
     from memascend.units import DTYPE_BYTES
 
     cfg = build_run_config({}, {"engine": engine, "deepspeed_config": user_files.get(user),

@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from tools import config_reference
 from tools import readme_blocks as rb
 from tools import readme_caps as rc
 
@@ -57,7 +58,8 @@ BLOCKS: dict[str, Callable[[rb.Baselines], str]] = {
     "chunking-table": rc.chunking_table,
     "chunking-notes": rc.chunking_notes,
     "caps-plan-notes": rc.caps_plan_notes,
-    "memascend-settings": rb.settings_reference,
+    "memascend-settings": config_reference.settings_reference,
+    "run-settings": config_reference.run_settings_reference,
 }
 """Block name -> renderer (a function of the profile's baselines, returning markdown)."""
 

@@ -528,30 +528,3 @@ def families_notes(b: Baselines) -> str:
             f"{_pct_span([_ratio(r, 'peak_rss_ratio') for r in rs])} of stock's, locked memory "
             f"{_pct_span([_ratio(r, 'peak_locked_ratio') for r in rs])}, step time "
             f"{_span([_ratio(r, 'step_time_ratio') for r in rs])}x (one run each on a loaded 2-core VM).")
-
-
-def _rst_to_md(text: str) -> str:
-    """A docstring paragraph as one markdown line: ``x`` and :role:`x` (``~`` keeps the last part) as
-    code, whitespace collapsed, table pipes escaped."""
-    import re
-
-    text = re.sub(r":\w+:`~?([^`]+)`", lambda m: "`" + (m.group(1).rsplit(".", 1)[-1] if m.group(0).count("~")
-                                                         else m.group(1)) + "`", text)
-    text = text.replace("``", "`")
-    return " ".join(text.split()).replace("|", "\\|")
-
-
-def settings_reference(_b: Baselines | None = None) -> str:
-    """The ``"memascend"`` section's keys: one row per field of :class:`MemAscendSettings` with its
-    default (as JSON) and its docstring entry (the schema is the source; nothing is typed here)."""
-    import dataclasses
-    import inspect
-    import re
-
-    from memascend.settings import MemAscendSettings
-
-    attrs = inspect.getdoc(MemAscendSettings).split("Attributes:\n", 1)[1]
-    docs = dict(re.findall(r"^    (\w+): (.*?)(?=^    \w+: |\Z)", attrs, re.S | re.M))
-    rows = [[f"`{f.name}`", f"`{json.dumps(f.default)}`", _rst_to_md(docs[f.name])]
-            for f in dataclasses.fields(MemAscendSettings)]
-    return _md(["key", "default", "what it does"], rows)

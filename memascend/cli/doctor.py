@@ -18,7 +18,7 @@ from memascend.host.result import format_bytes
 
 if TYPE_CHECKING:
     from memascend.config import RunConfig
-    from memascend.resolve import ResolvedRun
+    from memascend.config.render import ResolvedRun
 
 _STYLE = {Status.PASS: "green", Status.WARN: "yellow", Status.FAIL: "bold red", Status.SKIP: "dim"}
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from memascend.config import OffloadConfig, RunConfig, SwapTarget, is_block_device
+from memascend.config.render import ModelShape, ResolvedRun, resolve
 from memascend.host.aio_syscalls import check_aio_syscalls
 from memascend.host.devices import check_device
 from memascend.host.extensions import check_build_locks, check_extension, op_names
@@ -21,7 +22,6 @@ from memascend.host.libraries import check_library
 from memascend.host.memlock import check_memlock
 from memascend.host.result import CheckResult, HostPaths, Status
 from memascend.host.storage import check_nvme_path
-from memascend.resolve import ModelShape, ResolvedRun, resolve
 
 BUILTIN_MODEL_NUMEL = 134_515_008
 """Parameters of SmolLM2-135M, the built-in run's model (tied embedding once)."""

@@ -19,8 +19,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from memascend import families
-from memascend.config import FromScratchConfig, ModelConfig
+from memascend.config import FromScratchConfig, ModelConfig, families
 from memascend.errors import UserError
 from memascend.models import hub
 
@@ -262,7 +261,7 @@ def max_positions(src: ModelSource, from_scratch: FromScratchConfig | None) -> i
 def from_scratch_config(fs: FromScratchConfig):
     """The ``transformers`` config of a from-scratch model: ``LlamaConfig`` (embeddings tied, like
     SmolLM2, unless ``fs.tie_word_embeddings`` is false: then ``lm_head`` has its own weight), or the
-    config class of ``fs.arch`` (:func:`memascend.families.hf_config`)."""
+    config class of ``fs.arch`` (:func:`memascend.config.families.hf_config`)."""
     return families.hf_config(fs)
 
 

@@ -23,13 +23,14 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from memascend.config import RunConfig
+from memascend.config import RunConfig, ds_defaults
+from memascend.config.ds_defaults import ds_value
+from memascend.config.render import ModelShape, resolve
+from memascend.config.settings import MemAscendSettings
+from memascend.config.sizing import auto_param_pool_bytes
 from memascend.errors import UserError
-from memascend.integrations.deepspeed.sizing import DS_DEFAULT_MAX_REUSE_DISTANCE_NUMEL, auto_param_pool_bytes
 from memascend.plan.model import EnginePlan, plan_engine
 from memascend.plan.shapes import ModelDims, live_window_partitions, model_dims
-from memascend.resolve import ModelShape, resolve
-from memascend.settings import MemAscendSettings
 from memascend.units import DTYPE_BYTES, GIB
 
 BUDGET_HEADROOM_FRACTION = 0.10
@@ -51,7 +52,7 @@ class Knob:
     """One sizing setting the budget may choose.
 
     Attributes:
-        name: a :class:`memascend.settings.MemAscendSettings` field.
+        name: a :class:`memascend.config.settings.MemAscendSettings` field.
         candidates: ``candidates(dims, cfg, world_size)``: the values to try, fastest first.
     """
 
@@ -68,7 +69,7 @@ def _chunk_numel(value: Any) -> int | None:
     """Elements per optimizer chunk of an ``optimizer_chunk_numel`` value (``None``: no chunks)."""
     if value == "auto":
         try:
-            from memascend.integrations.deepspeed.chunk_plan import AUTO_CHUNK_NUMEL
+            from memascend.config.sizing import AUTO_CHUNK_NUMEL
         except ImportError:
             return 8 << 20
         return int(AUTO_CHUNK_NUMEL)
@@ -141,16 +142,16 @@ def expected_step_cost_s(cfg: RunConfig, dims: ModelDims, plan_cfg: dict, settin
     w = world_size
     z = plan_cfg.get("zero_optimization", {})
     parts = [math.ceil(n / w) for n in dims.param_numels]
-    max_in_cpu = int(z.get("offload_param", {}).get("max_in_cpu", 1_000_000_000))
+    max_in_cpu = ds_value(plan_cfg, "zero_optimization.offload_param.max_in_cpu")
     nvme_numel = max(0, sum(parts) - max_in_cpu) if z.get("offload_param", {}).get("device") == "nvme" else 0
     uses = 3 if cfg.train.activation_checkpointing else 2
-    reuse = int(z.get("stage3_max_reuse_distance", DS_DEFAULT_MAX_REUSE_DISTANCE_NUMEL))
+    reuse = int(z.get("stage3_max_reuse_distance", ds_defaults.MAX_REUSE_DISTANCE_NUMEL))
     kept = sum(live_window_partitions(dims, w, cfg.train.activation_checkpointing, reuse, max_in_cpu, e))
     read_bytes = max(0, uses * nvme_numel - (uses - 1) * kept) * e
     pool = settings.param_pool_bytes
     if nvme_numel and isinstance(pool, int) and pool < auto_param_pool_bytes(dims.param_numels, e, w, 1):
         read_bytes *= UNOVERLAPPED_READ_FACTOR
-    sub = int(z.get("sub_group_size", 1_000_000_000))
+    sub = ds_value(plan_cfg, "zero_optimization.sub_group_size")
     chunk = _chunk_numel(getattr(settings, "optimizer_chunk_numel", None))
     step_numel = min(sub, chunk) if chunk is not None else sub
     ops = math.ceil(sum(parts) / max(1, step_numel))

@@ -1,15 +1,8 @@
-"""The planner's constants: DeepSpeed 0.19.8 defaults it reads from the source, and the terms
-calibrated on this project's CPU host (``baselines/cpu-2c-24g`` reports; see :mod:`memascend.plan.model`)."""
+"""The planner's constants: the terms calibrated on this project's CPU host (``baselines/cpu-2c-24g`` reports; see :mod:`memascend.plan.model`)."""
 
 from __future__ import annotations
 
 from memascend.units import GIB
-
-AIO_ALIGN_BYTES = 1024
-"""``AIO_ALIGNED_BYTES`` of ``runtime/swap_tensor/utils.py``: swap buffers are whole multiples of it."""
-
-# --- DeepSpeed 0.19.8 defaults (runtime/zero/offload_config.py; the others: memascend.resolve) -------
-DS_OPTIMIZER_BUFFER_COUNT = 4
 
 # --- calibrated on this project's CPU host (report.json of real runs; see module docstring) -------
 FRAMEWORK_RSS_BYTES = int(0.42 * GIB)
@@ -75,12 +68,6 @@ STAGING_BUFFERS_IN_USE = 2
 swap-out during backward. Measured (``phase_peak_locked_bytes``): VmLck in the backward phase is
 the param pool plus exactly two sub-group buffers in the memascend reports of SmolLM2 and
 llama-0.1b to 1b, in the initialize phase at most that."""
-
-# --- stage 3 defaults that decide how many gathered parameters stay alive ---------------------------
-DS_MAX_LIVE_PARAMETERS = 1_000_000_000
-"""``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` (0.19.8 zero/config.py): once the
-trace is complete, a gathered parameter is released only if it is not used again within this many
-elements, so every parameter gathered in the forward stays gathered until its backward use."""
 
 # --- activation model (HF Llama, SDPA, measured with torch.profiler; see activation_parts) ----------
 LOGITS_FP32_TENSORS = 3

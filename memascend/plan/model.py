@@ -2,7 +2,7 @@
 
 The model adds up what DeepSpeed 0.19.8 (ZeRO-3, ``offload_param``/``offload_optimizer``) allocates
 on the host, per rank, from the run's resolved DeepSpeed config (the same
-:func:`memascend.resolve.resolve` that ``memascend finetune`` uses) and the
+:func:`memascend.config.render.resolve` that ``memascend finetune`` uses) and the
 model's parameter layout (a meta-device instance: no weights read):
 
 Locked (VmLck; aio ``new_cpu_locked_tensor``, exact size):
@@ -63,11 +63,16 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from memascend.config import RunConfig
-from memascend.integrations.deepspeed.sizing import DS_DEFAULT_REDUCE_BUCKET_NUMEL
+from memascend.config import RunConfig, ds_defaults
+from memascend.config.render import (
+    ModelShape,
+    ResolvedRun,
+    nvme_swap_bytes,
+    resolve,
+)
+from memascend.config.settings import MemAscendSettings
 from memascend.plan.calibration import (
     CORPUS_BYTES_PER_TOKEN,
-    DS_MAX_LIVE_PARAMETERS,
     FRAMEWORK_RSS_BYTES,
     GLIBC_MMAP_THRESHOLD_MAX_BYTES,
     HOST_BLOCK_CACHE_THRESHOLD_BYTES,
@@ -92,16 +97,6 @@ from memascend.plan.shapes import (
     live_window_partitions,
     model_dims,
 )
-from memascend.resolve import (
-    DS_DEFAULT_MAX_IN_CPU_NUMEL,
-    DS_DEFAULT_PARAM_BUFFER_COUNT,
-    DS_DEFAULT_PARAM_BUFFER_SIZE_NUMEL,
-    ModelShape,
-    ResolvedRun,
-    nvme_swap_bytes,
-    resolve,
-)
-from memascend.settings import MemAscendSettings
 from memascend.units import DTYPE_BYTES as _DTYPE_BYTES
 from memascend.units import FP32_BYTES as _FP32
 
@@ -135,7 +130,7 @@ class EnginePlan:
         engine: ``baseline`` or ``memascend``.
         components: every consumer, largest first.
         nvme_bytes: bytes written to the swap target, all ranks (params + optimizer state;
-            :func:`memascend.resolve.nvme_swap_bytes`).
+            :func:`memascend.config.render.nvme_swap_bytes`).
         preflight_nvme_bytes_per_rank: NVMe space ``memascend finetune`` requires of each rank's
             swap target before it starts (``ResolvedRun.nvme_bytes_per_rank``, with a margin).
         preflight_locked_bytes_per_rank: locked memory ``memascend finetune`` requires of each rank
@@ -212,7 +207,7 @@ def _add_forward_backward(add, dims: ModelDims, cfg: RunConfig, e: int, w: int, 
     if w > 1:
         # Each rank all-gathers every parameter in full (one rank aliases its partition instead:
         # NoGatherCoalescedHandle); with the default reuse distance they stay until their backward use.
-        budget, kept, transient_params = DS_MAX_LIVE_PARAMETERS, 0, 0
+        budget, kept, transient_params = ds_defaults.MAX_LIVE_PARAMETERS_NUMEL, 0, 0
         for n in dims.param_numels:
             n = min(n, budget)
             budget -= n
@@ -250,20 +245,20 @@ def _add_param_offload(add, cfg: RunConfig, dims: ModelDims, z: dict, e: int, w:
     """The parameter side of ``offload_param``: swap slab or pool, the DRAM copy, the write-back buffer."""
     op = z.get("offload_param", {})
     if op.get("device") == "nvme":
-        max_in_cpu = int(op.get("max_in_cpu", DS_DEFAULT_MAX_IN_CPU_NUMEL))
+        max_in_cpu = int(op.get("max_in_cpu", ds_defaults.MAX_IN_CPU_NUMEL))
         if not (ma and settings.enable_param_pool):
-            count = int(op.get("buffer_count", DS_DEFAULT_PARAM_BUFFER_COUNT))
-            size = int(op.get("buffer_size", DS_DEFAULT_PARAM_BUFFER_SIZE_NUMEL))
+            count = int(op.get("buffer_count", ds_defaults.PARAM_BUFFER_COUNT))
+            size = int(op.get("buffer_size", ds_defaults.PARAM_BUFFER_SIZE_NUMEL))
             add(f"param swap slab ({count} x {size:,} elements)", count * _aligned(size, e) * e, True,
                 "AsyncPartitionedParameterSwapper._configure_aio")
         else:
-            budget = settings.param_prefetch_slots or int(op.get("buffer_count", DS_DEFAULT_PARAM_BUFFER_COUNT))
+            budget = settings.param_prefetch_slots or int(op.get("buffer_count", ds_defaults.PARAM_BUFFER_COUNT))
             parts = sorted((math.ceil(n / w) for n in dims.param_numels), reverse=True)
             slots = sum(_aligned(n, e) for n in parts[:budget])
             if isinstance(settings.param_pool_bytes, int):  # the prefetch stops at the byte budget
                 slots = min(slots, max(_aligned(parts[0], e), settings.param_pool_bytes // e))
             live = live_window_partitions(dims, w, cfg.train.activation_checkpointing,
-                                          int(z.get("stage3_max_reuse_distance", DS_MAX_LIVE_PARAMETERS)),
+                                          int(z.get("stage3_max_reuse_distance", ds_defaults.MAX_LIVE_PARAMETERS_NUMEL)),
                                           max_in_cpu, e)
             live_slots = sum(_aligned(n, e) for n in live)
             if live_slots > slots:
@@ -288,7 +283,7 @@ def _add_gradients(add, cfg: RunConfig, dims: ModelDims, z: dict, e: int, w: int
     # every rank, but gradients are copied into it whole and unpartitioned, so only the first
     # ``min(bucket, total_numel)`` elements' pages are ever written (report.json
     # ``memory_breakdown.gradient_buffers.reduce_buckets.resident_at_end_bytes``).
-    bucket_numel = int(z.get("reduce_bucket_size", DS_DEFAULT_REDUCE_BUCKET_NUMEL))
+    bucket_numel = int(z.get("reduce_bucket_size", ds_defaults.REDUCE_BUCKET_NUMEL))
     add(f"reduce bucket ({min(bucket_numel, dims.total_numel):,} of {bucket_numel:,} elements touched)",
         min(bucket_numel, dims.total_numel) * e, False, "DeepSpeedZeroOptimizer_Stage3 ipg_buckets (reduce_bucket_size)")
     if release_grads == "stream":
@@ -308,7 +303,7 @@ def _add_gradients(add, cfg: RunConfig, dims: ModelDims, z: dict, e: int, w: int
     if release_grads and cfg.train.dtype == "bf16":
         # Pages of each reduced bucket's partitions are handed back as soon as they are swapped out:
         # about one bucket (its partition on this rank) is resident during backward.
-        bucket = int(z.get("reduce_bucket_size", DS_DEFAULT_REDUCE_BUCKET_NUMEL))
+        bucket = int(z.get("reduce_bucket_size", ds_defaults.REDUCE_BUCKET_NUMEL))
         add("grad_partitions_flat_buffer (one bucket resident)", min(part, math.ceil(bucket / w)) * e, False,
             "stage3 gradient partition (released per bucket)", "backward")
     elif release_grads:
@@ -398,7 +393,7 @@ def plan_run(cfg: RunConfig, world_size: int = 1, dims: ModelDims | None = None,
              chunk_window: bool = True) -> dict[str, EnginePlan]:
     """Predict both engines for ``cfg`` on ``world_size`` ranks of one host.
 
-    Each engine is planned from its own :func:`memascend.resolve.resolve` (the baseline's config
+    Each engine is planned from its own :func:`memascend.config.render.resolve` (the baseline's config
     carries stock-only crash fixes, e.g. ``max_in_cpu``).
 
     Args:

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import math
 
-from memascend.integrations.deepspeed.sizing import DS_DEFAULT_SUB_GROUP_NUMEL
+from memascend.config import ds_defaults
 from memascend.plan.calibration import (
-    AIO_ALIGN_BYTES,
-    DS_OPTIMIZER_BUFFER_COUNT,
     MEMASCEND_STEP_TEMP_BYTES_PER_SUB_GROUP_NUMEL,
     OPTIMIZER_BUFFERS_IN_USE,
     STAGING_BUFFERS_IN_USE,
@@ -24,20 +22,20 @@ from memascend.units import FP32_BYTES as _FP32
 
 
 def _aligned(numel: int, elem_bytes: int) -> int:
-    per = max(1, AIO_ALIGN_BYTES // elem_bytes)
+    per = max(1, ds_defaults.AIO_ALIGNED_BYTES // elem_bytes)
     return -(-numel // per) * per
 
 
 def _sub_groups(ds_cfg: dict, param_numels: tuple[int, ...], world_size: int) -> list[list[int]]:
     """The optimizer sub-groups, each as its parameters' partition sizes (elements per rank), in
-    registration order, grouped by :func:`~memascend.integrations.deepspeed.grad_norm.stock_sub_groups`
+    registration order, grouped by :func:`~memascend.config.sizing.stock_sub_groups`
     (DeepSpeed 0.19.8's ``_create_fp16_sub_groups``: a group closes once it holds at least
     ``sub_group_size`` elements, so it exceeds the size by up to its last partition; a model no
     larger than the size is one group).
     """
-    from memascend.integrations.deepspeed.grad_norm import stock_sub_groups
+    from memascend.config.sizing import stock_sub_groups
 
-    size = int(ds_cfg.get("zero_optimization", {}).get("sub_group_size", DS_DEFAULT_SUB_GROUP_NUMEL))
+    size = int(ds_cfg.get("zero_optimization", {}).get("sub_group_size", ds_defaults.SUB_GROUP_NUMEL))
     return stock_sub_groups([math.ceil(n / world_size) for n in param_numels], size, int)
 
 
@@ -48,7 +46,7 @@ def _sub_group_numel(ds_cfg: dict, param_numels: tuple[int, ...], world_size: in
     groups = _sub_groups(ds_cfg, param_numels, world_size)
     if len(groups) > 1:
         return max(sum(g) for g in groups)
-    size = int(ds_cfg.get("zero_optimization", {}).get("sub_group_size", DS_DEFAULT_SUB_GROUP_NUMEL))
+    size = int(ds_cfg.get("zero_optimization", {}).get("sub_group_size", ds_defaults.SUB_GROUP_NUMEL))
     return min(partition_numel, size)
 
 
@@ -73,12 +71,11 @@ def _bounce_slab_numel(groups: list[list[int]], align_bytes: int) -> int:
     ``DIRECT_IO_ALIGN_BYTES``. Sub-groups under the swappable size are not swapped. An untied
     ``lm_head`` behind the final norm is one such fragment, a slab of its whole size."""
     from memascend.integrations.deepspeed.aligned_io import BOUNCE_BUDGET_BYTES, DIRECT_IO_ALIGN_BYTES
-    from memascend.integrations.deepspeed.sizing import MIN_SWAPPABLE_BYTES
 
     pad, budget = DIRECT_IO_ALIGN_BYTES // _FP32, BOUNCE_BUDGET_BYTES // _FP32
     slab = 0
     for group in groups:
-        if sum(group) * _FP32 < MIN_SWAPPABLE_BYTES:
+        if sum(group) * _FP32 < ds_defaults.MIN_SWAPPABLE_BYTES:
             continue
         offset = used = 0
         for n in group:
@@ -94,7 +91,8 @@ def _step_chunk_numel(z: dict, sub: int, ma: bool, settings) -> int | None:
     """Elements of the chunked step's buffers (:mod:`memascend.integrations.deepspeed.chunked_step`:
     every NVMe-swapped sub-group is stepped in chunks of at most ``optimizer_chunk_numel``), or
     ``None`` when the step swaps whole sub-groups (stock, or the setting ``None``)."""
-    from memascend.integrations.deepspeed.chunk_plan import CHUNK_ALIGN_NUMEL, align_up, resolve_chunk_numel
+    from memascend.config.sizing import resolve_chunk_numel
+    from memascend.integrations.deepspeed.chunk_plan import CHUNK_ALIGN_NUMEL, align_up
 
     chunk = resolve_chunk_numel(getattr(settings, "optimizer_chunk_numel", None)) if ma else None
     if chunk is None or z.get("offload_optimizer", {}).get("device") != "nvme":
@@ -124,7 +122,8 @@ def _add_swap_window(add, settings, sub: int, released: bool) -> None:
     still swaps each sub-group's master weights in whole, into one buffer of the largest sub-group.
     Released: the window exists at construction and in backward, the buffer at construction; kept:
     both resident."""
-    from memascend.integrations.deepspeed.chunk_plan import resolve_chunk_numel, window_numel
+    from memascend.config.sizing import resolve_chunk_numel
+    from memascend.integrations.deepspeed.chunk_plan import window_numel
 
     window = window_numel(_aligned(sub, _FP32), resolve_chunk_numel(settings.optimizer_chunk_numel))
     for phase in ("initialize", "backward") if released else ("resident",):
@@ -154,7 +153,7 @@ def _add_optimizer(add, z: dict, part: int, sub: int, ma: bool, settings, chunk_
             if not released:  # kept, the same two buffers serve both
                 break
     elif oo.get("device") == "nvme":
-        count = int(oo.get("buffer_count", DS_OPTIMIZER_BUFFER_COUNT))
+        count = int(oo.get("buffer_count", ds_defaults.OPTIMIZER_BUFFER_COUNT))
         # memascend unlocks and frees its buffers between steps (enable_optimizer_buffer_release):
         # they exist in the step only; kept, they stay from the first step on, like stock's.
         released = ma and settings.enable_optimizer_pool and settings.enable_optimizer_buffer_release

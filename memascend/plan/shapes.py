@@ -7,8 +7,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from memascend.config import RunConfig
-from memascend.integrations.deepspeed.sizing import MIN_SWAPPABLE_BYTES
+from memascend.config import RunConfig, ds_defaults
 from memascend.plan.calibration import BUILTIN_CORPUS_TOKENS, LOGITS_FP32_TENSORS
 from memascend.units import FP32_BYTES as _FP32
 
@@ -59,8 +58,8 @@ def model_dims(cfg: RunConfig) -> ModelDims:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from memascend.config.render import model_shape
     from memascend.models.loading import from_scratch_config, resolve_model
-    from memascend.resolve import model_shape
 
     if cfg.model.from_scratch:
         hf_cfg = from_scratch_config(cfg.model.from_scratch)
@@ -143,7 +142,8 @@ def live_window_partitions(dims: ModelDims, world_size: int, checkpointing: bool
     projection = dims.projection_index if dims.projection_index is not None else (
         0 if dims.tied_embeddings else len(numels) - 1)
     window = [projection] + list(range(start + (n_layers - kept) * per_layer, start + n_layers * per_layer))
-    return [parts[i] for i in window if offsets[i] >= dram_numel and parts[i] * elem_bytes >= MIN_SWAPPABLE_BYTES]
+    return [parts[i] for i in window
+            if offsets[i] >= dram_numel and parts[i] * elem_bytes >= ds_defaults.MIN_SWAPPABLE_BYTES]
 
 
 @dataclass(frozen=True)

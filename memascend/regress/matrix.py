@@ -156,7 +156,7 @@ class BenchConfig:
             raise ValueError(f"{self.name}: seq_len, micro_batch, nproc and nnodes must be >= 1")
         for settings in (self.memascend_settings, self.reference_settings):
             if settings:
-                from memascend.integrations.deepspeed.settings import MemAscendSettings
+                from memascend.config.settings import MemAscendSettings
 
                 MemAscendSettings.from_mapping(dict(settings))  # raises UserError on a bad key
 
@@ -339,7 +339,7 @@ def _cpu_full() -> Matrix:
     # The memory core's targets on other model families, from scratch: an untied
     # Mistral shape (~67 M), Qwen2 (tied, q/k/v biases), GPT-NeoX (untied,
     # parallel attention, LayerNorms, dropout 0.1) and Phi (untied with an lm_head bias, one
-    # LayerNorm per block, dropout 0.1); memascend.families.PRESETS.
+    # LayerNorm per block, dropout 0.1); memascend.config.families.PRESETS.
     for preset in FAMILY_PRESETS:
         configs.append(BenchConfig(name=f"{preset}-bf16-256x2", from_scratch=preset, micro_batch=2,
                                    thresholds=SMOLLM2_THRESHOLDS))

@@ -6,10 +6,11 @@ config and ``ResolvedRun.upfront_locked_bytes`` (:func:`~memascend.resolve.upfro
 
 from __future__ import annotations
 
+from memascend.config.ds_defaults import MAX_IN_CPU_NUMEL as DS_DEFAULT_MAX_IN_CPU_NUMEL
+from memascend.config.render import per_rank_param_numel
 from memascend.errors import UserError
 from memascend.host.memlock import check_memlock
 from memascend.host.result import HostPaths, Status
-from memascend.resolve import DS_DEFAULT_MAX_IN_CPU_NUMEL, per_rank_param_numel
 
 __all__ = ["check_aio_for_swap_folder", "check_memlock_for_run", "check_stock_param_dram"]
 

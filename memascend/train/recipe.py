@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 
 from memascend.config import MAX_STEPS, RunConfig
+from memascend.config.render import resolve
 from memascend.errors import UserError
-from memascend.resolve import resolve
 from memascend.telemetry import MemorySampler, read_proc_io
 from memascend.telemetry.tensorboard import check_tensorboard
 from memascend.train import checkpoints as ckpt

@@ -21,9 +21,9 @@ import sys
 from pathlib import Path
 
 from memascend.config import OffloadConfig, RunConfig
+from memascend.config.render import model_shape
 from memascend.errors import UserError
 from memascend.io.runlock import TargetBusyError
-from memascend.resolve import model_shape
 from memascend.telemetry import MemorySampler
 from memascend.train.run_log import RunLog
 from memascend.train.store_target import resolve_store_target, store_file_bytes

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from memascend.config.ds_defaults import PARAM_BUFFER_COUNT as DS_DEFAULT_PARAM_BUFFER_COUNT
+from memascend.config.ds_defaults import PARAM_BUFFER_SIZE_NUMEL as DS_DEFAULT_PARAM_BUFFER_SIZE_NUMEL
 from memascend.memory.pool import AdaptiveSwapPool
-from memascend.resolve import DS_DEFAULT_PARAM_BUFFER_COUNT, DS_DEFAULT_PARAM_BUFFER_SIZE_NUMEL
 
 HIDDEN, INTERMEDIATE, KV, LAYERS, VOCAB = 576, 1536, 192, 30, 49152
 WINDOW_MODULES = 2  # the module being computed and the one prefetched

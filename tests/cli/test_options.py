@@ -1,5 +1,6 @@
-"""The shared option groups (memascend/cli/options.py): finetune, plan and doctor take the same flags
-for the same things, and those flags build the same RunConfig."""
+"""The shared option groups (memascend/cli/options.py): built from the flags declared on the schema's
+fields; finetune, plan and doctor take the same flags for the same things, and those flags build the
+same RunConfig."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from memascend.cli.doctor import doctor
 from memascend.cli.finetune import finetune
 from memascend.cli.main import cli
 from memascend.cli.plan import plan
+from memascend.config import schema
+from memascend.config.flags import FLAG_KEY
 
 
 def _opts(cmd) -> dict[str, tuple[str, ...]]:
@@ -56,3 +59,53 @@ def test_overrides_of_given_flags_only():
     cfg = options.run_config_from_flags(kw)
     assert cfg.engine == "baseline" and cfg.train.lr == 3e-4 and not cfg.offload.enable_crc
     assert cfg.model.from_scratch.hidden_size == 64
+
+
+def test_every_config_flag_is_declared_on_its_field():
+    """Each shared flag but the commands' own (--config, --overwrite-output) sets the field that declares it."""
+    import dataclasses
+
+    declared = {(f.section, f.field) for f in schema.cli_flags()}
+    for group in options.GROUPS:
+        for fl in group.flags:
+            if fl in options.COMMAND_FLAGS:
+                continue
+            cls = schema.SECTIONS.get(fl.section) or (schema.RunConfig if fl.field in {
+                f.name for f in dataclasses.fields(schema.RunConfig)} else schema.MemAscendSettings)
+            field = next(f for f in dataclasses.fields(cls) if f.name == fl.field)
+            assert field.metadata[FLAG_KEY].decls == fl.decls and (fl.section, fl.field) in declared
+
+
+@pytest.mark.parametrize(("name", "expected"), [
+    ("seq_len", "INT"), ("lr", "FLOAT"), ("model", "STRING"), ("dtype", ["bf16", "fp16", "fp32"]),
+    ("data_format", ["auto", "text", "chat", "alpaca", "sharegpt"]), ("resume_dir", "dir"), ("deepspeed_config", "file"),
+])
+def test_the_click_type_follows_the_field(name, expected):
+    import click
+
+    param = next(p for p in finetune.params if p.name == name)
+    if isinstance(expected, list):
+        assert isinstance(param.type, click.Choice) and list(param.type.choices) == expected
+    elif expected in ("dir", "file"):
+        assert isinstance(param.type, click.Path) and param.type.file_okay == (expected == "file")
+    else:
+        assert param.type is getattr(click, expected)
+
+
+def test_errors_name_the_flag_the_schema_declares():
+    assert schema.flag_name("train", "gradient_clipping") == "--max-grad-norm"
+    assert schema.flag_name("offload", "enable_crc") == "--no-crc"
+    assert schema.flag_name("", "output_dir") == "--output"
+    assert schema.flag_name("data", "max_data_bytes") == "--max-data-bytes"  # no such field: its name
+    assert schema.flag_at(("model", "from_scratch", "hidden_size")) == "--from-scratch: hidden_size"
+
+
+def test_max_documents_is_a_flag_of_the_data_group(tmp_path):
+    """A setting whose flag was added on its field only: finetune, plan and doctor take it."""
+    data = next(g for g in options.GROUPS if g.title == "data")
+    assert data.names[-1] == "max_documents"
+    cfg = options.run_config_from_flags({"max_documents": 3})
+    assert cfg.data.max_documents == 3
+    assert options.run_config_from_flags({"max_documents": None}).data.max_documents is None
+    res = CliRunner().invoke(cli, ["plan", "--from-scratch", "llama-tiny", "--max-documents", "0"])
+    assert res.exit_code == 2 and "--max-documents ([data] max_documents) must be >= 1, got 0" in res.output

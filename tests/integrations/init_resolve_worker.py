@@ -42,8 +42,8 @@ def _finetune_values(nvme: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from memascend.config import FROM_SCRATCH_PRESETS, ModelConfig, OffloadConfig, RunConfig
+    from memascend.config.render import model_shape, resolve
     from memascend.models.loading import llama_config
-    from memascend.resolve import model_shape, resolve
 
     preset = FROM_SCRATCH_PRESETS["llama-tiny"]
     with torch.device("meta"):

@@ -12,8 +12,8 @@ import types
 import pytest
 import torch
 
+from memascend.config.settings import MemAscendSettings
 from memascend.integrations.deepspeed import chunk_io, chunk_plan, chunked_step
-from memascend.settings import MemAscendSettings
 
 A = chunk_plan.CHUNK_ALIGN_NUMEL
 MiB = 1 << 20

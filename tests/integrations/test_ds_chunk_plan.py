@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from memascend.config.settings import MemAscendSettings
+from memascend.config.sizing import AUTO_CHUNK_NUMEL, resolve_chunk_numel
 from memascend.errors import UserError
 from memascend.integrations.deepspeed import chunk_plan
-from memascend.settings import MemAscendSettings
 
 A = chunk_plan.CHUNK_ALIGN_NUMEL
 
@@ -86,9 +87,9 @@ def test_param_writes_in_order_write_every_element_once():
 
 
 def test_resolve_and_summary():
-    assert chunk_plan.resolve_chunk_numel("auto") == chunk_plan.AUTO_CHUNK_NUMEL
-    assert chunk_plan.resolve_chunk_numel(None) is None
-    assert chunk_plan.resolve_chunk_numel(4 * A) == 4 * A
+    assert resolve_chunk_numel("auto") == AUTO_CHUNK_NUMEL
+    assert resolve_chunk_numel(None) is None
+    assert resolve_chunk_numel(4 * A) == 4 * A
     summary = chunk_plan.plan_summary([10 * A, A // 2], 4 * A)
     assert summary == {"sub_groups": 2, "chunks": 4, "largest_chunk_numel": 4 * A}
 

@@ -13,10 +13,10 @@ import torch
 
 pytest.importorskip("deepspeed")
 
+from memascend.config.settings import MemAscendSettings  # noqa: E402
 from memascend.integrations.deepspeed import chunked_swap_out  # noqa: E402
 from memascend.integrations.deepspeed.chunk_io import StoreRangeIO  # noqa: E402
 from memascend.integrations.deepspeed.optimizer_swapper import make_swap_buffer_manager_class  # noqa: E402
-from memascend.integrations.deepspeed.settings import MemAscendSettings  # noqa: E402
 
 CHUNK = 64 * 1024
 """Window elements: the largest gradient below spans several windows."""

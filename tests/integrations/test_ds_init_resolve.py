@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from memascend.integrations.deepspeed import init_resolve, sizing
-from memascend.settings import MemAscendSettings
+from memascend.config import ds_defaults, sizing
+from memascend.config.settings import MemAscendSettings
+from memascend.integrations.deepspeed import init_resolve
 
 WORKER = Path(__file__).with_name("init_resolve_worker.py")
 
@@ -65,7 +66,7 @@ def test_config_params_dict_is_resolved_from_the_model(wrapped, monkeypatch):
     assert got["config"] == expected and got["config_params"] is None
     zero = got["config"]["zero_optimization"]
     assert zero["sub_group_size"] == sizing.auto_sub_group_numel(numels, world) and zero["reduce_bucket_size"] == 64_000
-    assert resolved == [settings] and settings.grad_norm_sub_group_numel == sizing.DS_DEFAULT_SUB_GROUP_NUMEL
+    assert resolved == [settings] and settings.grad_norm_sub_group_numel == ds_defaults.SUB_GROUP_NUMEL
     assert given == _user_config(section={})  # the caller's dict is left as it was
 
 
@@ -133,5 +134,5 @@ def test_an_hf_style_engine_gets_the_sizes_memascend_finetune_resolves(tmp_path)
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     report = json.loads(lines[0].split(" ", 1)[1])
     assert report["engine"] == report["finetune"]
-    assert report["engine"]["sub_group_size"] < sizing.DS_DEFAULT_SUB_GROUP_NUMEL  # not DeepSpeed's 1e9
+    assert report["engine"]["sub_group_size"] < ds_defaults.SUB_GROUP_NUMEL  # not DeepSpeed's 1e9
     assert report["norm_patched"] and report["user_config_untouched"] and report["reverted"]

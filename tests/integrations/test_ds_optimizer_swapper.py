@@ -9,12 +9,12 @@ pytest.importorskip("deepspeed")
 
 from deepspeed.runtime.swap_tensor.utils import SwapBufferManager  # noqa: E402
 
+from memascend.config.settings import MemAscendSettings  # noqa: E402
 from memascend.errors import UserError  # noqa: E402
 from memascend.integrations.deepspeed.optimizer_swapper import (  # noqa: E402
     make_swap_buffer_manager_class,
     plan_sub_group_numel,
 )
-from memascend.integrations.deepspeed.settings import MemAscendSettings  # noqa: E402
 
 NUMEL = 1 << 18
 

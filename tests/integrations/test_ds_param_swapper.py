@@ -19,8 +19,8 @@ from deepspeed.runtime.swap_tensor.partitioned_param_swapper import (  # noqa: E
     PartitionedParamStatus,
 )
 
+from memascend.config.settings import MemAscendSettings  # noqa: E402
 from memascend.integrations.deepspeed.param_swapper import make_param_swapper_class  # noqa: E402
-from memascend.integrations.deepspeed.settings import MemAscendSettings  # noqa: E402
 
 MIB = 1 << 20
 # Partition sizes in bf16 elements: all at or above the 1 MiB swappable minimum, some unaligned.

@@ -6,16 +6,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memascend.integrations.deepspeed.grad_norm import stock_sub_groups
-from memascend.integrations.deepspeed.settings import MemAscendSettings
-from memascend.integrations.deepspeed.sizing import (
-    MIN_SWAPPABLE_BYTES,
+from memascend.config.ds_defaults import MIN_SWAPPABLE_BYTES
+from memascend.config.settings import MemAscendSettings
+from memascend.config.sizing import (
     auto_param_dram_numel,
     auto_param_pool_bytes,
     auto_sub_group_numel,
     largest_layer_numel,
     layer_param_count,
     prepare_ds_config,
+    stock_sub_groups,
 )
 
 _MIN_NUMEL = MIN_SWAPPABLE_BYTES // 4
@@ -124,7 +124,7 @@ def test_auto_param_pool_bounds_the_reuse_window_only_without_a_dram_copy():
 
 
 def test_chunked_sub_groups_do_not_balloon_behind_an_untied_lm_head():
-    from memascend.integrations.deepspeed.sizing import auto_chunked_sub_group_numel
+    from memascend.config.sizing import auto_chunked_sub_group_numel
 
     # embedding, 8 layers of 2.1 M, final norm, untied lm_head (the mistral-0.07b shape).
     embed, layer = 49152 * 512, 2_100_000

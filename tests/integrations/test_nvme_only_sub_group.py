@@ -90,7 +90,7 @@ def test_memascend_trains_it_with_the_losses_of_the_all_in_dram_run(tmp_path):
 
 def test_the_baseline_covers_the_model_when_max_in_cpu_is_left_out():
     from memascend.config import build_run_config
-    from memascend.resolve import ModelShape, render_ds_config
+    from memascend.config.render import ModelShape, render_ds_config
     from memascend.train.preflight import check_stock_param_dram
 
     numels = (600_000_000, 500_000_000)

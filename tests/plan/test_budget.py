@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from memascend.cli.main import cli
 from memascend.config import build_run_config
+from memascend.config.settings import MemAscendSettings
 from memascend.errors import UserError
 from memascend.plan import budget as budget_mod
 from memascend.plan.budget import (
@@ -22,7 +23,6 @@ from memascend.plan.budget import (
     smallest_workable_budget_bytes,
 )
 from memascend.plan.shapes import model_dims
-from memascend.settings import MemAscendSettings
 from memascend.units import GIB
 
 

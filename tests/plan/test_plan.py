@@ -423,10 +423,10 @@ def test_other_families_are_planned_with_their_own_layout(preset):
     from transformers import AutoModelForCausalLM
 
     from memascend.config import FROM_SCRATCH_PRESETS, build_run_config
+    from memascend.config.render import nvme_swap_bytes
     from memascend.models.loading import from_scratch_config
     from memascend.plan import model_dims, plan_run
     from memascend.plan.shapes import live_window_partitions
-    from memascend.resolve import nvme_swap_bytes
 
     fs = FROM_SCRATCH_PRESETS[preset]
     with torch.device("meta"):

@@ -71,7 +71,7 @@ def test_the_settings_reference_has_every_field_with_its_default(rendered):
     """docs/configuration.md's "memascend" table comes from MemAscendSettings itself."""
     import dataclasses
 
-    from memascend.settings import MemAscendSettings
+    from memascend.config.settings import MemAscendSettings
 
     table = rendered["memascend-settings"]
     for f in dataclasses.fields(MemAscendSettings):

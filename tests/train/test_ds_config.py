@@ -1,13 +1,10 @@
 import pytest
 
 from memascend.config import build_run_config
+from memascend.config.ds_defaults import PARAM_BUFFER_SIZE_NUMEL
+from memascend.config.render import ModelShape, render_ds_config
+from memascend.config.user_ds import read_ds_config
 from memascend.errors import UserError
-from memascend.resolve import (
-    DS_DEFAULT_PARAM_BUFFER_SIZE_NUMEL,
-    ModelShape,
-    render_ds_config,
-)
-from memascend.settings import read_ds_config
 
 SMALL = ModelShape(total_numel=10_000, param_numels=(5_000, 5_000), module_param_counts=(1, 1))
 
@@ -25,7 +22,7 @@ def test_buffer_size_derived_from_largest_partition_per_rank():
     big = ModelShape(total_numel=3 * 10**8, param_numels=(2 * 10**8, 10**8), module_param_counts=(1, 1))
     ds, derived = render_ds_config(build_run_config({}, {}), big, 1, "/swap")
     assert ds["zero_optimization"]["offload_param"]["buffer_size"] >= 2 * 10**8
-    assert derived[0].stock_value == DS_DEFAULT_PARAM_BUFFER_SIZE_NUMEL and "3506" in derived[0].reason
+    assert derived[0].stock_value == PARAM_BUFFER_SIZE_NUMEL and "3506" in derived[0].reason
     # with 2 ranks each partition is half as large and the stock size suffices
     _, derived2 = render_ds_config(build_run_config({}, {}), big, 2, "/swap")
     assert derived2 == []

@@ -4,9 +4,9 @@ import sys
 
 import pytest
 
+from memascend.config.render import upfront_locked_bytes
 from memascend.errors import UserError
 from memascend.host.result import HostPaths
-from memascend.resolve import upfront_locked_bytes
 from memascend.train.preflight import check_memlock_for_run
 
 NVME = {"zero_optimization": {"offload_param": {"device": "nvme"}}}

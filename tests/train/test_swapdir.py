@@ -6,8 +6,8 @@ import textwrap
 
 import pytest
 
+from memascend.config.render import nvme_space_bytes
 from memascend.errors import UserError
-from memascend.resolve import nvme_space_bytes
 from memascend.train.swapdir import prepare_swap_dir, remove_swap_dir
 
 

@@ -95,12 +95,16 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from memascend.config.settings import DS_CONFIG_SECTION, MemAscendSettings
+from memascend.config.sizing import (
+    MODEL_SIZED_SETTINGS,
+    prepare_ds_config,
+    resolve_chunk_numel,
+    rewrite_ds_config,
+)
 from memascend.errors import UserError
 from memascend.integrations.deepspeed.accounting import swap_buffer_breakdown
-from memascend.integrations.deepspeed.init_resolve import CONFIG_KEYS
 from memascend.integrations.deepspeed.patches import PatchRecord, PatchRegistry
-from memascend.integrations.deepspeed.settings import DS_CONFIG_SECTION, MemAscendSettings, rewrite_ds_config
-from memascend.integrations.deepspeed.sizing import prepare_ds_config
 
 if TYPE_CHECKING:
     from memascend.integrations.deepspeed.raw_store import RawStoreHandle
@@ -409,9 +413,9 @@ def _patch_chunked_step(settings: MemAscendSettings) -> None:
 
 
 def _patch_chunked_swap_out(settings: MemAscendSettings) -> None:
-    from memascend.integrations.deepspeed import chunk_plan, chunked_swap_out
+    from memascend.integrations.deepspeed import chunked_swap_out
 
-    chunked_swap_out.patch(_registry, chunk_plan.resolve_chunk_numel(settings.optimizer_chunk_numel))
+    chunked_swap_out.patch(_registry, resolve_chunk_numel(settings.optimizer_chunk_numel))
 
 
 def _patch_fused_overflow(settings: MemAscendSettings) -> None:
@@ -441,7 +445,7 @@ _FLAG_GROUPS: tuple[tuple[Callable[[MemAscendSettings], bool], Callable[[MemAsce
     (lambda s: s.enable_fused_overflow_check, _patch_fused_overflow),
     (lambda s: s.optimizer_chunk_numel is not None, _patch_chunked_step),
     (lambda s: s.optimizer_chunk_numel is not None and s.enable_optimizer_pool, _patch_chunked_swap_out),
-    (lambda s: any(getattr(s, key) is not None for key in CONFIG_KEYS), _patch_initialize),
+    (lambda s: any(getattr(s, key) is not None for key in MODEL_SIZED_SETTINGS), _patch_initialize),
 )
 
 

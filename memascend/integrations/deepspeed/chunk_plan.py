@@ -26,13 +26,6 @@ CHUNK_ALIGN_NUMEL = 1024
 """Chunk boundaries are multiples of this many elements: 4 KiB of fp32 (the largest direct-I/O
 alignment of a swap device) and a multiple of every ``DeepSpeedCPUAdam`` SIMD span (<= 128)."""
 
-AUTO_CHUNK_NUMEL = 8 << 20
-"""``optimizer_chunk_numel="auto"``: 8 Mi elements, 32 MiB of fp32 per tensor and request, 128 MiB
-for the step's four buffers (master weights, two moments, gradient). An NVMe drive reaches its
-sequential bandwidth with requests of a few MiB, so larger chunks buy no I/O speed, while the step's
-locked memory stays the same whatever the model (a 49152 x 2048 embedding alone is 100.7 M elements:
-12 chunks)."""
-
 GRAD_BOUNCE_NUMEL = 1 << 20
 """fp32 elements of the bounce slab gradient pieces are read through (4 MiB): a fragment starts at
 its parameter's offset of the sub-group, so a chunk's part of it rarely starts on a direct-I/O
@@ -73,14 +66,6 @@ def window_numel(largest_sub_group_numel: int, chunk_numel: int) -> int:
     """Elements of the chunk-sized swap window (:mod:`.chunked_swap_out`): the chunk, or the largest
     sub-group rounded up to :data:`CHUNK_ALIGN_NUMEL` where that is smaller."""
     return min(int(chunk_numel), align_up(int(largest_sub_group_numel), CHUNK_ALIGN_NUMEL))
-
-
-def resolve_chunk_numel(value: int | str | None) -> int | None:
-    """Elements per chunk for a setting value: ``"auto"`` -> :data:`AUTO_CHUNK_NUMEL`, an integer
-    as given, ``None`` -> ``None`` (no chunking)."""
-    if value == "auto":
-        return AUTO_CHUNK_NUMEL
-    return None if value is None else int(value)
 
 
 def align_up(numel: int, align: int) -> int:

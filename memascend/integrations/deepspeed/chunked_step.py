@@ -44,11 +44,12 @@ from typing import Any
 
 import torch
 
+from memascend.config.settings import MemAscendSettings
+from memascend.config.sizing import resolve_chunk_numel
 from memascend.integrations.deepspeed import chunk_plan
 from memascend.integrations.deepspeed.chunk_io import range_io_for
 from memascend.integrations.deepspeed.pinning import LockedAllocator, make_room
 from memascend.memory import host_allocator
-from memascend.settings import MemAscendSettings
 
 _FP32_BYTES = 4
 _DIRECT_IO_BYTES = 4096
@@ -431,7 +432,7 @@ def chunk_buffers_peak_bytes(opt: Any) -> int:
 def _chunked(opt: Any, settings: MemAscendSettings) -> ChunkedSubGroups | None:
     plan = opt.__dict__.get(_ATTR)
     if plan is None:
-        chunk = chunk_plan.resolve_chunk_numel(settings.optimizer_chunk_numel)
+        chunk = resolve_chunk_numel(settings.optimizer_chunk_numel)
         plan = ChunkedSubGroups(opt, chunk, settings) if chunk else False
         opt.__dict__[_ATTR] = plan
     return plan or None

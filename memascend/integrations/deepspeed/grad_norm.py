@@ -15,41 +15,10 @@ Adam's update is elementwise, so its result does not depend on the grouping.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-
-def stock_sub_groups(params: Sequence[Any], sub_group_numel: int | None,
-                     numel_of: Callable[[Any], int]) -> list[list[Any]]:
-    """Split one parameter group into sub-groups exactly as stock ZeRO-3 does.
-
-    Mirrors the rule of ``DeepSpeedZeroOptimizer_Stage3._create_fp16_sub_groups`` (0.19.8): one
-    group when ``sub_group_numel`` is ``None`` or covers the whole group; otherwise parameters are
-    appended in order and a sub-group is closed as soon as it holds ``>= sub_group_numel``
-    elements (so a sub-group may exceed the size by up to one parameter), the last one at the end.
-
-    Args:
-        params: the parameters of one optimizer parameter group, in order.
-        sub_group_numel: ``zero_optimization.sub_group_size`` (elements).
-        numel_of: elements of one parameter's partition on this rank.
-
-    Returns:
-        The sub-groups, as lists of the given parameter objects.
-    """
-    params = list(params)
-    total = sum(numel_of(p) for p in params)
-    if sub_group_numel is None or sub_group_numel >= total:
-        return [params]
-    groups: list[list[Any]] = []
-    current: list[Any] = []
-    filled = 0
-    for index, param in enumerate(params):
-        current.append(param)
-        filled += numel_of(param)
-        if filled >= sub_group_numel or index == len(params) - 1:
-            groups.append(current)
-            current, filled = [], 0
-    return groups
+from memascend.config.sizing import stock_sub_groups
 
 
 def regroup_like_stock(optimizer: Any, sub_group_numel: int | None) -> list[list[Any]] | None:

@@ -8,7 +8,7 @@ that live in DeepSpeed's own config and depend on the model (``optimizer_sub_gro
 reads those three only in ``deepspeed.initialize`` (the stage-3 optimizer), where the model is at
 hand: :func:`make_initialize` wraps ``deepspeed.initialize`` so that, when memascend is applied and
 the config holds a ``"memascend"`` section (or the applied settings still say ``"auto"``), the config
-is rewritten by :func:`memascend.integrations.deepspeed.sizing.prepare_ds_config` -- the function
+is rewritten by :func:`memascend.config.sizing.prepare_ds_config` -- the function
 ``memascend finetune`` uses -- from the model's real parameter sizes (``ds_numel`` of a ZeRO-3
 partitioned parameter) before DeepSpeed reads it.
 
@@ -31,14 +31,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from memascend.config.settings import DS_CONFIG_SECTION, MemAscendSettings
+from memascend.config.sizing import MODEL_SIZED_SETTINGS, prepare_ds_config
+from memascend.config.user_ds import read_ds_config
 from memascend.errors import UserError
-from memascend.integrations.deepspeed.sizing import prepare_ds_config
-from memascend.settings import DS_CONFIG_SECTION, MemAscendSettings, read_ds_config
 
-__all__ = ["CONFIG_KEYS", "has_auto", "make_initialize", "model_param_numels", "warn"]
-
-CONFIG_KEYS = ("optimizer_sub_group_numel", "reduce_bucket_numel", "param_dram_numel", "param_pool_bytes")
-"""The settings that live in DeepSpeed's config and may be ``"auto"``."""
+__all__ = ["has_auto", "make_initialize", "model_param_numels", "warn"]
 
 
 def warn(message: str) -> None:
@@ -47,14 +45,14 @@ def warn(message: str) -> None:
 
 
 def has_auto(settings: MemAscendSettings) -> bool:
-    """Whether any of :data:`CONFIG_KEYS` is ``"auto"`` in ``settings``."""
-    return any(getattr(settings, key) == "auto" for key in CONFIG_KEYS)
+    """Whether any of :data:`~memascend.config.sizing.MODEL_SIZED_SETTINGS` is ``"auto"`` in ``settings``."""
+    return any(getattr(settings, key) == "auto" for key in MODEL_SIZED_SETTINGS)
 
 
 def model_param_numels(model: Any) -> list[int]:
     """Elements of every parameter of ``model`` (a ``torch.nn.Module``), in registration order, tied
     weights once; a ZeRO-3 partitioned parameter counts its full size (``ds_numel``), as
-    :func:`memascend.resolve.model_shape` counts a meta-device instance."""
+    :func:`memascend.config.render.model_shape` counts a meta-device instance."""
     seen: set[int] = set()
     numels = []
     for p in model.parameters():

@@ -34,9 +34,9 @@ from typing import Any
 import torch
 from deepspeed.runtime.swap_tensor.utils import SwapBufferManager
 
+from memascend.config.settings import MemAscendSettings
 from memascend.errors import UserError
 from memascend.integrations.deepspeed.pinning import LockedAllocator, make_room
-from memascend.integrations.deepspeed.settings import MemAscendSettings
 from memascend.memory import host_allocator
 
 _FP32_BYTES = 4

@@ -44,10 +44,10 @@ from deepspeed.runtime.swap_tensor.utils import (
     swap_in_tensors,
 )
 
+from memascend.config.settings import MemAscendSettings
+from memascend.config.sizing import auto_param_pool_bytes
 from memascend.errors import UserError
 from memascend.integrations.deepspeed.pinning import LockedAllocator
-from memascend.integrations.deepspeed.settings import MemAscendSettings
-from memascend.integrations.deepspeed.sizing import auto_param_pool_bytes
 from memascend.memory.pool import AdaptiveSwapPool
 
 

@@ -31,8 +31,9 @@ from typing import Any
 
 import torch
 
+from memascend.config.settings import MemAscendSettings
+from memascend.config.user_ds import load_ds_config
 from memascend.errors import UserError
-from memascend.integrations.deepspeed.settings import MemAscendSettings, load_ds_config
 from memascend.memory import host_allocator
 
 
@@ -82,7 +83,7 @@ def managed_accumulation(ds_config: Any) -> bool:
     """``managed_gradient_accumulation`` of the config stage 3 was built with (DeepSpeed default true).
 
     ``ds_config`` is what ``DeepSpeedEngine`` passes (the user's dict or JSON path, read with
-    :func:`~memascend.integrations.deepspeed.settings.load_ds_config`); anything unreadable counts
+    :func:`~memascend.config.user_ds.load_ds_config`); anything unreadable counts
     as unmanaged, which only turns the per-bucket gradient release off.
     """
     if not isinstance(ds_config, (Mapping, str, os.PathLike)):

@@ -9,21 +9,27 @@ optimizer state lives, the swap folder, ...):
   loader agree with what DeepSpeed runs), and a line says so (:attr:`Reconciled.notes`), also when it
   equals memascend's default;
 - set only by memascend: as before, memascend's value goes into the JSON
-  (:func:`memascend.resolve.render_ds_config`).
+  (:func:`memascend.config.render.render_ds_config`).
 
 A JSON value ``"auto"`` counts as not set.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from memascend.errors import UserError
+from memascend.errors import UserError, read_user_text
 
 _UNSET = object()
+
+DS_CONFIG_SECTION = "memascend"
+"""Name of the top-level key of a DeepSpeed config that holds the memascend settings
+(:class:`memascend.config.settings.MemAscendSettings`)."""
 
 SHARED_KEYS: tuple[tuple[str, str, str], ...] = (
     ("train", "micro_batch", "train_micro_batch_size_per_gpu"),
@@ -87,7 +93,7 @@ def _json_dtypes(doc: Mapping) -> set[str]:
 
 
 def reconcile(merged: dict[str, Any], origin: Callable[[str, str], str | None], doc: Mapping, ds_name: str,
-              defaults: Callable[[str, str], Any]) -> Reconciled:
+              defaults: Callable[[str, str], Any], flag_name: Callable[[str, str], str]) -> Reconciled:
     """Check the merged config values against the user's DeepSpeed JSON and adopt the JSON's values
     where the user set none (in place).
 
@@ -99,6 +105,7 @@ def reconcile(merged: dict[str, Any], origin: Callable[[str, str], str | None], 
         doc: the JSON (``--deepspeed-config``'s content).
         ds_name: the JSON file, as errors and notes name it.
         defaults: ``(section, field)`` -> memascend's default value.
+        flag_name: ``(section, field)`` -> the flag that sets it (``--max-grad-norm``), as notes name it.
 
     Raises:
         UserError: a value the user set disagrees with the JSON's, e.g. ``--lr 0.0001 disagrees with
@@ -110,7 +117,7 @@ def reconcile(merged: dict[str, Any], origin: Callable[[str, str], str | None], 
         value = _get(doc, path)
         if value is _UNSET:
             continue
-        _settle(merged, origin, done, (section, name), path, value, ds_name, defaults)
+        _settle(merged, origin, done, (section, name), path, value, ds_name, defaults, flag_name(section, name))
     allowed = _json_dtypes(doc)
     if allowed != {"bf16", "fp16", "fp32"}:
         dtype = merged["train"].get("dtype", defaults("train", "dtype"))
@@ -127,7 +134,7 @@ def reconcile(merged: dict[str, Any], origin: Callable[[str, str], str | None], 
 
 
 def _settle(merged: dict, origin: Callable, done: Reconciled, key: tuple[str, str], path: str, value: Any,
-            ds_name: str, defaults: Callable) -> None:
+            ds_name: str, defaults: Callable, flag: str) -> None:
     section, name = key
     where = origin(section, name)
     if where is not None:
@@ -143,7 +150,6 @@ def _settle(merged: dict, origin: Callable, done: Reconciled, key: tuple[str, st
     merged[section][name] = value
     done.adopted[key] = path
     default = defaults(section, name)
-    flag = "--" + {"param": "offload-param", "optimizer": "offload-optimizer"}.get(name, name.replace("_", "-"))
     shown = "the default as well" if _same(key, default, value) else f"default {_show(default)}"
     done.notes.append(f"{ds_name}: {path} = {_show(value)} is the run's {flag} ({shown})")
 
@@ -181,3 +187,38 @@ def check_train_batch_size(doc: Mapping, ds_name: str, micro_batch: int, grad_ac
     elif value != per_rank * world_size:
         raise UserError(f"{where} {value} is not micro-batch {micro_batch} x grad-accum {grad_accum} x {world_size} "
                         f"rank(s) = {per_rank * world_size} ({rule}): remove it or make them agree")
+
+
+def read_ds_config(path: str | Path) -> dict[str, Any]:
+    """Read a DeepSpeed config JSON file (``--deepspeed-config``): the one reader of the user's JSON.
+
+    Raises:
+        UserError: missing/unreadable file, invalid JSON or UTF-8, ``NaN``/``Infinity`` anywhere in
+            it, or a document that is not an object (``[1, 2, 3]``), or a ``"memascend"`` section
+            that is not an object.
+    """
+
+    def refuse_constant(name: str):
+        raise UserError(f"DeepSpeed config {path} holds {name}: every number must be finite")
+
+    text = read_user_text(path, "DeepSpeed config")
+    try:
+        doc = json.loads(text, parse_constant=refuse_constant)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"DeepSpeed config {path} is not valid JSON: line {exc.lineno}: {exc.msg}") from None
+    if not isinstance(doc, dict):
+        raise UserError(f"DeepSpeed config {path} must be a JSON object ({{...}}), got a {type(doc).__name__}")
+    if not isinstance(doc.get(DS_CONFIG_SECTION, {}), Mapping):
+        raise UserError(f"DeepSpeed config {path}: its \"memascend\" section must be a JSON object")
+    return doc
+
+
+def load_ds_config(ds_config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
+    """Return a DeepSpeed config as a dict: a copy of a mapping, or the file read by :func:`read_ds_config`.
+
+    Raises:
+        UserError: as :func:`read_ds_config`.
+    """
+    if isinstance(ds_config, Mapping):
+        return dict(ds_config)
+    return read_ds_config(ds_config)

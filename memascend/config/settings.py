@@ -3,26 +3,24 @@
 The settings can come from code (``MemAscendSettings(...)``) or from a ``"memascend": {...}``
 section of a DeepSpeed JSON config (DeepSpeed 0.19.8 accepts unknown top-level keys), read by
 :meth:`MemAscendSettings.from_ds_config`. A run's :class:`memascend.config.RunConfig` carries them
-(``RunConfig.memascend``, parsed once when the config is built); :func:`memascend.resolve.resolve`
-turns them into what :func:`memascend.integrations.deepspeed.apply` gets.
-
-This module is a low layer (it imports only :mod:`memascend.errors` and :mod:`memascend.units`) so that the run config can hold
-the settings; :mod:`memascend.integrations.deepspeed.settings` re-exports it.
+(``RunConfig.memascend``, parsed once when the config is built); :func:`memascend.config.render.resolve`
+turns them into what :func:`memascend.integrations.deepspeed.apply` gets. The seam re-exports the class
+(``memascend.integrations.deepspeed.MemAscendSettings``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from memascend.errors import UserError, read_user_text
+from memascend.config.flags import cli
+from memascend.config.user_ds import DS_CONFIG_SECTION, load_ds_config
+from memascend.errors import UserError
 from memascend.units import parse_size_bytes
 
-DS_CONFIG_SECTION = "memascend"
-"""Name of the top-level key of a DeepSpeed config that holds these settings."""
+__all__ = ["DS_CONFIG_SECTION", "MemAscendSettings"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -54,9 +52,9 @@ class MemAscendSettings:
         optimizer_sub_group_numel: elements per optimizer sub-group written into
             ``zero_optimization.sub_group_size`` (``None``: keep the config's; ``"auto"``: the
             largest parameter partition, resolved by
-            :func:`memascend.integrations.deepspeed.sizing.prepare_ds_config` from the model's
+            :func:`memascend.config.sizing.prepare_ds_config` from the model's
             shapes and left unresolved by
-            :func:`~memascend.integrations.deepspeed.sizing.rewrite_ds_config`). The optimizer
+            :func:`~memascend.config.sizing.rewrite_ds_config`). The optimizer
             swapper locks ``states + 1`` fp32 buffers of the largest sub-group, so this
             bounds its locked memory (``optimizer_swapper.plan_sub_group_numel`` picks one from a
             budget). Adam's update is elementwise, so the step does not depend on the grouping;
@@ -71,10 +69,10 @@ class MemAscendSettings:
             stock default 1e9, i.e. the whole model); ``None`` keeps the config's. With 0 every
             partition lives on NVMe only and is read into the adaptive pool when used, which costs
             pool slots and read time in exchange for the copy's DRAM.
-            ``"auto"`` (resolved by :func:`memascend.integrations.deepspeed.sizing.prepare_ds_config`
+            ``"auto"`` (resolved by :func:`memascend.config.sizing.prepare_ds_config`
             from the model's shapes; only where parameters go to NVMe and the config sets no
             ``max_in_cpu``): 0 when a rank's parameter partitions exceed
-            :data:`memascend.integrations.deepspeed.sizing.PARAM_DRAM_AUTO_MAX_BYTES` (bytes; 2 per
+            :data:`memascend.config.sizing.PARAM_DRAM_AUTO_MAX_BYTES` (bytes; 2 per
             element in bf16/fp16, 4 in fp32), else the config's: the copy is the largest host
             consumer of a large model, while on a small one the pool slots replacing it cost about
             as much as the copy. The measured trade-off is in docs/results.md ("The ~1B Llama").
@@ -85,10 +83,10 @@ class MemAscendSettings:
             becomes at most ``param_pool_bytes / element size`` elements (where parameters go to
             NVMe), so a gathered parameter is kept for a later use only within that window.
             ``"auto"`` (resolved by
-            :func:`memascend.integrations.deepspeed.sizing.prepare_ds_config`): where every
+            :func:`memascend.config.sizing.prepare_ds_config`): where every
             partition lives on NVMe only (``param_dram_numel`` resolved to 0), the largest
             partition plus the largest layer's partitions x (prefetch depth + 1)
-            (:func:`memascend.integrations.deepspeed.sizing.auto_param_pool_bytes`); elsewhere
+            (:func:`memascend.config.sizing.auto_param_pool_bytes`); elsewhere
             ``None``. ``None``: a count of partitions bounds the pool (``param_prefetch_slots`` or
             ``offload_param.buffer_count``) and the config's reuse distance is kept. What the
             model computes does not depend on it (a released partition is read again from NVMe).
@@ -153,7 +151,7 @@ class MemAscendSettings:
             moments and gradient read at the chunk's file offsets into four chunk-sized locked
             buffers instead of four of the largest sub-group; losses stay bit-identical (Adam is
             elementwise). A multiple of 1024 (direct-I/O and SIMD alignment). ``"auto"``:
-            :data:`memascend.integrations.deepspeed.chunk_plan.AUTO_CHUNK_NUMEL` (8 Mi elements,
+            :data:`memascend.config.sizing.AUTO_CHUNK_NUMEL` (8 Mi elements,
             32 MiB of fp32). ``None``: stock's whole-sub-group step. With ``enable_optimizer_pool``
             the gradient swap-out and the initial fp32 write-out also go through one window of a
             chunk (:mod:`memascend.integrations.deepspeed.chunked_swap_out`) instead of two buffers
@@ -190,7 +188,13 @@ class MemAscendSettings:
     param_dram_numel: int | Literal["auto"] | None = "auto"
     enable_malloc_policy: bool = True
     param_pool_bytes: int | Literal["auto"] | None = "auto"
-    host_memory_budget: int | None = None
+    host_memory_budget: int | None = dataclasses.field(default=None, metadata=cli(
+        "host memory budget", 0, "--host-memory-budget", kind="size", help=
+        "Host memory (peak RSS, locked included, all ranks of this host) the run must stay under, e.g. "
+        "4GiB: memascend picks the parameter pool, prefetch depth, DRAM copy and optimizer chunk that "
+        "fit with the best expected step time (memascend plan's model), prints the choice, and refuses a "
+        'budget nothing fits, naming the smallest that would; the "memascend" section\'s '
+        "host_memory_budget key does the same [default: no budget]"))
     enable_grad_buffer_release: bool = True
     enable_optimizer_buffer_release: bool = True
     reduce_bucket_numel: int | Literal["auto"] | None = "auto"
@@ -281,38 +285,3 @@ class MemAscendSettings:
         """
         config = load_ds_config(ds_config)
         return cls.from_mapping(config.get(DS_CONFIG_SECTION, {}))
-
-
-def read_ds_config(path: str | Path) -> dict[str, Any]:
-    """Read a DeepSpeed config JSON file (``--deepspeed-config``): the one reader of the user's JSON.
-
-    Raises:
-        UserError: missing/unreadable file, invalid JSON or UTF-8, ``NaN``/``Infinity`` anywhere in
-            it, or a document that is not an object (``[1, 2, 3]``), or a ``"memascend"`` section
-            that is not an object.
-    """
-
-    def refuse_constant(name: str):
-        raise UserError(f"DeepSpeed config {path} holds {name}: every number must be finite")
-
-    text = read_user_text(path, "DeepSpeed config")
-    try:
-        doc = json.loads(text, parse_constant=refuse_constant)
-    except json.JSONDecodeError as exc:
-        raise UserError(f"DeepSpeed config {path} is not valid JSON: line {exc.lineno}: {exc.msg}") from None
-    if not isinstance(doc, dict):
-        raise UserError(f"DeepSpeed config {path} must be a JSON object ({{...}}), got a {type(doc).__name__}")
-    if not isinstance(doc.get(DS_CONFIG_SECTION, {}), Mapping):
-        raise UserError(f"DeepSpeed config {path}: its \"memascend\" section must be a JSON object")
-    return doc
-
-
-def load_ds_config(ds_config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
-    """Return a DeepSpeed config as a dict: a copy of a mapping, or the file read by :func:`read_ds_config`.
-
-    Raises:
-        UserError: as :func:`read_ds_config`.
-    """
-    if isinstance(ds_config, Mapping):
-        return dict(ds_config)
-    return read_ds_config(ds_config)

@@ -2,7 +2,7 @@
 
 :func:`prepare_ds_config` resolves the model-dependent ``"auto"`` sizes (sub-group size, reduce
 bucket, parameter DRAM copy) and writes them with :func:`rewrite_ds_config`. It is the one
-implementation: :func:`memascend.resolve.resolve` calls it for ``memascend finetune --engine
+implementation: :func:`memascend.config.render.resolve` calls it for ``memascend finetune --engine
 memascend`` (and ``memascend plan``) before :func:`memascend.integrations.deepspeed.apply`; code
 that drives DeepSpeed itself can call it the same way with its model's parameter sizes::
 
@@ -16,32 +16,73 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from memascend.integrations.deepspeed.chunk_plan import resolve_chunk_numel
-from memascend.integrations.deepspeed.grad_norm import stock_sub_groups
-from memascend.settings import MemAscendSettings
+from memascend.config import ds_defaults
+from memascend.config.ds_defaults import ds_value
+from memascend.config.settings import MemAscendSettings
+from memascend.units import FP32_BYTES
 
-_FP32_BYTES = 4
+MODEL_SIZED_SETTINGS = ("optimizer_sub_group_numel", "reduce_bucket_numel", "param_dram_numel", "param_pool_bytes")
+"""The :class:`MemAscendSettings` that live in DeepSpeed's own config and may be ``"auto"``:
+:func:`prepare_ds_config` sizes them from the model's parameters."""
 
-DS_DEFAULT_SUB_GROUP_NUMEL = 1_000_000_000
-"""``zero_optimization.sub_group_size`` when a config leaves it out (DeepSpeed 0.19.8 zero/config.py)."""
-DS_DEFAULT_REDUCE_BUCKET_NUMEL = 500_000_000
-"""``zero_optimization.reduce_bucket_size`` when a config leaves it out (DeepSpeed 0.19.8 zero/config.py)."""
 PARAM_DRAM_AUTO_MAX_BYTES = 1024**3
 """``param_dram_numel="auto"``: largest total of one rank's parameter partitions (bytes) whose DRAM
 copy is kept; above it every partition lives on NVMe only (``max_in_cpu`` 0)."""
 
+AUTO_CHUNK_NUMEL = 8 << 20
+"""``optimizer_chunk_numel="auto"``: 8 Mi elements, 32 MiB of fp32 per tensor and request, 128 MiB
+for the step's four buffers (master weights, two moments, gradient). An NVMe drive reaches its
+sequential bandwidth with requests of a few MiB, so larger chunks buy no I/O speed, while the step's
+locked memory stays the same whatever the model (a 49152 x 2048 embedding alone is 100.7 M elements:
+12 chunks)."""
 
-MIN_SWAPPABLE_BYTES = 1024**2
-"""Smallest tensor the stock swappers put on NVMe: an fp32 sub-group (0.19.8 ``OptimizerSwapper
-.is_swappable_tensor``) or a parameter partition (``AsyncPartitionedParameterSwapper.swappable_tensor``),
-both ``max(MIN_AIO_BYTES, aio.block_size)``, 1 MiB with the default block size; smaller ones stay in DRAM."""
+
+def resolve_chunk_numel(value: int | str | None) -> int | None:
+    """Elements per chunk for a setting value: ``"auto"`` -> :data:`AUTO_CHUNK_NUMEL`, an integer
+    as given, ``None`` -> ``None`` (no chunking)."""
+    if value == "auto":
+        return AUTO_CHUNK_NUMEL
+    return None if value is None else int(value)
+
+
+def stock_sub_groups(params: Sequence[Any], sub_group_numel: int | None,
+                     numel_of: Callable[[Any], int]) -> list[list[Any]]:
+    """Split one parameter group into sub-groups exactly as stock ZeRO-3 does.
+
+    Mirrors the rule of ``DeepSpeedZeroOptimizer_Stage3._create_fp16_sub_groups`` (0.19.8): one
+    group when ``sub_group_numel`` is ``None`` or covers the whole group; otherwise parameters are
+    appended in order and a sub-group is closed as soon as it holds ``>= sub_group_numel``
+    elements (so a sub-group may exceed the size by up to one parameter), the last one at the end.
+
+    Args:
+        params: the parameters of one optimizer parameter group, in order.
+        sub_group_numel: ``zero_optimization.sub_group_size`` (elements).
+        numel_of: elements of one parameter's partition on this rank.
+
+    Returns:
+        The sub-groups, as lists of the given parameter objects.
+    """
+    params = list(params)
+    total = sum(numel_of(p) for p in params)
+    if sub_group_numel is None or sub_group_numel >= total:
+        return [params]
+    groups: list[list[Any]] = []
+    current: list[Any] = []
+    filled = 0
+    for index, param in enumerate(params):
+        current.append(param)
+        filled += numel_of(param)
+        if filled >= sub_group_numel or index == len(params) - 1:
+            groups.append(current)
+            current, filled = [], 0
+    return groups
 
 
 def auto_sub_group_numel(param_numels: Iterable[int], world_size: int = 1,
-                         min_swappable_bytes: int = MIN_SWAPPABLE_BYTES) -> int:
+                         min_swappable_bytes: int = ds_defaults.MIN_SWAPPABLE_BYTES) -> int:
     """Sub-group size for ``optimizer_sub_group_numel="auto"``: the largest parameter partition,
     grown until no sub-group stays in DRAM.
 
@@ -49,7 +90,7 @@ def auto_sub_group_numel(param_numels: Iterable[int], world_size: int = 1,
     largest partition; at that size the optimizer's ``states + 1`` locked fp32 buffers are as small
     as they can get and every sub-group is still at least one whole parameter (large I/O).
 
-    Stock grouping (:func:`~memascend.integrations.deepspeed.grad_norm.stock_sub_groups`) closes a
+    Stock grouping (:func:`~memascend.config.sizing.stock_sub_groups`) closes a
     sub-group once it reaches the size, so only the last one can be small. One below
     ``min_swappable_bytes`` of fp32 is kept in DRAM by the stock swapper, and DeepSpeed 0.19.8's
     ``load_checkpoint`` with the optimizer on NVMe restores only the swapped sub-groups (it copies
@@ -68,11 +109,11 @@ def auto_sub_group_numel(param_numels: Iterable[int], world_size: int = 1,
     parts = [math.ceil(int(n) / max(1, world_size)) for n in param_numels]
     if not parts:
         return 1
-    return max(1, _grow_until_swappable(parts, max(parts), -(-min_swappable_bytes // _FP32_BYTES)))
+    return max(1, _grow_until_swappable(parts, max(parts), -(-min_swappable_bytes // FP32_BYTES)))
 
 
 def auto_chunked_sub_group_numel(param_numels: Iterable[int], chunk_numel: int, world_size: int = 1,
-                                 min_swappable_bytes: int = MIN_SWAPPABLE_BYTES) -> int:
+                                 min_swappable_bytes: int = ds_defaults.MIN_SWAPPABLE_BYTES) -> int:
     """Sub-group size for ``optimizer_sub_group_numel="auto"`` when the step is chunked
     (:mod:`.chunked_step`): the one whose largest sub-group is smallest.
 
@@ -97,7 +138,7 @@ def auto_chunked_sub_group_numel(param_numels: Iterable[int], chunk_numel: int, 
     parts = [math.ceil(int(n) / max(1, world_size)) for n in param_numels]
     if not parts:
         return 1
-    min_numel = -(-min_swappable_bytes // _FP32_BYTES)
+    min_numel = -(-min_swappable_bytes // FP32_BYTES)
     unchunked = auto_sub_group_numel(parts, 1, min_swappable_bytes)
     best = (max(sum(group) for group in stock_sub_groups(parts, unchunked, int)), unchunked)
     candidates, size = set(), min(int(chunk_numel), sum(parts))
@@ -139,7 +180,7 @@ def auto_param_dram_numel(ds_config: Mapping[str, Any], param_numels: Iterable[i
     partition elements (``_create_param_groups_fp16_flat_cpu_memory``), 2 bytes per parameter in
     bf16/fp16 (4 in fp32): the largest host consumer of a large model. Without it the adaptive pool
     reads the partitions from NVMe when used, which costs pool slots and read time that only pay
-    off for a large model (:attr:`memascend.settings.MemAscendSettings.param_dram_numel`).
+    off for a large model (:attr:`memascend.config.settings.MemAscendSettings.param_dram_numel`).
 
     Args:
         ds_config: the DeepSpeed config (``bf16``/``fp16`` sections give the parameter dtype).
@@ -155,11 +196,9 @@ def auto_param_dram_numel(ds_config: Mapping[str, Any], param_numels: Iterable[i
         return None
     half = any((ds_config.get(key) or {}).get("enabled") for key in ("bf16", "fp16"))
     rank_numel = sum(math.ceil(int(n) / max(1, world_size)) for n in param_numels)
-    return 0 if rank_numel * (2 if half else _FP32_BYTES) > PARAM_DRAM_AUTO_MAX_BYTES else None
+    return 0 if rank_numel * (2 if half else FP32_BYTES) > PARAM_DRAM_AUTO_MAX_BYTES else None
 
 
-DS_DEFAULT_MAX_REUSE_DISTANCE_NUMEL = 1_000_000_000
-"""``zero_optimization.stage3_max_reuse_distance`` when a config leaves it out (DeepSpeed 0.19.8 zero/config.py)."""
 PARAM_POOL_AUTO_PREFETCH_LAYERS = 1
 """``param_pool_bytes="auto"``: layers the prefetcher may read ahead of the one computing."""
 _MAX_LAYER_PERIOD = 64
@@ -225,7 +264,7 @@ def auto_param_pool_bytes(param_numels: Iterable[int], elem_bytes: int, world_si
 
 
 def _param_elem_bytes(ds_config: Mapping[str, Any]) -> int:
-    return 2 if any((ds_config.get(key) or {}).get("enabled") for key in ("bf16", "fp16")) else _FP32_BYTES
+    return 2 if any((ds_config.get(key) or {}).get("enabled") for key in ("bf16", "fp16")) else FP32_BYTES
 
 
 def _resolve_param_pool_bytes(ds_config: Mapping[str, Any], settings: MemAscendSettings, dram: int | None,
@@ -239,7 +278,7 @@ def _resolve_param_pool_bytes(ds_config: Mapping[str, Any], settings: MemAscendS
     if param_numels is None or offload_param.get("device") != "nvme":
         return None
     numels = [int(n) for n in param_numels]
-    max_in_cpu = dram if isinstance(dram, int) else int(offload_param.get("max_in_cpu", 1_000_000_000))
+    max_in_cpu = dram if isinstance(dram, int) else ds_value(ds_config, "zero_optimization.offload_param.max_in_cpu")
     if sum(math.ceil(n / max(1, world_size)) for n in numels) <= max_in_cpu:
         return None  # every partition has its DRAM copy: the pool is not used
     return auto_param_pool_bytes(numels, _param_elem_bytes(ds_config), world_size)
@@ -273,7 +312,7 @@ def prepare_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings,
         The rewritten config and the resolved settings (pass those to ``apply``).
     """
     zero = ds_config.get("zero_optimization", {}) or {}
-    stock_sub_group = int(zero.get("sub_group_size", DS_DEFAULT_SUB_GROUP_NUMEL))
+    stock_sub_group = int(zero.get("sub_group_size", ds_defaults.SUB_GROUP_NUMEL))
     optimizer_on_nvme = (zero.get("offload_optimizer") or {}).get("device") == "nvme"
     sub_group = settings.optimizer_sub_group_numel
     if sub_group == "auto":
@@ -287,7 +326,7 @@ def prepare_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings,
     bucket = settings.reduce_bucket_numel
     if bucket == "auto":
         # One whole (unpartitioned) gradient must fit; the stock size is kept if it is smaller.
-        bucket = (min(max([int(n) for n in param_numels] or [1]), int(zero.get("reduce_bucket_size", DS_DEFAULT_REDUCE_BUCKET_NUMEL)))
+        bucket = (min(max([int(n) for n in param_numels] or [1]), int(zero.get("reduce_bucket_size", ds_defaults.REDUCE_BUCKET_NUMEL)))
                   if param_numels is not None else None)
     dram = settings.param_dram_numel
     if dram == "auto":
@@ -334,7 +373,7 @@ def rewrite_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings)
             and offload_param.get("device") == "nvme" and settings.enable_param_pool:
         window = max(1, settings.param_pool_bytes // _param_elem_bytes(ds_config))
         zero["stage3_max_reuse_distance"] = min(window, int(zero.get("stage3_max_reuse_distance",
-                                                                     DS_DEFAULT_MAX_REUSE_DISTANCE_NUMEL)))
+                                                                     ds_defaults.MAX_REUSE_DISTANCE_NUMEL)))
     if zero or "zero_optimization" in out:
         out["zero_optimization"] = zero
     return out

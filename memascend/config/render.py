@@ -4,14 +4,14 @@
 (:func:`render_ds_config`: the user's JSON as the base, memascend's run settings, and the stock
 settings that would crash on this model, each recorded as :class:`Derived`), then for
 ``--engine memascend`` the memascend settings that live in DeepSpeed's own config, sized from the
-model by :func:`memascend.integrations.deepspeed.sizing.prepare_ds_config` (the seam's public API
+model by :func:`memascend.config.sizing.prepare_ds_config` (the seam's public API
 for scripts that drive DeepSpeed themselves; the same code). It also makes the run's two estimates
 that are checked before DeepSpeed starts: NVMe space (:func:`nvme_space_bytes`) and up-front locked
 memory (:func:`upfront_locked_bytes`). ``memascend finetune``, ``memascend plan``, the preflight
 checks and ``memascend doctor`` all use these.
 
-The baseline keeps DeepSpeed 0.19.8's own defaults except where a default would crash on the model
-at hand. Two stock failures are avoided:
+The baseline keeps DeepSpeed 0.19.8's own defaults (:mod:`memascend.config.ds_defaults`) except where a
+default would crash on the model at hand. Two stock failures are avoided:
 
 - "More elements N than buffer size" (DeepSpeed #3506): every parameter swap buffer must hold the
   largest parameter partition (``offload_param.buffer_size``, in elements, default 1e8).
@@ -28,17 +28,15 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from memascend.config import RunConfig
-from memascend.ds_conflicts import check_train_batch_size
+from memascend.config import ds_defaults
+from memascend.config.schema import RunConfig
+from memascend.config.settings import MemAscendSettings
+from memascend.config.sizing import prepare_ds_config
+from memascend.config.user_ds import check_train_batch_size
 from memascend.errors import UserError
-from memascend.integrations.deepspeed.sizing import prepare_ds_config
-from memascend.settings import MemAscendSettings
 from memascend.units import DTYPE_BYTES, FP32_BYTES
 
 __all__ = [
-    "DS_DEFAULT_MAX_IN_CPU_NUMEL",
-    "DS_DEFAULT_PARAM_BUFFER_COUNT",
-    "DS_DEFAULT_PARAM_BUFFER_SIZE_NUMEL",
     "Derived",
     "ModelShape",
     "ResolvedRun",
@@ -53,10 +51,6 @@ __all__ = [
     "upfront_locked_bytes",
 ]
 
-# DeepSpeed 0.19.8 defaults (deepspeed/runtime/zero/offload_config.py, zero/config.py).
-DS_DEFAULT_PARAM_BUFFER_COUNT = 5
-DS_DEFAULT_PARAM_BUFFER_SIZE_NUMEL = 100_000_000
-DS_DEFAULT_MAX_IN_CPU_NUMEL = 1_000_000_000
 AIO_ALIGN_NUMEL = 1024  # swap buffers are rounded to whole 4 KiB+ I/O units; keep headroom
 
 
@@ -199,15 +193,15 @@ def _derive_stock_max_in_cpu(z: dict, shape: ModelShape, world_size: int) -> lis
     :func:`memascend.train.preflight.check_stock_param_dram`); the default 1e9 is below every model of
     more than 1e9 parameters per rank. memascend's engine is left as is: its pool never runs out,
     and its ``param_dram_numel="auto"`` decides the DRAM copy
-    (:func:`memascend.integrations.deepspeed.sizing.auto_param_dram_numel`).
+    (:func:`memascend.config.sizing.auto_param_dram_numel`).
     """
     op = z["offload_param"]
     per_rank_numel = per_rank_param_numel(shape.param_numels, world_size)
-    if "max_in_cpu" in op or per_rank_numel <= DS_DEFAULT_MAX_IN_CPU_NUMEL:
+    if "max_in_cpu" in op or per_rank_numel <= ds_defaults.MAX_IN_CPU_NUMEL:
         return []
     op["max_in_cpu"] = per_rank_numel
-    return [Derived("zero_optimization.offload_param.max_in_cpu", per_rank_numel, DS_DEFAULT_MAX_IN_CPU_NUMEL,
-                    f"{per_rank_numel} parameter elements per rank > max_in_cpu {DS_DEFAULT_MAX_IN_CPU_NUMEL} "
+    return [Derived("zero_optimization.offload_param.max_in_cpu", per_rank_numel, ds_defaults.MAX_IN_CPU_NUMEL,
+                    f"{per_rank_numel} parameter elements per rank > max_in_cpu {ds_defaults.MAX_IN_CPU_NUMEL} "
                     "(stock would fail in step 2: 'Not enough swap in buffers')")]
 
 
@@ -216,7 +210,7 @@ def _derive_param_buffers(z: dict, shape: ModelShape, world_size: int) -> list[D
     out: list[Derived] = []
     op = z["offload_param"]
     largest_partition = math.ceil(shape.largest_numel / world_size)
-    size = op.get("buffer_size", DS_DEFAULT_PARAM_BUFFER_SIZE_NUMEL)
+    size = op.get("buffer_size", ds_defaults.PARAM_BUFFER_SIZE_NUMEL)
     if largest_partition > size:
         new = math.ceil(largest_partition / AIO_ALIGN_NUMEL) * AIO_ALIGN_NUMEL
         op["buffer_size"] = new
@@ -233,7 +227,7 @@ def _derive_param_buffers(z: dict, shape: ModelShape, world_size: int) -> list[D
     # in flight; one more slot covers the parameter being released while the next is fetched.
     most_per_module = max(shape.module_param_counts, default=1)
     need = 2 * most_per_module + 1
-    count = op.get("buffer_count", DS_DEFAULT_PARAM_BUFFER_COUNT)
+    count = op.get("buffer_count", ds_defaults.PARAM_BUFFER_COUNT)
     if count < need:
         op["buffer_count"] = need
         out.append(
@@ -308,8 +302,8 @@ def upfront_locked_bytes(ds_cfg: dict, dtype: str, largest_param_numel: int, wor
         return params + optimizer
     if op.get("device") != "nvme":
         return 0
-    count = int(op.get("buffer_count", DS_DEFAULT_PARAM_BUFFER_COUNT))
-    size = int(op.get("buffer_size", DS_DEFAULT_PARAM_BUFFER_SIZE_NUMEL))
+    count = int(op.get("buffer_count", ds_defaults.PARAM_BUFFER_COUNT))
+    size = int(op.get("buffer_size", ds_defaults.PARAM_BUFFER_SIZE_NUMEL))
     return count * size * elt
 
 
