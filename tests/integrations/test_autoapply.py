@@ -32,6 +32,7 @@ def hook(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")  # no enable_torch_thp notice: only the hook's line
+    monkeypatch.setattr(ma_ds._warn_torch_thp, "done", False, raising=False)  # ranks > 0 set it
     autoapply.install()
     yield
     ma_ds.revert()

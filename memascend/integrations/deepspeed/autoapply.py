@@ -133,12 +133,15 @@ def _apply_section(section: Any, where: str) -> None:
 
     if ma_ds.applied_settings() is not None:
         return
+    rank0 = os.environ.get("RANK", "0") == "0"
+    if not rank0:  # the enable_torch_thp notice, like the line below, once per job
+        ma_ds._warn_torch_thp.done = True  # type: ignore[attr-defined]
     try:
         settings = ma_ds.apply(MemAscendSettings.from_mapping(section))
     except UserError as exc:
         print(f"memascend: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(exc.exit_code) from None
-    if os.environ.get("RANK", "0") == "0":
+    if rank0:
         world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
         print(applied_line(settings, where, world_size), file=sys.stderr, flush=True)
 
