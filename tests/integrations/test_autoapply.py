@@ -248,3 +248,48 @@ def test_zero_init_applies_the_section_only_under_the_hook(hook_on):
         assert "param_prefetch_slots=6" in lines[-1]
     else:
         assert states == [[False, False], [False, False]] and lines == []
+
+
+INITIALIZE = """
+    import os, sys, json
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}",
+                      DS_ACCELERATOR="cpu")
+    import deepspeed, torch
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256)).to(torch.bfloat16)
+    offload = {{"device": "nvme", "nvme_path": "{swap}"}}
+    cfg = {{"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "bf16": {{"enabled": True}},
+           "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3}}}},
+           "zero_optimization": {{"stage": 3, "offload_param": offload, "offload_optimizer": offload}},
+           "memascend": {{}}}}
+    deepspeed.init_distributed(dist_backend="gloo")
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    loss = engine(x).float().pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    print("RESULT " + json.dumps({{"loss": loss.item().hex(), "sub_group_size": engine._config.zero_config.sub_group_size,
+                                  "swapper": type(next(engine.module.parameters()).nvme_swapper).__name__}}), flush=True)
+    os._exit(0)
+"""
+
+
+def test_a_model_built_outside_zero_init_gets_memascend_at_initialize(tmp_path):
+    """A plain ``deepspeed.initialize`` loop: applied there, the sizes resolved by the seam's own
+    ``initialize`` wrapper (the hook's call goes on through it), the same loss as without the hook."""
+    from memascend.train.dist import free_port
+
+    results = {}
+    for hook_on in (True, False):
+        swap = tmp_path / f"swap-{hook_on}"
+        swap.mkdir()
+        out = _python(INITIALIZE.format(port=free_port(), swap=swap), hook_on=hook_on)
+        assert out.returncode == 0, out.stderr[-3000:]
+        results[hook_on] = json.loads(out.stdout.split("RESULT ", 1)[1])
+        results[hook_on]["lines"] = [ln for ln in out.stderr.splitlines() if ln.startswith("memascend: applied")]
+    with_hook, without = results[True], results[False]
+    assert with_hook["loss"] == without["loss"]
+    assert with_hook["swapper"] == "PooledParamSwapper" and without["swapper"] == "AsyncPartitionedParameterSwapper"
+    assert with_hook["sub_group_size"] < without["sub_group_size"] == 1_000_000_000
+    assert len(with_hook["lines"]) == 1 and "given to deepspeed.initialize" in with_hook["lines"][0]
+    assert without["lines"] == []
