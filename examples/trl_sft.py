@@ -7,6 +7,7 @@ state on NVMe, with no memascend code: the DeepSpeed config (``examples/ds_zero3
     python3 examples/trl_sft.py ...       # the same without memascend run: stock DeepSpeed
     memascend run -- torchrun --nproc-per-node 2 examples/trl_sft.py ...   # two ranks
 
+``--lora-rank R`` trains LoRA adapters (PEFT, every linear layer) instead of every weight.
 ``--model`` is a Hugging Face folder with its tokenizer (a local path: the run is offline); ``--data``
 a JSON Lines file of conversations (``{"messages": [{"role": "user", ...}, {"role": "assistant",
 ...}]}``) or of ``{"text": ...}`` rows. ``--nvme-path`` replaces both ``nvme_path`` values of the
@@ -38,6 +39,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=256, help="SFTConfig max_length (tokens)")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="train LoRA adapters of this rank on every linear layer (PEFT); 0: full fine-tune")
     return parser.parse_args(argv)
 
 
@@ -94,7 +97,14 @@ def main(argv: list[str] | None = None) -> dict:
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     set_seed(config.seed)
     data = load_dataset("json", data_files=args.data, split="train")
-    trainer = SFTTrainer(model=args.model, args=config, train_dataset=data)  # built under zero.Init
+    peft_config = None
+    if args.lora_rank:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, lora_dropout=0.0,
+                                 target_modules="all-linear", task_type="CAUSAL_LM")
+    trainer = SFTTrainer(model=args.model, args=config, train_dataset=data,  # the model is built under zero.Init
+                         peft_config=peft_config)
     trainer.train()
     losses = [float(e["loss"]) for e in trainer.state.log_history if "loss" in e]
     result = {"losses": losses, "losses_hex": [x.hex() for x in losses], **_memascend_state(trainer)}
