@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 FRAMEWORKS: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    "trl": ("trl==1.16.0", "trl", ()),
+    "trl": ("trl[peft]==1.16.0", "trl", ()),
     # torchvision: pip picks a build for another torch, whose missing operators break `import transformers`
     "llamafactory": ("llamafactory==0.9.5", "llamafactory.data", ("torchvision",)),
 }
