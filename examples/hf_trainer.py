@@ -5,6 +5,7 @@ with memascend as a drop-in: a ``"memascend"`` section in the DeepSpeed config a
     python3 examples/hf_trainer.py --nvme-path ./memascend-swap --steps 3
     python3 examples/hf_trainer.py --nvme-path ./memascend-swap --steps 3 --no-memascend   # stock DeepSpeed
     python3 examples/hf_trainer.py --nvme-path ./memascend-swap --steps 3 --baseline       # stock + fixes
+    memascend run -- python3 examples/hf_trainer.py --nvme-path ./memascend-swap --no-apply  # no apply line
     torchrun --nproc-per-node 2 examples/hf_trainer.py --nvme-path ./memascend-swap        # two ranks
 
 The model is a from-scratch Llama preset of memascend (``--from-scratch llama-tiny``, random weights)
@@ -18,9 +19,13 @@ at unaligned host addresses (SmolLM2-135M on two ranks: the losses part from ste
 memascend fixes in both its engines (``fix_unaligned_gradient_io``); ``--baseline`` is stock DeepSpeed
 with only that fix, as ``memascend finetune --engine baseline``.
 
+With ``--no-apply`` the script is what a user of a framework has: the ``"memascend"`` section in the
+config and no memascend code; ``memascend run -- COMMAND`` applies it (without ``memascend run`` the
+section is ignored and DeepSpeed runs stock).
+
 The last line on stdout is ``HF_TRAINER_RESULT {json}`` with the per-step training losses (as
-``float.hex`` strings too, for a bit-exact comparison), the DeepSpeed sizes the engine ran with and
-whether memascend was applied.
+``float.hex`` strings too, for a bit-exact comparison), the DeepSpeed sizes the engine ran with,
+whether memascend was applied (``applied``) and the class of the parameter swapper.
 """
 
 from __future__ import annotations
@@ -70,6 +75,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=64)
     engine = parser.add_mutually_exclusive_group()
     engine.add_argument("--no-memascend", action="store_true", help="stock DeepSpeed: no section, no apply")
+    engine.add_argument("--no-apply", action="store_true",
+                        help="the section without the apply_from_config line: memascend applies only under "
+                             "'memascend run -- python3 examples/hf_trainer.py ...'")
     engine.add_argument("--baseline", action="store_true",
                         help="no section; only memascend's correctness fixes applied (as memascend finetune "
                              "--engine baseline): stock DeepSpeed 0.19.8 loses unaligned gradient reads on two "
@@ -118,7 +126,7 @@ class RandomTokens:
 def main(argv: list[str] | None = None) -> dict:
     args = _parse_args(argv)
     memascend = not (args.no_memascend or args.baseline)
-    if memascend:
+    if memascend and not args.no_apply:
         os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # torch reads it when it loads (enable_torch_thp)
     single_process_env()
     import torch
@@ -129,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     Path(args.nvme_path).mkdir(parents=True, exist_ok=True)
     cfg = ds_config(args.nvme_path, memascend)
-    if memascend:
+    if memascend and not args.no_apply:
         import memascend.integrations.deepspeed as ma_ds
 
         ma_ds.apply_from_config(cfg)  # before the model is built; deepspeed.initialize sizes the rest
@@ -157,9 +165,13 @@ def main(argv: list[str] | None = None) -> dict:
     trainer.train()
     losses = [float(e["loss"]) for e in trainer.state.log_history if "loss" in e]
     zero = trainer.model_wrapped._config.zero_config
+    seam = sys.modules.get("memascend.integrations.deepspeed")  # loaded by apply_from_config or memascend run
+    swapper = getattr(next(trainer.model_wrapped.module.parameters()), "nvme_swapper", None)
     result = {"memascend": memascend, "baseline": args.baseline, "losses": losses, "losses_hex": [x.hex() for x in losses],
               "sub_group_size": int(zero.sub_group_size), "reduce_bucket_size": int(zero.reduce_bucket_size),
-              "max_in_cpu": int(zero.offload_param.max_in_cpu)}
+              "max_in_cpu": int(zero.offload_param.max_in_cpu),
+              "applied": seam is not None and seam.applied_settings() is not None,
+              "param_swapper": type(swapper).__name__}
     if int(os.environ.get("RANK", "0")) == 0:
         print("HF_TRAINER_RESULT " + json.dumps(result), flush=True)
     return result

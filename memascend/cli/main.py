@@ -16,6 +16,7 @@ _COMMANDS: tuple[tuple[str, str], ...] = (
     ("memascend.cli.doctor", "doctor"),
     ("memascend.cli.regress", "regress"),
     ("memascend.cli.plan", "plan"),
+    ("memascend.cli.run", "run"),
 )
 
 

@@ -34,6 +34,7 @@ COMMON: dict[str, tuple[str, ...]] = {
     "plan": (),
     "doctor": (),
     "regress": ("--output", "{tmp}/out"),
+    "run": (),
     "": (),
 }
 
@@ -225,6 +226,9 @@ CASES: tuple[Case, ...] = (
          "Invalid value for '--timeout': must be a finite number greater than 0, got inf"),
     Case("regress-cap-overflow", "regress: --memory-cap past float range", "regress", ("--memory-cap", "1e999"),
          "not a memory size: '1e999'"),
+    Case("run-no-command", "run without a command", "run", (), "Missing argument 'COMMAND...'"),
+    Case("run-command-not-found", "run: a program that is not on PATH", "run", ("--", "no-such-trainer", "cfg.yaml"),
+         "command not found: no-such-trainer (give a program on PATH or a path to one)"),
     # ---- paths, models, data (items 4, 7, 9) ----
     Case("model-missing", "--model path missing", "finetune", ("--model", "/nonexistent/model"),
          "model not found: /nonexistent/model"),

@@ -1,0 +1,74 @@
+"""Training frameworks (TRL, LLaMA-Factory) in their own virtual environments, for the example tests.
+
+Each framework pins its own versions, so each gets a venv of its own under ``$MEMASCEND_TEST_VENVS``
+(default ``/tmp/venvs``): ``<root>/<name>``, made with ``--system-site-packages`` so that it sees this
+environment's torch, DeepSpeed and memascend (pip installs only what the framework adds or needs
+otherwise; torch and DeepSpeed are held at this environment's versions). The slow tests build a
+missing venv (from the package index); the default suite skips with the reason when it is absent, and
+both skip with the import error when the framework does not import on this host.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FRAMEWORKS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "trl": ("trl[peft]==1.16.0", "trl", ()),
+    # torchvision: pip picks a build for another torch, whose missing operators break `import transformers`
+    "llamafactory": ("llamafactory==0.9.5", "llamafactory.data", ("torchvision",)),
+}
+"""name -> (pip requirement, module that proves it works, packages to uninstall after installing)."""
+
+
+def venv_dir(name: str) -> Path:
+    return Path(os.environ.get("MEMASCEND_TEST_VENVS", "/tmp/venvs")) / name
+
+
+def _import_error(python: Path, module: str) -> str | None:
+    """``None`` when ``module``, DeepSpeed and memascend import in ``python``, else the error's last line."""
+    if not python.is_file():
+        return f"no {python}"
+    out = subprocess.run([str(python), "-c", f"import {module}, deepspeed, memascend"], capture_output=True, text=True,
+                         timeout=300)
+    return None if out.returncode == 0 else (out.stderr.strip().splitlines() or ["?"])[-1]
+
+
+def framework_python(name: str, *, build: bool) -> Path:
+    """The Python of framework ``name``'s venv (see the module doc).
+
+    Args:
+        name: a key of :data:`FRAMEWORKS`.
+        build: make the venv and install the framework when it is absent (else skip the test).
+
+    Raises:
+        pytest.skip.Exception: absent and ``build`` is false.
+        AssertionError: building failed (pip's output in the message).
+    """
+    requirement, module, remove = FRAMEWORKS[name]
+    python = venv_dir(name) / "bin" / "python"
+    error = _import_error(python, module)
+    if error is None:
+        return python
+    if not build or python.is_file():
+        pytest.skip(f"{name} does not import from {venv_dir(name)} ({error}); the slow tests build a missing venv: "
+                    f"pip install {requirement} into a --system-site-packages venv")
+    import deepspeed
+    import torch
+
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv_dir(name))], check=True)
+    pins = venv_dir(name) / "constraints.txt"
+    pins.write_text(f"torch=={torch.__version__.split('+')[0]}\ndeepspeed=={deepspeed.__version__}\n")
+    pip = subprocess.run([str(python), "-m", "pip", "install", requirement, "-c", str(pins)], capture_output=True,
+                         text=True, timeout=1800)
+    assert pip.returncode == 0, pip.stdout[-3000:] + pip.stderr[-3000:]
+    if remove:
+        subprocess.run([str(python), "-m", "pip", "uninstall", "-y", *remove], capture_output=True, check=True)
+    error = _import_error(python, module)
+    if error is not None:
+        pytest.skip(f"{name} installed into {venv_dir(name)} but does not import on this host: {error}")
+    return python
