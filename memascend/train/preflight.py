@@ -1,8 +1,8 @@
 """Checks made before DeepSpeed allocates anything, so a host that cannot run the job gets one clear
 line instead of a crash deep inside an op (DeepSpeed's aio op segfaults when ``mlock`` fails).
 
-What they check comes from the resolver (:func:`memascend.resolve.resolve`): the rendered DeepSpeed
-config and ``ResolvedRun.upfront_locked_bytes`` (:func:`~memascend.resolve.upfront_locked_bytes`)."""
+What they check comes from the resolver (:func:`memascend.config.render.resolve`): the rendered DeepSpeed
+config and ``ResolvedRun.upfront_locked_bytes`` (:func:`~memascend.config.render.upfront_locked_bytes`)."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def check_stock_param_dram(ds_cfg: dict, param_numels: list[int], world_size: in
     tests/integrations/test_nvme_only_sub_group.py). memascend's pool does not.
 
     ``memascend finetune --engine baseline`` raises ``max_in_cpu`` itself when the config leaves it
-    out (``memascend.resolve._derive_stock_max_in_cpu``), so this refuses an explicit value that is too small.
+    out (``memascend.config.render._derive_stock_max_in_cpu``), so this refuses an explicit value that is too small.
 
     Args:
         ds_cfg: the rendered DeepSpeed config.

@@ -4,7 +4,7 @@
 launcher every rank calls it; rank 0 writes the outputs). It drives :class:`FinetuneRecipe`:
 
 1. :meth:`~FinetuneRecipe.setup`: model source, tokenizer and data; the model's shape; the process
-   group; the checkpoint to resume, checked; the run resolved (:func:`memascend.resolve.resolve`);
+   group; the checkpoint to resume, checked; the run resolved (:func:`memascend.config.render.resolve`);
    the swap target (a private swap folder, or the raw store); the run log; the seam applied
    (:func:`memascend.integrations.deepspeed.apply`); ``deepspeed.initialize``; the resume.
 2. :meth:`~FinetuneRecipe.evaluate` the held-out loss, :meth:`~FinetuneRecipe.train` (one

@@ -70,7 +70,7 @@ def check_output_dir(out_dir: Path) -> None:
 
 
 def meta_shape(src, cfg: RunConfig):
-    """Parameter layout (:class:`memascend.resolve.ModelShape`) from a meta-device instance (no
+    """Parameter layout (:class:`memascend.config.render.ModelShape`) from a meta-device instance (no
     memory, no weights read).
 
     Raises:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from memascend.settings import DS_CONFIG_SECTION, MemAscendSettings
+from memascend.config import DS_CONFIG_SECTION, MemAscendSettings
 from tests.examples.frameworks import framework_python
 from tests.examples.launch import EXAMPLES, result_line, run_measured
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import memascend.integrations.deepspeed as ma_ds
+from memascend.config import MemAscendSettings
 from memascend.integrations.deepspeed import autoapply, overflow
-from memascend.settings import MemAscendSettings
 from tests.conftest import REPO
 
 

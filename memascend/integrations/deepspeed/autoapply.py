@@ -43,8 +43,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from memascend.config import DS_CONFIG_SECTION, MemAscendSettings
 from memascend.errors import UserError
-from memascend.settings import DS_CONFIG_SECTION, MemAscendSettings
 
 __all__ = ["ENV_VAR", "SITE_DIR", "applied_line", "child_env", "install", "installed", "section_of",
            "uninstall"]
