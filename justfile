@@ -14,7 +14,7 @@ test *ARGS:
 
 # Run the CUDA-only tests and benchmarks (marker `gpu`: arena registration, host-to-device copy speed against torch pinned memory, torch's real pinned rounding, fp16 loss scaling with injected inf/nan against stock); they skip without a CUDA device
 test-gpu *ARGS:
-    {{python}} -m pytest -m gpu --benchmark-enable -s {{ARGS}}
+    {{python}} -m pytest -m gpu -n 0 --benchmark-enable -s {{ARGS}}
 
 # One short check on a lent GPU machine (ci/device/README.md): device and driver, the carried wheels, DeepSpeed's and memascend's ops built with CUDA, test-gpu, the gpu matrix's rows in order of value, io_bench; OUT gets summary.txt, results.tgz and the step logs after each step; --dry-run checks every command without running it
 device-check out *ARGS:

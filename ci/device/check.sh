@@ -276,7 +276,7 @@ step_d() {
   local log=$OUT/d-test-gpu.log t=$(date +%s)
   : > "$log"
   local args=(-rA -p no:cacheprovider --junitxml "$RES/test-gpu.xml")
-  local cmd=("$PY" -m pytest -m gpu --benchmark-enable -s "${args[@]}")
+  local cmd=("$PY" -m pytest -m gpu -n 0 --benchmark-enable -s "${args[@]}")
   command -v just >/dev/null && cmd=(just test-gpu "${args[@]}")
   if [[ $DRY == 1 ]]; then
     echo "would run: ${cmd[*]}" >> "$log"

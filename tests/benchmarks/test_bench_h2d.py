@@ -1,6 +1,6 @@
 """GPU benchmarks of the memascend pinned arena against torch's pinned memory (CUDA only).
 
-Run with ``python3 -m pytest tests/benchmarks/test_bench_h2d.py --benchmark-enable -s`` on a CUDA
+Run with ``python3 -m pytest tests/benchmarks/test_bench_h2d.py -n 0 --benchmark-enable -s`` on a CUDA
 host; every test is marked ``gpu`` and skipped when ``torch.cuda.is_available()`` is False.
 
 - Host-to-device copy speed: a 256 MiB buffer from the arena (mlocked, ``cudaHostRegister``-ed)

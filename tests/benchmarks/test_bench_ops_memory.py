@@ -1,6 +1,6 @@
 """Benchmarks of the memory-core ops, each next to its stock baseline in the same run.
 
-Run the timings with ``python3 -m pytest tests/benchmarks/test_bench_ops_memory.py --benchmark-enable``
+Run the timings with ``python3 -m pytest tests/benchmarks/test_bench_ops_memory.py -n 0 --benchmark-enable``
 (add ``-m slow`` for the 1 GiB buffer). With the default ``--benchmark-disable`` every benchmark
 still runs once and asserts its correctness.
 

@@ -9,7 +9,7 @@ partition; its slot discipline (a free list of uniform slots, a partition narrow
 replayed with plain host tensors next to :class:`~memascend.memory.pool.AdaptiveSwapPool`, so both
 sides pay the same allocator and only the buffer policy differs.
 
-Run the timings with ``python3 -m pytest tests/benchmarks/test_bench_pool.py --benchmark-enable -s``.
+Run the timings with ``python3 -m pytest tests/benchmarks/test_bench_pool.py -n 0 --benchmark-enable -s``.
 """
 
 from __future__ import annotations
