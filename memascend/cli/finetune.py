@@ -118,7 +118,7 @@ def _run(cfg: RunConfig, nproc: int | None, first: bool, fresh: bool) -> dict | 
         from memascend.memory import torch_thp
 
         torch_thp.enable_before_torch(cfg.memascend)
-    from memascend.train.runner import run_finetune
+    from memascend.train.recipe import run_finetune
 
     try:
         return run_finetune(cfg)

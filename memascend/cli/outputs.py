@@ -254,7 +254,7 @@ def lock_output(folder: Path) -> OutputLock:
         UserError: the folder cannot be created (inside a file, not writable).
         memascend.io.runlock.TargetBusyError: another live run holds it (names its pid).
     """
-    from memascend.train.runner import check_output_dir
+    from memascend.train.preflight import check_output_dir
 
     check_output_dir(folder)  # a file or a folder inside one, an unwritable parent: one line
     created = not folder.exists()

@@ -108,7 +108,7 @@ def check_shared_folders(train_cfg: Any, output_dir: str | os.PathLike, info: An
     """
     if not several_hosts(info):
         return
-    from memascend.train.runner import all_gather, broadcast
+    from memascend.train.dist import all_gather, broadcast
 
     mine = {"rank": info.rank, **info.node_record(), "folders": written_folders(train_cfg, output_dir)}
     records = all_gather(mine, info.world_size)
@@ -136,7 +136,7 @@ def resolve_resume_everywhere(resume: str, output_dir: str | os.PathLike, info: 
     """
     if not several_hosts(info):
         return ckpt.resolve_resume(resume, output_dir)
-    from memascend.train.runner import all_gather
+    from memascend.train.dist import all_gather
 
     found, err = None, None
     try:

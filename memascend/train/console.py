@@ -130,3 +130,10 @@ def format_params(numel: int) -> str:
         if numel >= size:
             return f"{numel / size:.{2 if unit == 'B' else 1}f}{unit}"
     return str(numel)
+
+
+def progress_bar(total: int, enabled: bool):
+    """The run's step progress bar (``tqdm`` on stderr; silent when not ``enabled``)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="fine-tune", unit="step", disable=not enabled, dynamic_ncols=True)
