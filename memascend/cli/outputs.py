@@ -91,22 +91,6 @@ def _entries(folder: Path) -> list[str]:
         raise UserError(f"--output {folder} is a file, not a folder") from None
 
 
-def _checkpoint_files(folder: Path) -> list[Path]:
-    """memascend's checkpoints in ``folder``: ``global_step<N>`` folders holding memascend's manifest,
-    and the ``latest`` file."""
-    from memascend.train.manifest import MANIFEST_NAME
-
-    found = []
-    for child in folder.iterdir():
-        if child.is_symlink():
-            continue
-        if child.is_dir() and re.fullmatch(r"global_step\d+", child.name) and (child / MANIFEST_NAME).is_file():
-            found.append(child)
-        elif child.name == "latest" and child.is_file():
-            found.append(child)
-    return found
-
-
 def memascend_files(folder: Path, names: tuple[str, ...] = MEMASCEND_OUTPUTS) -> list[Path]:
     """The paths under ``folder`` that memascend wrote, among its outputs ``names``.
 
@@ -119,6 +103,7 @@ def memascend_files(folder: Path, names: tuple[str, ...] = MEMASCEND_OUTPUTS) ->
         Files and (checkpoint) folders to remove, in a stable order.
     """
     from memascend.telemetry.tensorboard import EVENT_GLOB
+    from memascend.train.checkpoints.layout import memascend_checkpoint_entries
 
     globs = {"model": MODEL_FILE_GLOBS, "tensorboard": (EVENT_GLOB,)}
     found: list[Path] = []
@@ -131,7 +116,7 @@ def memascend_files(folder: Path, names: tuple[str, ...] = MEMASCEND_OUTPUTS) ->
         if not path.is_dir():
             found.append(path)
         elif name == "checkpoints":
-            found += sorted(_checkpoint_files(path))
+            found += sorted(memascend_checkpoint_entries(path))
         elif name in globs:
             found += sorted(p for p in path.iterdir() if not p.is_dir()
                             and any(fnmatch.fnmatch(p.name, g) for g in globs[name]))

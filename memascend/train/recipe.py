@@ -37,7 +37,7 @@ from memascend.resolve import resolve
 from memascend.telemetry import MemorySampler, read_proc_io
 from memascend.telemetry.tensorboard import check_tensorboard
 from memascend.train import checkpoints as ckpt
-from memascend.train import ckpt_hosts, console, determinism, resume_schedule, schedule
+from memascend.train import console, determinism, resume_schedule, schedule
 from memascend.train import dist as dist_setup
 from memascend.train import report as report_mod
 from memascend.train.cleanup import Cleanup
@@ -223,10 +223,10 @@ class FinetuneRecipe:
         periodic_on = train.checkpoint_every is not None or train.checkpoint_every_minutes is not None
         if train.resume is not None or train.save_checkpoint is not None or periodic_on:
             self.layout = ckpt.meta_param_layout(self.src, self.cfg.model)
-        ckpt_hosts.check_shared_folders(train, self.out_dir, info, self.run_id)  # several hosts: one folder
+        ckpt.check_shared_folders(train, self.out_dir, info, self.run_id)  # several hosts: one folder
         if train.resume is None:
             return
-        self.resume_ck = ckpt_hosts.resolve_resume_everywhere(train.resume, self.out_dir, info)
+        self.resume_ck = ckpt.resolve_resume_everywhere(train.resume, self.out_dir, info)
         if self.resume_ck is not None:
             ckpt.check_compatible(self.resume_ck, param_shapes=self.layout, dtype=train.dtype,
                                   world_size=info.world_size)
@@ -334,24 +334,11 @@ class FinetuneRecipe:
         if ck is None:
             return
         self.sampler.phase("resume")
-        if self.raw_store is None:  # a raw-store checkpoint keeps its optimizer state outside stock's folder
-            from memascend.integrations.deepspeed.store_checkpoint import prepare_folder_resume
-
-            prepare_folder_resume(self.engine, ck.load_dir, ck.tag)
-        # memascend's schedule is set from the run's settings below, not from the saved scheduler
-        # state (which a constant-rate checkpoint does not have, and which holds the old rate)
-        owns_schedule = resume_schedule.owns_schedule(self.cfg.user_ds_config)
-        load_path, self.client_state = self.engine.load_checkpoint(str(ck.load_dir), tag=ck.tag,
-                                                                   load_lr_scheduler_states=not owns_schedule)
-        resume_dir = self.cfg.train.resume
-        if load_path is None:
-            raise UserError(f"--resume {resume_dir}: DeepSpeed found no checkpoint to load")
-        self.start_step = int(self.engine.global_steps)
-        if owns_schedule:
-            resume_schedule.apply_at_step(self.engine, self.cfg.train,
-                                          self.start_step - int(getattr(self.engine, "skipped_steps", 0)))
+        self.start_step, self.client_state = ckpt.load_checkpoint(self.engine, ck, self.cfg.train,
+                                                                  self.cfg.user_ds_config,
+                                                                  swap_folder=self.raw_store is None)
         if self.start_step > self.steps:
-            raise UserError(f"--resume {resume_dir} is at step {self.start_step}, beyond --steps {self.steps}")
+            raise UserError(f"--resume {self.cfg.train.resume} is at step {self.start_step}, beyond --steps {self.steps}")
 
     # ---- evaluate and train ---------------------------------------------------------------------
 

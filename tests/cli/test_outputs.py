@@ -98,7 +98,7 @@ def test_overwrite_removes_only_memascend_s_files(tmp_path):
 
 def test_overwrite_keeps_the_user_s_files_inside_memascend_s_folders(tmp_path):
     """Only the files memascend writes go; a user's file keeps its folder (and the folder stays)."""
-    from memascend.train.manifest import MANIFEST_NAME
+    from memascend.train.checkpoints import MANIFEST_NAME
 
     files = {"model/model.safetensors": "w", "model/config.json": "c", "model/README.mine": "mine",
              "tensorboard/events.out.tfevents.1.host": "e", "tensorboard/my_notes.txt": "notes",
