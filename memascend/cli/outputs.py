@@ -16,8 +16,9 @@
   first process): a second run on the same ``--output`` is refused with one line naming the first
   run's pid, before it removes or writes anything.
 
-The first process of a run decides (the supervised child and the ranks of ``--nproc`` inherit the
-choice through :data:`ENV_OUTPUT_DIR`), so every process of one run writes to one folder.
+The first process of a run decides (the supervised child and the ranks of ``--nproc`` get the
+choice in the run's handover, :mod:`memascend.train.handover`), so every process of one run writes to
+one folder.
 """
 
 from __future__ import annotations
@@ -39,8 +40,6 @@ RUNS_ROOT = Path("runs")
 """Where fresh run folders go (relative to the working folder)."""
 LATEST = "latest"
 """``runs/latest``: a link to the newest run folder."""
-ENV_OUTPUT_DIR = "MEMASCEND_OUTPUT_DIR"
-"""Set for the run's other processes: the run folder the first process chose."""
 
 MEMASCEND_OUTPUTS = ("model", "report.json", "steps.jsonl", "memory_timeline.csv", "memory_timeline.png",
                      "tensorboard", "checkpoints")
@@ -257,40 +256,31 @@ def lock_output(folder: Path) -> OutputLock:
     return OutputLock(folder=folder, lock=lock, created=created)
 
 
-def settle_output(cfg: RunConfig, *, given: bool, overwrite: bool, first_process: bool,
-                  config_file: str | None = None) -> tuple[RunConfig, bool, OutputLock | None]:
-    """The run's output folder, locked for the run by the first process.
+def settle_output(cfg: RunConfig, *, given: bool, overwrite: bool,
+                  config_file: str | None = None) -> tuple[RunConfig, bool, OutputLock]:
+    """The run's output folder, locked for the run by its first process (the one that decides for the
+    run: not the supervised child, not a rank of ``--nproc``, which get the folder in the run's
+    handover).
 
     Args:
         cfg: the run's config (``cfg.output_dir`` as the user gave it, or the default when not given).
         given: whether the user gave ``--output`` (flag or ``output_dir`` in ``--config``).
         overwrite: ``--overwrite-output``.
-        first_process: whether this process decides for the run (not the supervised child, not a rank
-            of ``--nproc``); it locks the folder (:func:`lock_output`), checks an explicit one and
-            passes a fresh one on in the environment.
         config_file: the ``--config`` file, an input the output must not replace.
 
     Returns:
-        ``(cfg with output_dir set, whether the folder is a fresh run folder, the held lock or None)``;
-        the caller releases the lock when the run is over.
+        ``(cfg with output_dir set, whether the folder is a fresh run folder, the held lock)``; the
+        caller releases the lock when the run is over.
 
     Raises:
         UserError: as :func:`lock_output` and :func:`prepare_explicit_output` (the lock is released).
     """
-    if given:
-        folder = Path(cfg.output_dir)
-    else:
-        inherited = os.environ.get(ENV_OUTPUT_DIR)
-        folder = Path(inherited) if inherited and not first_process else fresh_run_dir(cfg)
-    if not first_process:
-        return (cfg if given else replace(cfg, output_dir=str(folder))), not given, None
+    folder = Path(cfg.output_dir) if given else fresh_run_dir(cfg)
     lock = lock_output(folder)
     try:
         if given:
             prepare_explicit_output(folder, overwrite=overwrite, resume=cfg.train.resume is not None,
                                     inputs=run_inputs(cfg, config_file))
-        else:
-            os.environ[ENV_OUTPUT_DIR] = str(folder)
     except BaseException:
         lock.release()
         raise
