@@ -398,7 +398,7 @@ def load_op(
     try:
         return cpp_extension.load(
             name=mod_name,
-            sources=srcs,
+            sources=stage_sources(srcs, build_dir),
             extra_cflags=cflags,
             extra_cuda_cflags=["-O3", "-DMEMASCEND_WITH_CUDA"] if with_cuda else None,
             extra_ldflags=list(extra_ldflags),
@@ -418,10 +418,48 @@ def _build_plan(name: str, sources: tuple[str, ...], cuda_sources: tuple[str, ..
     if with_cuda:
         srcs += [str(CSRC_DIR / s) for s in cuda_sources]
         cflags.append("-DMEMASCEND_WITH_CUDA")
-    # One folder per source content and flags: two checkouts (git worktrees) using one environment
-    # keep their own builds instead of rebuilding over each other's build.ninja at every load.
+    # One folder per source content and flags, shared by every checkout (git worktree, CI clone) of
+    # the same sources in one environment.
     digest = sources_digest(srcs, cflags, extra_ldflags)
     return srcs, cflags, with_cuda, ext_cache_dir(create=False) / f"memascend_{name}{'_cuda' if with_cuda else ''}-{digest}"
+
+
+def _with_headers(sources: list[str]) -> set[Path]:
+    """``sources`` and the headers in their folders (compiled in through ``#include "x.h"``)."""
+    files = {Path(p) for p in sources}
+    for src in list(files):
+        files.update(q for pattern in ("*.h", "*.hpp", "*.cuh") for q in src.parent.glob(pattern) if q.is_file())
+    return files
+
+
+STAGED_SOURCES_DIR = "src"
+"""Where an op's sources are copied inside its build folder (:func:`stage_sources`)."""
+
+
+def stage_sources(sources: list[str], build_dir: Path) -> list[str]:
+    """Copies of ``sources`` (and the headers beside them) inside ``build_dir``, to compile from.
+
+    Torch writes the sources' absolute paths into the folder's ``build.ninja`` and ninja rebuilds
+    whenever a command line changes: compiled from where each checkout lies, two checkouts of the
+    same sources sharing the folder (it is named by content) would rebuild over each other at every
+    load. Copies written only when missing or different (atomically), so their mtimes, and ninja's
+    view, stay put.
+
+    Returns:
+        The copies' paths, in the order of ``sources``.
+    """
+    files = _with_headers(sources)
+    staged_root = build_dir / STAGED_SOURCES_DIR
+    for path in files:
+        data = path.read_bytes()
+        dst = staged_root / path.parent.name / path.name
+        if dst.is_file() and dst.read_bytes() == data:
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, dst)
+    return [str(staged_root / Path(p).parent.name / Path(p).name) for p in sources]
 
 
 def op_build_dir(name: str, sources: tuple[str, ...], cuda_sources: tuple[str, ...] = (),
@@ -443,9 +481,7 @@ def sources_digest(sources: list[str], *flags: object) -> str:
         The digest: equal for the same content and flags wherever the tree lies.
     """
     h = hashlib.sha256()
-    files = {Path(p) for p in sources}
-    for src in list(files):
-        files.update(q for pattern in ("*.h", "*.hpp") for q in src.parent.glob(pattern) if q.is_file())
+    files = _with_headers(sources)
     for path in sorted(files, key=lambda q: (q.parent.name, q.name)):
         h.update(f"{path.parent.name}/{path.name}".encode() + b"\0" + path.read_bytes() + b"\0")
     h.update(repr([list(f) if isinstance(f, (list, tuple)) else f for f in flags]).encode())

@@ -3,8 +3,10 @@ memascend.integrations.deepspeed.ops_build, the image's build step directly)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 from memascend.ops import build
 from memascend.ops.build import op_names
@@ -77,3 +79,34 @@ def test_each_op_builds_in_a_folder_named_by_its_sources(monkeypatch, tmp_path):
     digest = build.sources_digest([str(build.CSRC_DIR / s) for s in arena.SOURCES],
                                   ["-O3", "-std=c++17", "-fvisibility=hidden"], ("-ldl",))
     assert folder == tmp_path / f"memascend_pinned_arena-{digest}"
+
+
+def test_two_checkouts_load_one_build_without_rebuilding(tmp_path):
+    """The second checkout of the same op sources loads the first one's build: the sources are
+    compiled from copies inside the shared build folder, so torch's build.ninja (which names them
+    by absolute path) is the same for both and ninja has nothing to do (it rebuilt at every load
+    when each checkout compiled from where it lies)."""
+    source = ("#include <Python.h>\n#include \"tiny.h\"\n"
+              "static struct PyModuleDef tiny = {PyModuleDef_HEAD_INIT, \"memascend_twotrees\", nullptr, -1, nullptr};\n"
+              "PyMODINIT_FUNC PyInit_memascend_twotrees(void) { return PyModule_Create(&tiny); }\n")
+    for tree in ("a", "b"):
+        op = tmp_path / tree / "csrc" / "twotrees"
+        op.mkdir(parents=True)
+        (op / "tiny.cpp").write_text(source)
+        (op / "tiny.h").write_text("#define TINY 1\n")
+    ext = tmp_path / "ext"
+    code = ("import sys; from memascend.ops.build import load_op; "
+            "m = load_op('twotrees', (sys.argv[1],)); print(m.__file__)")
+    env = {**os.environ, "MEMASCEND_EXT_DIR": str(ext), "PYTHONWARNINGS": "ignore"}
+    built = []
+    for tree in ("a", "b", "a"):
+        proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / tree / "csrc" / "twotrees" / "tiny.cpp")],
+                              capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        so = Path(proc.stdout.split()[-1])
+        built.append((so, so.stat().st_mtime_ns, so.stat().st_ino))
+    assert len({b[0].parent for b in built}) == 1  # one folder for both trees
+    assert built[0] == built[1] == built[2]  # built once, never again
+    staged = built[0][0].parent / build.STAGED_SOURCES_DIR / "twotrees"
+    assert (staged / "tiny.h").read_text() == "#define TINY 1\n"  # the header beside it, copied too
+    assert str(staged / "tiny.cpp") in (built[0][0].parent / "build.ninja").read_text()
