@@ -1,9 +1,12 @@
 """Import layering of memascend: no import cycle between its subpackages (beyond the known
-ones listed here: none), ``io/`` and ``memory/`` never import DeepSpeed, only ``integrations/deepspeed``
-reaches into DeepSpeed's internals, and the package never imports the repository's ``benchmarks/``.
+ones listed here: none) nor between its modules, ``io/`` and ``memory/`` never import DeepSpeed, only
+``integrations/deepspeed`` reaches into DeepSpeed's internals, and the package never imports the
+repository's ``benchmarks/``.
 
 Imports are read from the source (AST), function-level (lazy) imports included: a cycle through a
-lazy import is still a cycle between layers.
+lazy import is still a cycle between layers, and between modules (a lazy import does not fail at
+import time, but the two modules still need each other: the forwarder ``train/runner.run_finetune``
+-> ``recipe`` -> ``runner`` was such a cycle, invisible to module-level imports alone).
 """
 
 from __future__ import annotations
@@ -66,6 +69,46 @@ def package_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
             parts = name.split(".")
             if parts[0] == "memascend" and len(parts) > 1 and parts[1] != src:
                 graph[src].add(parts[1])
+    return graph
+
+
+def _resolved_import_names(node: ast.Import | ast.ImportFrom, mod: str, is_package: bool) -> list[list[str]]:
+    """The candidate modules one import statement names, each as its list of candidates (most
+    specific first): ``import a.b.c`` -> ``[a.b.c, a.b, a]``; ``from a.b import c, d`` ->
+    ``[a.b.c, a.b]`` and ``[a.b.d, a.b]`` (``c`` may be a submodule or a name in ``a.b``)."""
+    if isinstance(node, ast.Import):
+        return [[".".join(a.name.split(".")[:i]) for i in range(a.name.count(".") + 1, 0, -1)] for a in node.names]
+    if node.level:
+        base = mod.split(".") if is_package else mod.split(".")[:-1]
+        base = base[:len(base) - (node.level - 1)]
+        name = ".".join(base + ([node.module] if node.module else []))
+    else:
+        name = node.module or ""
+    return [[f"{name}.{a.name}", name] for a in node.names]
+
+
+def module_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the other modules of memascend (the folder ``package``) it imports, at module level
+    or inside a function.
+
+    An import names the most specific module of the package it can: ``from memascend.train import
+    checkpoints`` is an edge to ``memascend.train.checkpoints``, ``from memascend.units import
+    format_bytes`` one to ``memascend.units``. The parent packages' ``__init__`` that Python runs
+    before any submodule are not counted as edges (a package whose ``__init__`` re-exports its own
+    modules would otherwise be in a cycle with each of them); ``from pkg import name`` of a name
+    that is not a submodule is an edge to ``pkg``'s ``__init__``.
+    """
+    repo = package.parent
+    paths = {_module_name(p, repo): p for p in package.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for mod, path in paths.items():
+        graph[mod] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                for candidates in _resolved_import_names(node, mod, path.name == "__init__.py"):
+                    target = next((c for c in candidates if c in paths), None)
+                    if target is not None and target != mod:
+                        graph[mod].add(target)
     return graph
 
 
@@ -135,6 +178,46 @@ def test_no_new_import_cycle_between_subpackages():
     assert {"cli", "io", "memory", "integrations", "plan", "regress", "host"} <= set(graph)
     new = {c for c in cycles(graph) if c not in KNOWN_CYCLES}
     assert not new, f"import cycles between memascend's subpackages: {[sorted(c) for c in new]} ({graph})"
+
+
+def test_no_import_cycle_between_modules():
+    """No two modules of memascend need each other, directly or through others (lazy imports
+    included; see :func:`module_graph`)."""
+    graph = module_graph()
+    assert {"memascend.train.recipe", "memascend.train.checkpoints.save", "memascend.cli.finetune"} <= set(graph)
+    found = cycles(graph)
+    assert not found, f"import cycles between memascend's modules: {[sorted(c) for c in found]}"
+
+
+def _write_package(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root / "memascend"
+
+
+def test_module_cycle_finder_finds_a_planted_cycle_on_a_synthetic_package(tmp_path):
+    """A tiny package on disk: a chain of modules has no cycle; a lazy import back up the chain, or a
+    ``from pkg import module`` back to the start, makes one of exactly the modules on it."""
+    chain = {
+        "memascend/__init__.py": "",
+        "memascend/units.py": "X = 1\n",
+        "memascend/train/__init__.py": "from memascend.train.recipe import run  # re-export: no cycle\n",
+        "memascend/train/recipe.py": "from memascend.train import dist\nfrom memascend.units import X\n\ndef run():\n    pass\n",
+        "memascend/train/dist.py": "import memascend.units\n",
+        "memascend/cli.py": "from memascend.train.recipe import run\n",
+    }
+    graph = module_graph(_write_package(tmp_path / "chain", chain))
+    assert graph["memascend.train.recipe"] == {"memascend.train.dist", "memascend.units"}
+    assert graph["memascend.train"] == {"memascend.train.recipe"} and cycles(graph) == set()
+
+    lazy = {**chain, "memascend/train/dist.py": "import memascend.units\n\ndef late():\n    from . import recipe\n"}
+    assert cycles(module_graph(_write_package(tmp_path / "lazy", lazy))) == {
+        frozenset({"memascend.train.recipe", "memascend.train.dist"})}
+
+    through = {**chain, "memascend/units.py": "from memascend import cli\n"}
+    assert cycles(module_graph(_write_package(tmp_path / "through", through))) == {
+        frozenset({"memascend.cli", "memascend.train.recipe", "memascend.train.dist", "memascend.units"})}
 
 
 @pytest.mark.parametrize("layer", ["io", "memory"])

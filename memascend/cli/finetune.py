@@ -9,29 +9,16 @@ from pathlib import Path
 import click
 
 from memascend.cli import options
-from memascend.cli.outputs import ENV_OUTPUT_DIR, link_latest, lock_output, settle_output
+from memascend.cli.outputs import link_latest, lock_output, settle_output
 from memascend.config import RunConfig
 from memascend.errors import UserError
 
 
 def _torchrun_cmd(nproc: int) -> list[str]:
-    """This command under torchrun with ``nproc`` ranks on this host."""
-    argv = [a for a in sys.argv[1:]]
-    # drop --nproc N / --nproc=N so the children run single-rank logic
-    cleaned, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a == "--nproc":
-            skip = True
-            continue
-        if a.startswith("--nproc="):
-            continue
-        cleaned.append(a)
+    """The job under torchrun with ``nproc`` ranks on this host (every rank loads the run's handover)."""
     from memascend.train.dist import free_port
 
-    cmd = [
+    return [
         sys.executable,
         "-m",
         "memascend.train.launch",  # torch.distributed.run, without its ChildFailedError traceback
@@ -40,9 +27,8 @@ def _torchrun_cmd(nproc: int) -> list[str]:
         f"--master-port={free_port()}",
         "-m",
         "memascend",
-        *cleaned,
+        "finetune",
     ]
-    return cmd
 
 
 @click.command(context_settings={"show_default": True})
@@ -58,23 +44,28 @@ def finetune(**kw) -> None:
     (HF folder), report.json and memory_timeline.{csv,png} to --output.
     """
     kw.pop("launcher_local_rank")
-    from memascend.train.console import mark_run_start
+    from memascend.train import console
+    from memascend.train.handover import handed_over
+    from memascend.train.supervisor import is_supervised
 
-    mark_run_start()  # the run's phase lines count the seconds from here (supervised child and ranks too)
     nproc = kw.pop("nproc")
     if nproc is not None and nproc < 1:
         raise UserError(f"--nproc must be at least 1, got {nproc}")
-    from memascend.train.supervisor import is_supervised
-
+    handover = handed_over() if is_supervised() else None
+    if handover is not None:  # the job its supervising parent started: the run as the parent resolved it
+        console.mark_run_start(handover.run_start_s)
+        _job(handover.cfg, handover.fresh_output)
+        return
+    console.mark_run_start()  # the run's phase lines count the seconds from here (the job's too)
     overwrite_output = kw.pop("overwrite_output")
     cfg = options.run_config_from_flags(kw)
-    # The first process checks the input and decides the output folder; the supervised child and the
-    # ranks of --nproc inherit its choice (memascend.cli.outputs).
+    # The first process checks the input, decides the output folder and hands the resolved run to the
+    # job it supervises (memascend.train.handover); a rank of a launcher of the user's runs the job here.
     first = "RANK" not in os.environ and not is_supervised()
     if first:
         options.show_config_notes(cfg)
     if cfg.memascend.host_memory_budget is not None and cfg.engine == "memascend":
-        cfg = _with_budget_choice(cfg, nproc, first)
+        cfg = _with_budget_choice(cfg, nproc, say=first)
     output_given = kw["output_dir"] is not None or cfg.output_dir != RunConfig.output_dir
     if first:
         from memascend.train.checkpoints import nothing_left
@@ -83,74 +74,71 @@ def finetune(**kw) -> None:
         if done is not None:  # before the output folder is touched: nothing is rewritten
             _say(done)
             sys.exit(0)
-    out_lock = None
-    if first or ENV_OUTPUT_DIR in os.environ:
+    out_lock, fresh = None, False
+    if first:
         # the first process locks the folder for the run's life (released when its children end)
-        cfg, fresh, out_lock = settle_output(cfg, given=output_given, overwrite=overwrite_output, first_process=first,
+        cfg, fresh, out_lock = settle_output(cfg, given=output_given, overwrite=overwrite_output,
                                              config_file=kw.get("config_file"))
-    else:  # a rank of an outside launcher (deepspeed, torchrun) without --output: the folder of old
-        fresh = False
-        if os.environ.get("RANK") == "0" and not is_supervised():
-            out_lock = lock_output(Path(cfg.output_dir))  # rank 0 holds the run's lock
+    elif os.environ.get("RANK") == "0" and not is_supervised():  # a rank of an outside launcher
+        out_lock = lock_output(Path(cfg.output_dir))  # rank 0 holds the run's lock
     try:
-        report = _run(cfg, nproc, first, fresh)
+        _supervise_or_run(cfg, nproc, first, fresh)
     finally:
         if out_lock is not None:
             out_lock.release()
-    if report is not None:
-        _print_summary(report, cfg.output_dir)
 
 
-def _run(cfg: RunConfig, nproc: int | None, first: bool, fresh: bool) -> dict | None:
-    """The job: under a supervising parent (the first process), else in this process (the
-    supervised child, or a rank). Exits through ``sys.exit`` in the first process."""
+def _supervise_or_run(cfg: RunConfig, nproc: int | None, first: bool, fresh: bool) -> None:
+    """The job: under a supervising parent (the first process; exits through ``sys.exit``), else in
+    this process (a rank of a launcher of the user's)."""
+    from memascend.train.console import run_start_s
+    from memascend.train.handover import Handover
     from memascend.train.supervisor import supervise
 
-    if nproc is not None and nproc > 1 and "RANK" not in os.environ:
-        # the launch runs under a parent that cleans up after ranks killed outright
-        sys.exit(supervise(_torchrun_cmd(nproc)))
-    if first:
-        # Checked input, then the job in a child: a SIGKILL/OOM kill/abort of the training process
-        # still gets one line and its swap files removed (memascend.train.supervisor).
-        sys.exit(supervise([sys.executable, "-m", "memascend", *sys.argv[1:]]))
+    launch = nproc is not None and nproc > 1 and "RANK" not in os.environ
+    if launch or first:
+        # Checked input, then the job in a child (or the ranks under torchrun): a SIGKILL/OOM kill/abort
+        # of the training process still gets one line and its swap files removed
+        # (memascend.train.supervisor). The job loads the run from the handover, not from the flags.
+        cmd = _torchrun_cmd(nproc) if launch else [sys.executable, "-m", "memascend", "finetune"]
+        sys.exit(supervise(cmd, Handover(cfg=cfg, fresh_output=fresh, run_start_s=run_start_s())))
+    _job(cfg, fresh)
+
+
+def _job(cfg: RunConfig, fresh: bool) -> None:
+    """Run the training job in this process; rank 0 points ``runs/latest`` at a ``fresh`` output
+    folder and prints the summary."""
     if cfg.engine == "memascend":
-        # Before torch loads (the runner imports it): c10 reads THP_MEM_ALLOC_ENABLE only then.
+        # Before torch loads (the recipe imports it): c10 reads THP_MEM_ALLOC_ENABLE only then.
         from memascend.memory import torch_thp
 
         torch_thp.enable_before_torch(cfg.memascend)
-    from memascend.train.runner import run_finetune
+    from memascend.train.recipe import run_finetune
 
     try:
-        return run_finetune(cfg)
+        report = run_finetune(cfg)
     finally:
         if fresh and os.environ.get("RANK", "0") == "0":
             link_latest(Path(cfg.output_dir))
+    if report is not None:
+        _print_summary(report, cfg.output_dir)
 
 
 def _say(line: str) -> None:
     click.echo(f"memascend: {line}", err=True)
 
 
-_BUDGET_CHOICE_ENV = "MEMASCEND_BUDGET_CHOICE"
-"""The settings the first process chose for ``--host-memory-budget`` (JSON), for its supervised
-child and the ranks it launches."""
-
-
-def _with_budget_choice(cfg: RunConfig, nproc: int | None, first: bool) -> RunConfig:
-    """``cfg`` with the knobs chosen for its host memory budget (:mod:`memascend.plan.budget`): the
-    first process chooses (and prints) them, up front, before anything is created; the processes it
-    starts take its choice from the environment."""
+def _with_budget_choice(cfg: RunConfig, nproc: int | None, *, say: bool) -> RunConfig:
+    """``cfg`` with the knobs chosen for its host memory budget (:mod:`memascend.plan.budget`), chosen
+    up front, before anything is created (and printed when ``say``: the first process); the job the
+    first process starts gets them in the run's handover."""
     import dataclasses
-    import json
 
-    if first or _BUDGET_CHOICE_ENV not in os.environ:
-        from memascend.plan.budget import choose_values_isolated
+    from memascend.plan.budget import choose_values_isolated
 
-        values, line = choose_values_isolated(cfg, nproc or int(os.environ.get("WORLD_SIZE", "1") or 1))
-        if first:
-            _say(line)
-        os.environ[_BUDGET_CHOICE_ENV] = json.dumps(values)
-    values = json.loads(os.environ[_BUDGET_CHOICE_ENV])
+    values, line = choose_values_isolated(cfg, nproc or int(os.environ.get("WORLD_SIZE", "1") or 1))
+    if say:
+        _say(line)
     return dataclasses.replace(cfg, memascend=dataclasses.replace(cfg.memascend, **values))
 
 

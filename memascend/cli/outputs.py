@@ -16,8 +16,9 @@
   first process): a second run on the same ``--output`` is refused with one line naming the first
   run's pid, before it removes or writes anything.
 
-The first process of a run decides (the supervised child and the ranks of ``--nproc`` inherit the
-choice through :data:`ENV_OUTPUT_DIR`), so every process of one run writes to one folder.
+The first process of a run decides (the supervised child and the ranks of ``--nproc`` get the
+choice in the run's handover, :mod:`memascend.train.handover`), so every process of one run writes to
+one folder.
 """
 
 from __future__ import annotations
@@ -39,8 +40,6 @@ RUNS_ROOT = Path("runs")
 """Where fresh run folders go (relative to the working folder)."""
 LATEST = "latest"
 """``runs/latest``: a link to the newest run folder."""
-ENV_OUTPUT_DIR = "MEMASCEND_OUTPUT_DIR"
-"""Set for the run's other processes: the run folder the first process chose."""
 
 MEMASCEND_OUTPUTS = ("model", "report.json", "steps.jsonl", "memory_timeline.csv", "memory_timeline.png",
                      "tensorboard", "checkpoints")
@@ -91,22 +90,6 @@ def _entries(folder: Path) -> list[str]:
         raise UserError(f"--output {folder} is a file, not a folder") from None
 
 
-def _checkpoint_files(folder: Path) -> list[Path]:
-    """memascend's checkpoints in ``folder``: ``global_step<N>`` folders holding memascend's manifest,
-    and the ``latest`` file."""
-    from memascend.train.manifest import MANIFEST_NAME
-
-    found = []
-    for child in folder.iterdir():
-        if child.is_symlink():
-            continue
-        if child.is_dir() and re.fullmatch(r"global_step\d+", child.name) and (child / MANIFEST_NAME).is_file():
-            found.append(child)
-        elif child.name == "latest" and child.is_file():
-            found.append(child)
-    return found
-
-
 def memascend_files(folder: Path, names: tuple[str, ...] = MEMASCEND_OUTPUTS) -> list[Path]:
     """The paths under ``folder`` that memascend wrote, among its outputs ``names``.
 
@@ -119,6 +102,7 @@ def memascend_files(folder: Path, names: tuple[str, ...] = MEMASCEND_OUTPUTS) ->
         Files and (checkpoint) folders to remove, in a stable order.
     """
     from memascend.telemetry.tensorboard import EVENT_GLOB
+    from memascend.train.checkpoints.layout import memascend_checkpoint_entries
 
     globs = {"model": MODEL_FILE_GLOBS, "tensorboard": (EVENT_GLOB,)}
     found: list[Path] = []
@@ -131,7 +115,7 @@ def memascend_files(folder: Path, names: tuple[str, ...] = MEMASCEND_OUTPUTS) ->
         if not path.is_dir():
             found.append(path)
         elif name == "checkpoints":
-            found += sorted(_checkpoint_files(path))
+            found += sorted(memascend_checkpoint_entries(path))
         elif name in globs:
             found += sorted(p for p in path.iterdir() if not p.is_dir()
                             and any(fnmatch.fnmatch(p.name, g) for g in globs[name]))
@@ -254,7 +238,7 @@ def lock_output(folder: Path) -> OutputLock:
         UserError: the folder cannot be created (inside a file, not writable).
         memascend.io.runlock.TargetBusyError: another live run holds it (names its pid).
     """
-    from memascend.train.runner import check_output_dir
+    from memascend.train.preflight import check_output_dir
 
     check_output_dir(folder)  # a file or a folder inside one, an unwritable parent: one line
     created = not folder.exists()
@@ -272,40 +256,31 @@ def lock_output(folder: Path) -> OutputLock:
     return OutputLock(folder=folder, lock=lock, created=created)
 
 
-def settle_output(cfg: RunConfig, *, given: bool, overwrite: bool, first_process: bool,
-                  config_file: str | None = None) -> tuple[RunConfig, bool, OutputLock | None]:
-    """The run's output folder, locked for the run by the first process.
+def settle_output(cfg: RunConfig, *, given: bool, overwrite: bool,
+                  config_file: str | None = None) -> tuple[RunConfig, bool, OutputLock]:
+    """The run's output folder, locked for the run by its first process (the one that decides for the
+    run: not the supervised child, not a rank of ``--nproc``, which get the folder in the run's
+    handover).
 
     Args:
         cfg: the run's config (``cfg.output_dir`` as the user gave it, or the default when not given).
         given: whether the user gave ``--output`` (flag or ``output_dir`` in ``--config``).
         overwrite: ``--overwrite-output``.
-        first_process: whether this process decides for the run (not the supervised child, not a rank
-            of ``--nproc``); it locks the folder (:func:`lock_output`), checks an explicit one and
-            passes a fresh one on in the environment.
         config_file: the ``--config`` file, an input the output must not replace.
 
     Returns:
-        ``(cfg with output_dir set, whether the folder is a fresh run folder, the held lock or None)``;
-        the caller releases the lock when the run is over.
+        ``(cfg with output_dir set, whether the folder is a fresh run folder, the held lock)``; the
+        caller releases the lock when the run is over.
 
     Raises:
         UserError: as :func:`lock_output` and :func:`prepare_explicit_output` (the lock is released).
     """
-    if given:
-        folder = Path(cfg.output_dir)
-    else:
-        inherited = os.environ.get(ENV_OUTPUT_DIR)
-        folder = Path(inherited) if inherited and not first_process else fresh_run_dir(cfg)
-    if not first_process:
-        return (cfg if given else replace(cfg, output_dir=str(folder))), not given, None
+    folder = Path(cfg.output_dir) if given else fresh_run_dir(cfg)
     lock = lock_output(folder)
     try:
         if given:
             prepare_explicit_output(folder, overwrite=overwrite, resume=cfg.train.resume is not None,
                                     inputs=run_inputs(cfg, config_file))
-        else:
-            os.environ[ENV_OUTPUT_DIR] = str(folder)
     except BaseException:
         lock.release()
         raise

@@ -17,36 +17,37 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-
-RUN_START_ENV = "MEMASCEND_RUN_START"
-"""Environment variable with the wall-clock time (``time.time()``, seconds) the command started:
-set by the first process of a run (:func:`mark_run_start`), inherited by the supervised child and
-the ranks, so that every phase line counts from when the user started the command."""
 
 DEEPSPEED_LOGGER = "DeepSpeed"
 """The ``logging`` name of ``deepspeed.utils.logger`` (DeepSpeed 0.19.8, ``utils/logging.py``)."""
 
 
-def mark_run_start() -> None:
-    """Record this process's start time in :data:`RUN_START_ENV`, unless a parent already did."""
-    import psutil
+_run_start_s: float | None = None
+"""When the run's command started (:func:`mark_run_start`); ``None``: not marked."""
 
-    os.environ.setdefault(RUN_START_ENV, repr(psutil.Process().create_time()))
+
+def mark_run_start(start_s: float | None = None) -> None:
+    """Record when the run's command started: ``start_s`` (the supervising parent's start, from the
+    run's handover, :mod:`memascend.train.handover`), else this process's start time."""
+    global _run_start_s
+    if start_s is None:
+        import psutil
+
+        start_s = psutil.Process().create_time()
+    _run_start_s = float(start_s)
 
 
 def run_start_s() -> float:
-    """When the run's command started (``time.time()`` seconds): :data:`RUN_START_ENV`, else this
-    process's start time."""
-    try:
-        return float(os.environ[RUN_START_ENV])
-    except (KeyError, ValueError):
-        import psutil
+    """When the run's command started (``time.time()`` seconds): what :func:`mark_run_start`
+    recorded, else this process's start time."""
+    if _run_start_s is not None:
+        return _run_start_s
+    import psutil
 
-        return psutil.Process().create_time()
+    return psutil.Process().create_time()
 
 
 class PhaseLines:
@@ -130,3 +131,10 @@ def format_params(numel: int) -> str:
         if numel >= size:
             return f"{numel / size:.{2 if unit == 'B' else 1}f}{unit}"
     return str(numel)
+
+
+def progress_bar(total: int, enabled: bool):
+    """The run's step progress bar (``tqdm`` on stderr; silent when not ``enabled``)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="fine-tune", unit="step", disable=not enabled, dynamic_ncols=True)

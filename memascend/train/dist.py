@@ -1,4 +1,5 @@
-"""Process-group and accelerator setup for single-process and launcher-started (torchrun, deepspeed) runs."""
+"""Process-group and accelerator setup for single-process and launcher-started (torchrun, deepspeed) runs,
+and the collectives the ranks share (broadcast, gather, sum)."""
 
 from __future__ import annotations
 
@@ -143,3 +144,46 @@ def init_process_group() -> None:
     import deepspeed
 
     deepspeed.init_distributed(verbose=False)
+
+
+# ---- collectives the ranks share ----------------------------------------------------------------
+
+
+def process_group():
+    """``torch.distributed`` when a process group is initialized, else ``None`` (one process)."""
+    import torch.distributed as tdist
+
+    return tdist if tdist.is_available() and tdist.is_initialized() else None
+
+
+def broadcast(obj, rank: int):
+    """Rank 0's ``obj`` on every rank (a picklable object; collective)."""
+    import torch.distributed as tdist
+
+    box = [obj if rank == 0 else None]
+    tdist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_gather(obj, world_size: int) -> list:
+    """Every rank's ``obj`` (picklable), indexed by rank, on every rank (collective)."""
+    import torch.distributed as tdist
+
+    box: list = [None] * world_size
+    tdist.all_gather_object(box, obj)
+    return box
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Element-wise sum of ``values`` over the ranks, in float64 (``values`` itself with one rank)."""
+    import torch
+    import torch.distributed as tdist
+
+    if not (tdist.is_initialized() and tdist.get_world_size() > 1):
+        return list(values)
+    from deepspeed.accelerator import get_accelerator
+
+    # nccl reduces device tensors only; gloo (CPU accelerator) takes host tensors.
+    t = torch.tensor(values, dtype=torch.float64, device=get_accelerator().current_device_name())
+    tdist.all_reduce(t)
+    return t.cpu().tolist()

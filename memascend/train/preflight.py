@@ -1,18 +1,79 @@
 """Checks made before DeepSpeed allocates anything, so a host that cannot run the job gets one clear
-line instead of a crash deep inside an op (DeepSpeed's aio op segfaults when ``mlock`` fails).
+line instead of a crash deep inside an op (DeepSpeed's aio op segfaults when ``mlock`` fails): the
+training dtype, ``--output``, the model's meta-device shape, the memlock limit, the kernel's AIO
+syscalls, stock's pinned parameter elements.
 
 What they check comes from the resolver (:func:`memascend.config.render.resolve`): the rendered DeepSpeed
 config and ``ResolvedRun.upfront_locked_bytes`` (:func:`~memascend.config.render.upfront_locked_bytes`)."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from memascend.config.ds_defaults import MAX_IN_CPU_NUMEL as DS_DEFAULT_MAX_IN_CPU_NUMEL
-from memascend.config.render import per_rank_param_numel
+from memascend.config.render import model_shape, per_rank_param_numel
 from memascend.errors import UserError
 from memascend.host.memlock import check_memlock
 from memascend.host.result import HostPaths, Status
 
-__all__ = ["check_aio_for_swap_folder", "check_memlock_for_run", "check_stock_param_dram"]
+__all__ = ["check_aio_for_swap_folder", "check_dtype_supported", "check_memlock_for_run", "check_output_dir",
+           "check_stock_param_dram", "meta_shape"]
+
+
+def check_dtype_supported(dtype: str, device_type: str) -> None:
+    """Raise when the accelerator cannot train in ``dtype``.
+
+    Raises:
+        UserError: fp16 or bf16 unsupported on this device; names the alternatives.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if dtype == "fp16" and not acc.is_fp16_supported():
+        raise UserError(f"--dtype fp16 is not supported on this device ({device_type}); use bf16 or fp32")
+    if dtype == "bf16" and not acc.is_bf16_supported():
+        raise UserError(f"--dtype bf16 is not supported on this device ({device_type}); use fp16 or fp32")
+
+
+def check_output_dir(out_dir: Path) -> None:
+    """Fail early if ``--output`` cannot be created or written (without creating anything).
+
+    Raises:
+        UserError: ``out_dir`` lies inside a file, or its nearest existing folder is not writable.
+    """
+    probe = out_dir.resolve()
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UserError(f"--output is inside a file, not a folder: {out_dir}")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UserError(f"--output is not writable: {out_dir}")
+
+
+def meta_shape(src, cfg):
+    """Parameter layout (:class:`memascend.config.render.ModelShape`) of the run's model (``src``: its
+    resolved source; ``cfg``: the :class:`~memascend.config.RunConfig`) from a meta-device instance
+    (no memory, no weights read).
+
+    Raises:
+        UserError: transformers has no causal LM for the model's config.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memascend.models.loading import from_scratch_config
+
+    try:
+        hf_cfg = from_scratch_config(cfg.model.from_scratch) if cfg.model.from_scratch else AutoConfig.from_pretrained(src.hf_dir)
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(hf_cfg)
+    except (ValueError, KeyError, OSError) as exc:  # an architecture transformers has no causal LM for
+        raise UserError(
+            f"model {src.origin}: no causal-LM model can be built from its config.json "
+            f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+        ) from None
+    return model_shape(meta)
 
 
 def check_memlock_for_run(lock_bytes: int, paths: HostPaths | None = None) -> None:

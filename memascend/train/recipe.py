@@ -14,8 +14,11 @@ launcher every rank calls it; rank 0 writes the outputs). It drives :class:`Fine
    (``report.json``, the memory timeline), then :meth:`~FinetuneRecipe.cleanup`; after an error,
    :meth:`~FinetuneRecipe.fail` (the partial report records it) and the error is raised again.
 
-The parts these steps use (collectives, evaluation, the swap target, the cleanup ledger) are in
-:mod:`memascend.train.runner`; the report is built by :mod:`memascend.train.report`.
+The parts these steps use have their own modules: the early checks (:mod:`~memascend.train.preflight`),
+the collectives (:mod:`~memascend.train.dist`), the held-out loss (:mod:`~memascend.train.evaluation`),
+the swap target (:mod:`~memascend.train.swap_target`), the checkpoints
+(:mod:`~memascend.train.checkpoints`) and the cleanup ledger (:mod:`~memascend.train.cleanup`); the
+report is built by :mod:`memascend.train.report`.
 """
 
 from __future__ import annotations
@@ -34,27 +37,25 @@ from memascend.errors import UserError
 from memascend.telemetry import MemorySampler, read_proc_io
 from memascend.telemetry.tensorboard import check_tensorboard
 from memascend.train import checkpoints as ckpt
-from memascend.train import ckpt_hosts, console, determinism, resume_schedule, schedule
+from memascend.train import console, determinism, resume_schedule, schedule
 from memascend.train import dist as dist_setup
 from memascend.train import report as report_mod
-from memascend.train.preflight import check_aio_for_swap_folder, check_memlock_for_run, check_stock_param_dram
+from memascend.train.cleanup import Cleanup
+from memascend.train.dist import all_gather, all_reduce_sum, broadcast
+from memascend.train.evaluation import check_finite_loss
+from memascend.train.evaluation import evaluate as evaluate_held_out
+from memascend.train.preflight import (
+    check_dtype_supported,
+    check_memlock_for_run,
+    check_output_dir,
+    check_stock_param_dram,
+    meta_shape,
+)
 from memascend.train.report import StepRecord
 from memascend.train.run_log import RunLog, output_errors, write_json_atomic
-from memascend.train.runner import (
-    Cleanup,
-    all_gather,
-    all_reduce_sum,
-    broadcast,
-    check_dtype_supported,
-    check_output_dir,
-    lock_swap_folder_for_run,
-    meta_shape,
-    open_raw_store,
-    progress_bar,
-)
-from memascend.train.runner import evaluate as evaluate_held_out
 from memascend.train.supervisor import record_run_state
-from memascend.train.swapdir import TerminationAsInterrupt, folder_bytes, make_run_id, prepare_swap_dir
+from memascend.train.swap_target import open_swap_target
+from memascend.train.swapdir import TerminationAsInterrupt, folder_bytes, make_run_id
 from memascend.units import format_bytes
 
 __all__ = ["FinetuneRecipe", "StepRecord", "run_finetune"]
@@ -222,10 +223,10 @@ class FinetuneRecipe:
         periodic_on = train.checkpoint_every is not None or train.checkpoint_every_minutes is not None
         if train.resume is not None or train.save_checkpoint is not None or periodic_on:
             self.layout = ckpt.meta_param_layout(self.src, self.cfg.model)
-        ckpt_hosts.check_shared_folders(train, self.out_dir, info, self.run_id)  # several hosts: one folder
+        ckpt.check_shared_folders(train, self.out_dir, info, self.run_id)  # several hosts: one folder
         if train.resume is None:
             return
-        self.resume_ck = ckpt_hosts.resolve_resume_everywhere(train.resume, self.out_dir, info)
+        self.resume_ck = ckpt.resolve_resume_everywhere(train.resume, self.out_dir, info)
         if self.resume_ck is not None:
             ckpt.check_compatible(self.resume_ck, param_shapes=self.layout, dtype=train.dtype,
                                   world_size=info.world_size)
@@ -262,20 +263,9 @@ class FinetuneRecipe:
         cfg, info = self.cfg, self.info
         if not cfg.offload.uses_nvme:
             return
-        need_bytes = self.resolved.nvme_bytes_per_rank
-        if cfg.offload.swap_target.is_raw_store:
-            self.raw_store = open_raw_store(cfg.offload, info, need_bytes,
-                                            lock_handle_buffers=cfg.engine == "baseline")
-            self.ledger.raw_store = self.raw_store
-            record_run_state(info.rank, key_root=str(self.raw_store.key_root),
-                             store_file=str(self.raw_store.target) if self.raw_store.created_file else None)
-            self.swap_dir = self.raw_store.key_root
-        else:
-            check_aio_for_swap_folder()
-            self.ledger.swap_lock = lock_swap_folder_for_run(cfg.offload.nvme_path, info, self.run_id)
-            self.swap_dir = prepare_swap_dir(cfg.offload.nvme_path, need_bytes, self.run_id)
-            self.ledger.swap_dir = self.swap_dir
-            record_run_state(info.rank, swap_dir=str(self.swap_dir), nvme_path=str(self.swap_dir.parent))
+        self.swap_dir, self.raw_store = open_swap_target(cfg.offload, info, self.resolved.nvme_bytes_per_rank,
+                                                         self.run_id, self.ledger,
+                                                         lock_handle_buffers=cfg.engine == "baseline")
         self.resolved = self.resolved.with_swap_dir(str(self.swap_dir))
 
     def _open_run_log(self) -> None:
@@ -344,24 +334,11 @@ class FinetuneRecipe:
         if ck is None:
             return
         self.sampler.phase("resume")
-        if self.raw_store is None:  # a raw-store checkpoint keeps its optimizer state outside stock's folder
-            from memascend.integrations.deepspeed.store_checkpoint import prepare_folder_resume
-
-            prepare_folder_resume(self.engine, ck.load_dir, ck.tag)
-        # memascend's schedule is set from the run's settings below, not from the saved scheduler
-        # state (which a constant-rate checkpoint does not have, and which holds the old rate)
-        owns_schedule = resume_schedule.owns_schedule(self.cfg.user_ds_config)
-        load_path, self.client_state = self.engine.load_checkpoint(str(ck.load_dir), tag=ck.tag,
-                                                                   load_lr_scheduler_states=not owns_schedule)
-        resume_dir = self.cfg.train.resume
-        if load_path is None:
-            raise UserError(f"--resume {resume_dir}: DeepSpeed found no checkpoint to load")
-        self.start_step = int(self.engine.global_steps)
-        if owns_schedule:
-            resume_schedule.apply_at_step(self.engine, self.cfg.train,
-                                          self.start_step - int(getattr(self.engine, "skipped_steps", 0)))
+        self.start_step, self.client_state = ckpt.load_checkpoint(self.engine, ck, self.cfg.train,
+                                                                  self.cfg.user_ds_config,
+                                                                  swap_folder=self.raw_store is None)
         if self.start_step > self.steps:
-            raise UserError(f"--resume {resume_dir} is at step {self.start_step}, beyond --steps {self.steps}")
+            raise UserError(f"--resume {self.cfg.train.resume} is at step {self.start_step}, beyond --steps {self.steps}")
 
     # ---- evaluate and train ---------------------------------------------------------------------
 
@@ -401,7 +378,7 @@ class FinetuneRecipe:
         io0 = read_proc_io()
         store_io0 = self.raw_store.store.io_counters() if self.raw_store is not None else None
         self.tokens_per_step = self.global_batch_blocks * cfg.data.seq_len
-        bar = progress_bar(self.steps, self.is_rank0)
+        bar = console.progress_bar(self.steps, self.is_rank0)
         bar.update(self.start_step)
         train_t0 = time.monotonic()
         try:
@@ -487,7 +464,7 @@ class FinetuneRecipe:
         bar.update(1)
         # fp16 excepted: a loss-scale overflow step that DeepSpeed skipped (bf16/fp32 steps that
         # DeepSpeed skips on a non-finite gradient norm are not excused).
-        ckpt.check_finite_loss(step + 1, record.loss, skipped=record.skipped and self.cfg.train.dtype == "fp16",
+        check_finite_loss(step + 1, record.loss, skipped=record.skipped and self.cfg.train.dtype == "fp16",
                                allow=self.cfg.train.allow_nonfinite_loss)
         self.periodic.maybe_checkpoint(step + 1)
 
@@ -606,7 +583,7 @@ class FinetuneRecipe:
             write_json_atomic(self.out_dir / "report.json", rep)
 
     def cleanup(self, *, failed: bool = False) -> None:
-        """Undo what the run set up (:class:`memascend.train.runner.Cleanup`: swap folder and its
+        """Undo what the run set up (:class:`memascend.train.cleanup.Cleanup`: swap folder and its
         lock, the seam, the raw store; after a failure an output folder this run created and left
         empty). Every step runs; the first error is raised at the end."""
         self.ledger.run(failed=failed)

@@ -4,7 +4,8 @@ A training process that dies without unwinding (SIGKILL, the kernel's OOM killer
 an ``assert`` in DeepSpeed's aio op when a write fails, e.g. on a full disk) runs no ``finally``
 block: its swap files or store file would stay behind and the user would see no memascend line.
 ``memascend finetune`` therefore runs the job in a child process (or under torchrun with
-``--nproc``) and waits. Every rank records what it created in a *run-state* file
+``--nproc``) and waits; what it decided for the run (config, output folder, budget choice) reaches the
+job in a file, not on the command line (:mod:`memascend.train.handover`). Every rank records what it created in a *run-state* file
 (:func:`record_run_state`); when the child ends, the parent removes whatever of that is still
 there, marks the partial ``report.json`` and prints one line saying how the run ended:
 
@@ -32,6 +33,8 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+
+from memascend.train.handover import Handover, write_handover
 
 # STATE_DIR_ENV: the folder where ranks write their run-state files (also this module's name for it)
 from memascend.train.run_state import (
@@ -79,9 +82,14 @@ def record_run_state(rank: int, **paths: str | None) -> None:
     os.replace(tmp, path)
 
 
-def supervise(cmd: list[str]) -> int:
-    """Run ``cmd`` (the job: ``python -m memascend finetune ...`` or a torchrun launch of it) as a
+def supervise(cmd: list[str], handover: Handover | None = None) -> int:
+    """Run ``cmd`` (the job: ``python -m memascend finetune`` or a torchrun launch of it) as a
     child, forward signals, and clean up after it.
+
+    Args:
+        cmd: the child's command line.
+        handover: the resolved run, written to the run-state folder before the child starts (the
+            job loads it: :func:`memascend.train.handover.handed_over`).
 
     Returns:
         The exit code for this process: the child's own, or after a death by signal the code of
@@ -91,6 +99,8 @@ def supervise(cmd: list[str]) -> int:
     state_dir = make_state_dir()
     env = {**os.environ, STATE_DIR_ENV: str(state_dir), SUPERVISED_ENV: "1"}
     try:
+        if handover is not None:
+            write_handover(state_dir, handover)
         # In its own process group: a terminal's Ctrl-C reaches only this parent, which forwards it
         # once (the child must not get it twice: a second interrupt would cut its cleanup short).
         child = subprocess.Popen(cmd, env=env, process_group=0, preexec_fn=_die_with_parent(os.getpid()))

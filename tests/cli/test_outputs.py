@@ -41,14 +41,11 @@ def test_fresh_folders_are_new_each_time(tmp_path):
     assert second.name == first.name + "-2"
 
 
-def test_settle_passes_the_fresh_folder_to_the_run_s_other_processes(tmp_path, monkeypatch):
+def test_settle_makes_and_locks_a_fresh_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv(outputs.ENV_OUTPUT_DIR, "")  # restored (unset) after the test: settle_output sets it
     cfg = build_run_config({}, {"model": {"from_scratch": "llama-tiny"}})
-    first, fresh, lock = outputs.settle_output(cfg, given=False, overwrite=False, first_process=True)
-    assert fresh and first.output_dir.startswith("runs/") and os.environ[outputs.ENV_OUTPUT_DIR] == first.output_dir
-    child, fresh, child_lock = outputs.settle_output(cfg, given=False, overwrite=False, first_process=False)
-    assert fresh and child.output_dir == first.output_dir and child_lock is None  # the first process holds it
+    first, fresh, lock = outputs.settle_output(cfg, given=False, overwrite=False)
+    assert fresh and first.output_dir.startswith("runs/")
     assert Path(first.output_dir).is_dir()  # created and locked by the first process
     lock.release()
     assert not Path(first.output_dir).exists()  # created by the lock, left empty: removed
@@ -98,7 +95,7 @@ def test_overwrite_removes_only_memascend_s_files(tmp_path):
 
 def test_overwrite_keeps_the_user_s_files_inside_memascend_s_folders(tmp_path):
     """Only the files memascend writes go; a user's file keeps its folder (and the folder stays)."""
-    from memascend.train.manifest import MANIFEST_NAME
+    from memascend.train.checkpoints import MANIFEST_NAME
 
     files = {"model/model.safetensors": "w", "model/config.json": "c", "model/README.mine": "mine",
              "tensorboard/events.out.tfevents.1.host": "e", "tensorboard/my_notes.txt": "notes",

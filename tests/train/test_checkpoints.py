@@ -14,7 +14,8 @@ import pytest
 
 from memascend.errors import DeviceError, IntegrityError, TrainingError, UserError
 from memascend.train import checkpoints as ckpt
-from memascend.train import manifest
+from memascend.train.checkpoints import manifest
+from memascend.train.evaluation import check_finite_loss
 
 INFO = {"dtype": "bf16", "world_size": 1, "param_shapes": {"emb.weight": [10, 4], "head.weight": [4, 10]}}
 
@@ -238,11 +239,11 @@ def test_periodic_by_steps_and_minutes():
 
 
 def test_nonfinite_loss():
-    ckpt.check_finite_loss(3, 2.5, skipped=False, allow=False)
-    ckpt.check_finite_loss(3, math.inf, skipped=True, allow=False)  # fp16 loss-scale skip
-    ckpt.check_finite_loss(3, math.nan, skipped=False, allow=True)
+    check_finite_loss(3, 2.5, skipped=False, allow=False)
+    check_finite_loss(3, math.inf, skipped=True, allow=False)  # fp16 loss-scale skip
+    check_finite_loss(3, math.nan, skipped=False, allow=True)
     with pytest.raises(TrainingError, match="step 3: the training loss is nan") as info:
-        ckpt.check_finite_loss(3, math.nan, skipped=False, allow=False)
+        check_finite_loss(3, math.nan, skipped=False, allow=False)
     assert info.value.exit_code == 5
 
 

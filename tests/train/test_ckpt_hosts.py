@@ -1,4 +1,4 @@
-"""Checkpoint folders of a run on several hosts (memascend.train.ckpt_hosts): every host names one
+"""Checkpoint folders of a run on several hosts (memascend.train.checkpoints.hosts): every host names one
 shared folder, and resolves ``--resume`` alike, or every rank stops with the same line."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 
 from memascend.errors import UserError
-from memascend.train import ckpt_hosts
+from memascend.train.checkpoints import hosts as ckpt_hosts
+from memascend.train.checkpoints.manifest import write_manifest
 from memascend.train.dist import DistInfo, free_port
-from memascend.train.manifest import write_manifest
 
 
 def _train(**kw) -> SimpleNamespace:

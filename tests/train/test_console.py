@@ -23,11 +23,11 @@ def test_phase_line_has_the_elapsed_seconds(capsys):
     assert capsys.readouterr().err == "" and quiet.lines == []
 
 
-def test_run_start_comes_from_the_environment(monkeypatch):
-    monkeypatch.setenv(console.RUN_START_ENV, "1000.5")
-    console.mark_run_start()  # a parent's start is kept
+def test_run_start_is_the_commands(monkeypatch):
+    monkeypatch.setattr(console, "_run_start_s", None)  # restored after the test
+    assert 0 < time.time() - console.run_start_s() < 3600  # not marked: this process's start
+    console.mark_run_start(1000.5)  # the supervising parent's start, from the run's handover
     assert console.run_start_s() == 1000.5
-    monkeypatch.delenv(console.RUN_START_ENV)
     console.mark_run_start()
     assert 0 < time.time() - console.run_start_s() < 3600
 

@@ -19,10 +19,10 @@ import pytest
 from memascend.config import build_run_config
 from memascend.telemetry import MemorySampler
 from memascend.train import report as report_mod
+from memascend.train.cleanup import Cleanup
 from memascend.train.dist import DistInfo
 from memascend.train.recipe import StepRecord
 from memascend.train.run_log import STEPS_LOG, RunLog
-from memascend.train.runner import Cleanup
 
 FIXTURE = json.loads((Path(__file__).parent / "data" / "report_keys.json").read_text())
 PACKAGE = Path(__file__).resolve().parents[2] / "memascend"

@@ -47,7 +47,7 @@ def test_open_raw_store_uses_the_local_rank_and_keeps_the_global_one(tmp_path, m
     import memascend.integrations.deepspeed as seam
     from memascend.config import OffloadConfig
     from memascend.train.dist import DistInfo
-    from memascend.train.runner import open_raw_store
+    from memascend.train.swap_target import open_raw_store
 
     calls = []
     monkeypatch.setattr(seam, "apply_raw_store", lambda target, **kw: calls.append((target, kw)) or "handle")

@@ -3,7 +3,8 @@
 :data:`MANIFEST_NAME` (``memascend_checkpoint.json``) lists the step, the training dtype, the world
 size, every parameter's name and shape, and the size and SHA-256 (per :data:`HASH_CHUNK_BYTES`
 chunk) of every other file of the tag folder; it is written last, fsynced, by rank 0
-(:mod:`memascend.train.checkpoints` owns the save that calls :func:`write_manifest`).
+(:mod:`memascend.train.checkpoints.save` calls :func:`write_manifest`). The parameter layout it records
+(:func:`param_layout`) is what a resume compares with the run's model (:func:`check_compatible`).
 
 Errors: a missing manifest or one for another model is :class:`UserError` (exit 2); a file whose
 bytes differ from the manifest, or is missing or truncated, is :class:`IntegrityError` (exit 4),
@@ -19,6 +20,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from memascend.errors import IntegrityError, UserError
 from memascend.io.durable import fsync_dir, write_text_durable
@@ -58,6 +60,34 @@ class Checkpoint:
     @property
     def step(self) -> int:
         return int(self.manifest["step"])
+
+
+def param_layout(module: Any) -> dict[str, list[int]]:
+    """Every parameter's name and full shape, in registration order (tied weights once).
+
+    Works on a meta-device model and on a ZeRO-3 model (whose partitioned parameters carry
+    their full shape in ``ds_shape``).
+    """
+    out: dict[str, list[int]] = {}
+    for name, p in module.named_parameters():
+        shape = getattr(p, "ds_shape", None) or p.shape
+        out[name] = [int(d) for d in shape]
+    return out
+
+
+def meta_param_layout(src: Any, model_cfg: Any) -> dict[str, list[int]]:
+    """:func:`param_layout` of the run's model built on the meta device (no memory, no weights
+    read), as :func:`memascend.train.preflight.meta_shape` builds it: what a checkpoint records and
+    resume compares."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memascend.models.loading import from_scratch_config
+
+    hf_cfg = from_scratch_config(model_cfg.from_scratch) if model_cfg.from_scratch else AutoConfig.from_pretrained(src.hf_dir)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(hf_cfg)
+    return param_layout(meta)
 
 
 def _hash_file(path: Path, *, fsync: bool = False) -> tuple[int, list[str]]:

@@ -12,7 +12,7 @@ same folder on every host, on storage every host reaches (NFS, a parallel filesy
 :func:`resolve_resume_everywhere` makes every host resolve ``--resume`` to the same checkpoint; a
 host that names another folder, or does not see what rank 0 writes there, stops every rank with
 the same one line (instead of a checkpoint missing that host's files, or ranks that disagree and
-hang). On one host neither does anything beyond :func:`~memascend.train.checkpoints.resolve_resume`
+hang). On one host neither does anything beyond :func:`~memascend.train.checkpoints.resume.resolve_resume`
 (no collective call).
 """
 
@@ -25,7 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from memascend.errors import IntegrityError, UserError
-from memascend.train import checkpoints as ckpt
+from memascend.train.checkpoints.layout import periodic_root
+from memascend.train.checkpoints.manifest import Checkpoint
+from memascend.train.checkpoints.resume import resolve_resume
+from memascend.train.dist import all_gather, broadcast
 
 SHARED_HINT = ("with several hosts a checkpoint folder must be one folder on storage every host reaches (NFS, a "
                "parallel filesystem), named by the same path on every host")
@@ -44,7 +47,7 @@ def written_folders(train_cfg: Any, output_dir: str | os.PathLike) -> dict[str, 
     if train_cfg.save_checkpoint is not None:
         out["--save-checkpoint"] = os.path.abspath(train_cfg.save_checkpoint)
     if train_cfg.checkpoint_every is not None or train_cfg.checkpoint_every_minutes is not None:
-        out["periodic checkpoints (OUTPUT/checkpoints)"] = os.path.abspath(ckpt.periodic_root(output_dir))
+        out["periodic checkpoints (OUTPUT/checkpoints)"] = os.path.abspath(periodic_root(output_dir))
     return out
 
 
@@ -85,7 +88,7 @@ def unseen_probes(records: list[dict], probes: dict[str, str]) -> str | None:
 
 def _make_probes(folders: dict[str, str], run_id: str) -> dict[str, str]:
     """Rank 0: an empty probe folder in each folder (or its nearest existing parent); a folder
-    that cannot be written is left to :func:`~memascend.train.checkpoints.check_checkpoint_space`."""
+    that cannot be written is left to :func:`~memascend.train.checkpoints.checks.check_checkpoint_space`."""
     probes = {}
     for what, path in folders.items():
         probe_dir = Path(path)
@@ -108,8 +111,6 @@ def check_shared_folders(train_cfg: Any, output_dir: str | os.PathLike, info: An
     """
     if not several_hosts(info):
         return
-    from memascend.train.runner import all_gather, broadcast
-
     mine = {"rank": info.rank, **info.node_record(), "folders": written_folders(train_cfg, output_dir)}
     records = all_gather(mine, info.world_size)
     problem = differing_folders(records)
@@ -126,8 +127,8 @@ def check_shared_folders(train_cfg: Any, output_dir: str | os.PathLike, info: An
         raise UserError(problem)
 
 
-def resolve_resume_everywhere(resume: str, output_dir: str | os.PathLike, info: Any) -> ckpt.Checkpoint | None:
-    """:func:`~memascend.train.checkpoints.resolve_resume` on every rank; with several hosts, every
+def resolve_resume_everywhere(resume: str, output_dir: str | os.PathLike, info: Any) -> Checkpoint | None:
+    """:func:`~memascend.train.checkpoints.resume.resolve_resume` on every rank; with several hosts, every
     rank then has the same answer or raises the same error (collective: every rank calls it).
 
     Raises:
@@ -135,12 +136,10 @@ def resolve_resume_everywhere(resume: str, output_dir: str | os.PathLike, info: 
             UserError: some hosts resolve another checkpoint, none, or cannot read it.
     """
     if not several_hosts(info):
-        return ckpt.resolve_resume(resume, output_dir)
-    from memascend.train.runner import all_gather
-
+        return resolve_resume(resume, output_dir)
     found, err = None, None
     try:
-        found = ckpt.resolve_resume(resume, output_dir)
+        found = resolve_resume(resume, output_dir)
     except (UserError, IntegrityError) as exc:
         err = exc
     seen = None if found is None else f"{found.path} (step {found.step})"
