@@ -133,10 +133,6 @@ def text_pieces(text: str, window_chars: int = TOKENIZE_WINDOW_CHARS) -> Iterato
         yield start, n
 
 
-#: One document's tokens as consecutive pieces: ``(ids, mask)`` with int32 ids ``[k]`` and a bool
-#: mask ``[k]`` of the tokens that carry a loss, or ``None`` when all of them do (plain text).
-
-
 def _assistant_mask(offsets: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
     """Bool ``[k]``: tokens (character offsets int32 ``[k, 2]``) that start inside an assistant span
     and are not empty."""

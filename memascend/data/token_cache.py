@@ -11,9 +11,10 @@ nothing is ever reused across them. Set ``MEMASCEND_TOKEN_CACHE=0`` to neither r
 
 A slow (non-Rust) tokenizer, whose state has no canonical serialized form, is never cached; neither
 is a corpus of more than :data:`MAX_CACHED_TOKENS` tokens (its file would cost more disk than
-tokenizing costs time) or of fewer than :data:`MIN_CACHED_CHARS` characters (tokenized at once). Writing is best effort and atomic (a temporary file renamed into place):
-two ranks or runs writing the same key leave one whole file, and a full or read-only cache folder
-only means the next run tokenizes again.
+tokenizing costs time) or of fewer than :data:`MIN_CACHED_CHARS` characters (tokenized at once).
+Writing is best effort and atomic (a temporary file renamed into place): two ranks or runs writing
+the same key leave one whole file, and a full or read-only cache folder only means the next run
+tokenizes again.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ MIN_CACHED_CHARS = 1 << 20
 
 ENV_SWITCH = "MEMASCEND_TOKEN_CACHE"
 
+#: One document's tokens as consecutive pieces: ``(ids, mask)`` with int32 ids ``[k]`` and a bool
+#: mask ``[k]`` of the tokens that carry a loss, or ``None`` when all of them do (plain text).
 Pieces = list[tuple[torch.Tensor, "torch.Tensor | None"]]
 
 

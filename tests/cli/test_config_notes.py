@@ -23,8 +23,7 @@ def _first_process_stderr(args: list[str], cwd, monkeypatch, capsys) -> str:
     def reached(*_args, **_kwargs):
         raise _ReachedTheJob
 
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", supervisor.SUPERVISED_ENV,
-                "MEMASCEND_OUTPUT_DIR"):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", supervisor.SUPERVISED_ENV):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setattr(supervisor, "supervise", reached)
     monkeypatch.chdir(cwd)

@@ -4,8 +4,6 @@ only costs the time of tokenizing."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -43,7 +41,7 @@ def _same(a, b) -> None:
     assert (a.num_documents, a.num_tokens) == (b.num_documents, b.num_tokens)
 
 
-def test_second_build_reads_the_cache_and_gives_the_same_blocks(cache, smollm2_tokenizer):
+def test_second_build_reads_the_cache_and_gives_the_same_blocks(cache, smollm2_tokenizer, monkeypatch):
     folder, calls = cache
     docs = _docs()
     first = build_blocks(docs, smollm2_tokenizer, seq_len=16, eval_blocks=2, seed=3)
@@ -55,11 +53,8 @@ def test_second_build_reads_the_cache_and_gives_the_same_blocks(cache, smollm2_t
     # another seed and block length reuse the same tokens (the cache holds documents, not blocks)
     other = build_blocks(docs, smollm2_tokenizer, seq_len=24, eval_blocks=1, seed=9)
     assert calls == []
-    os.environ[token_cache.ENV_SWITCH] = "0"
-    try:
-        _same(other, build_blocks(docs, smollm2_tokenizer, seq_len=24, eval_blocks=1, seed=9))
-    finally:
-        del os.environ[token_cache.ENV_SWITCH]
+    monkeypatch.setenv(token_cache.ENV_SWITCH, "0")
+    _same(other, build_blocks(docs, smollm2_tokenizer, seq_len=24, eval_blocks=1, seed=9))
     assert len(calls) == len(docs)  # switched off: tokenized, and the result is the cached one's
 
 
