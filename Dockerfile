@@ -2,7 +2,7 @@
 # memascend image: DeepSpeed ZeRO-Infinity fine-tuning with far less host memory.
 # Variants (build arguments in images/<variant>/build.env; `just build-image cpu|cuda`):
 #   cpu   Debian + CPU torch==2.13.0
-#   cuda  CUDA devel base for the build stage, CUDA runtime base, CUDA torch==2.13.0
+#   cuda  Debian + PyPI's CUDA torch==2.13.0; nvcc from NVIDIA's PyPI wheels in the build stage only
 # Run (GPU host provisioned with `just provision HOST`; no --privileged needed):
 #   docker run --gpus all --device /dev/nvme0n1p3 --ulimit memlock=-1 memascend:cuda finetune ...
 #   swap folder instead of a raw partition: docker run -v /mnt/nvme/swap:/swap ... (--nvme-path defaults to /swap)
@@ -18,6 +18,7 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG DS_ACCELERATOR=cpu
 ARG DS_BUILD_FLAGS="DS_BUILD_AIO=1 DS_BUILD_CPU_ADAM=1"
 ARG TORCH_CUDA_ARCH_LIST=""
+ARG CUDA_TOOLKIT_WHEELS=""
 ARG MEMASCEND_MARCH=x86-64-v3
 ARG PIP_FIND_LINKS=""
 ARG PIP_CERT=""
@@ -26,6 +27,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     DS_ACCELERATOR=${DS_ACCELERATOR} \
     TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST} \
+    CUDA_TOOLKIT_WHEELS=${CUDA_TOOLKIT_WHEELS} \
     MEMASCEND_MARCH=${MEMASCEND_MARCH} \
     MEMASCEND_PREBUILT_DIR=/opt/memascend/prebuilt \
     CC=gcc \

@@ -51,7 +51,7 @@ doctor-group group *ARGS:
     (( printed != 0 )) && exit "$printed"
     exit "$played"
 
-# Build the container image: VARIANT cpu or cuda (docker, else buildah); --local-base builds the cpu image from a debootstrap base (needs debootstrap, podman and buildah; no registry)
+# Build the container image: VARIANT cpu or cuda (docker, else buildah); --local-base builds on a debootstrap-made Debian base (needs debootstrap, podman and buildah; no registry)
 build-image variant="cpu" *ARGS:
     ./images/build.sh {{ARGS}} {{variant}}
 

@@ -3,6 +3,8 @@
 # and memascend from the source tree given as $1.
 #   TORCH_INDEX_URL   index for torch==2.13.0 (CPU or CUDA wheels); empty: the default index
 #   DS_BUILD_FLAGS    DeepSpeed ops to prebuild, e.g. "DS_BUILD_AIO=1 DS_BUILD_CPU_ADAM=1"
+#   CUDA_TOOLKIT_WHEELS  (CUDA variant) NVIDIA's PyPI wheels of nvcc and the CUDA headers, pinned to
+#                     torch's CUDA release; cuda-home.sh makes them the CUDA_HOME of the op builds
 set -euo pipefail
 # Empty build arguments mean "not set" (pip would read an empty PIP_CERT as a path).
 [[ -n ${PIP_CERT:-} ]] || unset PIP_CERT
@@ -18,6 +20,13 @@ if [[ -n ${TORCH_INDEX_URL:-} ]]; then
   "${pip[@]}" --index-url "$TORCH_INDEX_URL" "torch==2.13.0"
 else
   "${pip[@]}" "torch==2.13.0"
+fi
+if [[ -n ${CUDA_TOOLKIT_WHEELS:-} ]]; then
+  read -r -a toolkit <<<"$CUDA_TOOLKIT_WHEELS"
+  "${pip[@]}" "${toolkit[@]}"
+  # shellcheck source=images/scripts/cuda-home.sh
+  source "$(dirname "$0")/cuda-home.sh" "$venv"
+  "$venv/bin/python" -c 'import torch; assert torch.version.cuda, "torch==2.13.0 without CUDA on the CUDA variant"; print("torch", torch.__version__, "CUDA", torch.version.cuda)'
 fi
 "${pip[@]}" ninja py-cpuinfo packaging psutil pydantic hjson msgpack tqdm einops numpy
 # DeepSpeed compiles the listed ops into the wheel, so the runtime stage needs no compiler.

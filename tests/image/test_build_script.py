@@ -37,8 +37,10 @@ def _build(bin_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
                           timeout=60)
 
 
-def test_local_base_without_podman_names_it_and_exits_2(tmp_path):
-    run = _build(_bin(tmp_path, {"buildah": "exit 0", "debootstrap": "exit 0"}), "--local-base", "cpu")
+@pytest.mark.parametrize("variant", ["cpu", "cuda"])
+def test_local_base_without_podman_names_it_and_exits_2(tmp_path, variant):
+    """Both variants build on the local Debian base (the CUDA one takes torch and nvcc from PyPI)."""
+    run = _build(_bin(tmp_path, {"buildah": "exit 0", "debootstrap": "exit 0"}), "--local-base", variant)
     assert run.returncode == 2
     assert run.stderr.strip().splitlines() == [
         "build.sh: needs podman (--local-base keeps its base image in podman's storage: apt-get install podman)"

@@ -1,0 +1,98 @@
+"""Builds the CUDA image for real here (no GPU, no registry: a debootstrap base, PyPI's CUDA torch and
+NVIDIA's nvcc wheels) and checks what it carries (opt-in: -m image).
+
+The ops must be compiled with CUDA (memascend's overflow check with its ``.cu`` kernel for the listed
+architectures, DeepSpeed's fused Adam), the runtime stage must hold no compiler (nvcc included), and
+the CPU smoke (a 2-step fine-tune on the built-in model) must still run in it on this GPU-less host."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.image.test_image_build import _FINETUNE, _JIT_MARKERS, _run
+
+REPO = Path(__file__).resolve().parents[2]
+TAG = os.environ.get("MEMASCEND_TEST_CUDA_IMAGE", "localhost/memascend:cuda")
+
+pytestmark = [pytest.mark.image, pytest.mark.slow, pytest.mark.root]
+
+
+@pytest.fixture(scope="module")
+def cuda_container(request):
+    """A working container of the CUDA image (built unless it exists), with the seccomp profile that
+    lets DeepSpeed's aio wait for completions; removed afterwards."""
+    if "image" not in (request.config.getoption("markexpr") or "") and not os.environ.get("MEMASCEND_IMAGE_TESTS"):
+        pytest.skip("opt-in: builds the CUDA image for ~60 min on 2 cores; run with -m image")
+    if os.geteuid() != 0:
+        pytest.skip("buildah with chroot isolation needs root here")
+    for tool in ("buildah", "podman", "debootstrap"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"needs {tool} (apt-get install buildah podman debootstrap)")
+    if subprocess.run(["podman", "image", "exists", TAG]).returncode != 0 or os.environ.get(
+        "MEMASCEND_REBUILD_IMAGE"
+    ):
+        build = subprocess.run([str(REPO / "images" / "build.sh"), "--local-base", "cuda", TAG], cwd=REPO,
+                               capture_output=True, text=True)
+        log = build.stdout + build.stderr
+        assert build.returncode == 0, log[-6000:]
+        assert "build-ops: memascend overflow_check WITH_CUDA, deepspeed fused_adam prebuilt" in log, log[-6000:]
+    name = subprocess.run(["buildah", "from", "--security-opt", "seccomp=unconfined", TAG],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        yield name
+    finally:
+        subprocess.run(["buildah", "rm", name], capture_output=True)
+
+
+_CUDA_FACTS = r"""
+import glob, json, os, subprocess
+import torch
+import memascend.ops.overflow_check as oc, memascend.ops.pinned_arena as pa
+from deepspeed.git_version_info import installed_ops
+import deepspeed.ops.adam as adam
+overflow = oc.load()
+fused = glob.glob(os.path.join(os.path.dirname(adam.__file__), "fused_adam_op*.so"))
+facts = {
+    "torch": torch.__version__, "cuda": torch.version.cuda,
+    "overflow_with_cuda": bool(overflow.WITH_CUDA), "overflow_file": overflow.__file__,
+    "overflow_sm_90": b"sm_90" in open(overflow.__file__, "rb").read(),
+    "arena_file": pa.load().__file__,
+    "fused_adam_prebuilt": bool(installed_ops.get("fused_adam")), "fused_adam_files": fused,
+    "fused_adam_sm_90": any(b"sm_90" in open(f, "rb").read() for f in fused),
+    "nvcc": glob.glob("/opt/memascend/venv/**/bin/nvcc", recursive=True),
+}
+print(json.dumps(facts))
+"""
+
+
+def test_cuda_image_ops_carry_cuda_and_no_compiler(cuda_container):
+    run = _run(cuda_container, "python", "-c", _CUDA_FACTS)
+    assert run.returncode == 0, run.stderr[-4000:]
+    facts = json.loads(run.stdout.strip().splitlines()[-1])
+    assert facts["torch"].startswith("2.13.0") and facts["cuda"] == "13.0", facts
+    assert facts["overflow_with_cuda"] and facts["overflow_sm_90"], facts
+    assert facts["overflow_file"].startswith("/opt/memascend/prebuilt/"), facts
+    assert facts["arena_file"].startswith("/opt/memascend/prebuilt/"), facts
+    assert facts["fused_adam_prebuilt"] and facts["fused_adam_files"] and facts["fused_adam_sm_90"], facts
+    assert facts["nvcc"] == [], facts
+    assert _run(cuda_container, "sh", "-c", "command -v g++ gcc cc c++ nvcc").stdout.strip() == ""
+
+
+def test_cuda_image_runs_the_cpu_smoke(cuda_container):
+    """The built-in model and corpus for 2 steps on this GPU-less host: DeepSpeed falls back to its CPU
+    accelerator, and every op still loads prebuilt (no JIT build). Root with CAP_IPC_LOCK stands in
+    for `--ulimit memlock=-1`, as in the CPU image's test."""
+    run = _run(cuda_container, *_FINETUNE, timeout=1800, user="0:0")
+    log = run.stdout + run.stderr
+    assert run.returncode == 0, log[-8000:]
+    assert not [m for m in _JIT_MARKERS if m in log], log[-8000:]
+    report = json.loads(_run(cuda_container, "cat", "/tmp/run/report.json").stdout)
+    assert report["num_steps"] == 2 and report["skipped_steps"] == 0
+    assert 1.0 < report["eval"]["loss_after"] < 8.0
+    assert report["nvme"]["write_bytes"] > 0 and report["nvme"]["read_bytes"] > 0
