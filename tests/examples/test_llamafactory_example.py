@@ -4,8 +4,9 @@ per-step losses as the same command without it, and (``-m slow``, SmolLM2-135M, 
 tokens) with far less host memory.
 
 LLaMA-Factory runs from its own venv (tests/examples/frameworks.py); the run tests skip, naming the
-import error, where it does not import (llamafactory 0.9.5 imports torchaudio, which has no build on
-the package index for a CPU-only torch 2.13).
+import error, where it does not import. llamafactory 0.9.5 imports torchaudio, which has no build on
+the package index for a CPU-only torch 2.13: the venv gets a stand-in torchaudio whose import
+succeeds and whose every use raises (text fine-tuning never uses it).
 """
 
 from __future__ import annotations
