@@ -66,7 +66,7 @@ def frameworks_notes(b: Baselines) -> str:
         out.append(f"\nWith LoRA the frozen base has no optimizer state, and the stock run's extra host memory "
                    f"is mostly DeepSpeed's locked parameter swap buffers, which memascend shrinks. Peak RSS "
                    f"less peak locked memory (imports, the model load, activations), memascend / stock, GiB: "
-                   f"{floors}; this part, alike in both runs, keeps the peak RSS ratio above {RSS_RATIO_TARGET:.2f}.")
+                   f"{floors}; this part, close in both runs, keeps the peak RSS ratio above {RSS_RATIO_TARGET:.2f}.")
     return "\n".join(out) + "\n"
 
 
