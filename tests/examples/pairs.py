@@ -169,9 +169,9 @@ def problems(record: dict) -> list[str]:
 
 
 LORA_RSS_GAP = ("with LoRA the stock run keeps no optimizer state for the frozen base: its peak is "
-                "DeepSpeed's locked parameter swap buffers over the same unlocked floor (imports, model load, "
-                "activations; ~1.25 GiB for SmolLM2-135M 4 x 256) that the memascend run has, so the peak RSS "
-                "ratio stays above 0.40 until that floor shrinks")
+                "DeepSpeed's locked parameter swap buffers over an unlocked floor (imports, model load, "
+                "activations) close to the memascend run's, so the peak RSS ratio stays above 0.40 until that "
+                "floor shrinks")
 
 
 def check_slow(name: str, record: dict) -> None:
