@@ -6,8 +6,11 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
-extras=""
-[[ "${1:-}" == "--dev" ]] && extras="[dev]"
+# [cli]: the package versions memascend's own commands are tested with (pyproject.toml); installing
+# memascend into a framework's environment leaves it out (the library ranges only; docs/usage.md).
+dev=""
+[[ "${1:-}" == "--dev" ]] && dev=1
+extras="[cli${dev:+,dev}]"
 
 # System libraries for the asynchronous I/O engines (DeepSpeed's aio op needs libaio headers).
 need_pkgs=()
@@ -27,7 +30,7 @@ fi
 
 # Test tools (--dev): fio for the I/O benchmark's comparison, parted and mkfs.ext4 for the loop-device
 # tests. Optional: where they cannot be installed those tests skip with a reason.
-if [[ -n "$extras" ]]; then
+if [[ -n "$dev" ]]; then
   dev_pkgs=()
   for pair in "fio:fio" "parted:parted" "e2fsprogs:mkfs.ext4"; do
     command -v "${pair#*:}" >/dev/null || dev_pkgs+=("${pair%%:*}")

@@ -7,7 +7,9 @@ state on NVMe, with no memascend code: the DeepSpeed config (``examples/ds_zero3
     python3 examples/trl_sft.py ...       # the same without memascend run: stock DeepSpeed
     memascend run -- torchrun --nproc-per-node 2 examples/trl_sft.py ...   # two ranks
 
-``--lora-rank R`` trains LoRA adapters (PEFT, every linear layer) instead of every weight.
+``--lora-rank R`` trains LoRA adapters (PEFT, every linear layer) instead of every weight (stock
+DeepSpeed 0.19.8 needs the config's ``stage3_max_reuse_distance`` and ``stage3_prefetch_bucket_size``
+of 0 for it with parameters on NVMe; docs/usage.md says why).
 ``--model`` is a Hugging Face folder with its tokenizer (a local path: the run is offline); ``--data``
 a JSON Lines file of conversations (``{"messages": [{"role": "user", ...}, {"role": "assistant",
 ...}]}``) or of ``{"text": ...}`` rows. ``--nvme-path`` replaces both ``nvme_path`` values of the

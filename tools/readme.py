@@ -3,7 +3,7 @@
 Every table and number sentence about a measurement in ``README.md`` and ``docs/*.md`` sits between
 ``<!-- generated: NAME -->`` and ``<!-- end generated -->``; :data:`BLOCKS` renders each NAME from
 files under ``baselines/<profile>/`` (regress ``results.json`` and ``report.json`` files, golden
-files, capped-run outcomes, io-bench and store-e2e JSON) and from :func:`memascend.plan.plan_run`.
+files, capped-run outcomes, io-bench and store-e2e JSON, framework pairs) and from :func:`memascend.plan.plan_run`.
 Each block lives in whichever of those files holds its text (most in ``docs/results.md``); a block
 may appear in more than one (the README repeats the cap table), and every copy is rewritten.
 
@@ -23,6 +23,7 @@ from pathlib import Path
 from tools import config_reference
 from tools import readme_blocks as rb
 from tools import readme_caps as rc
+from tools import readme_frameworks as rf
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILE = "cpu-2c-24g"
@@ -58,6 +59,8 @@ BLOCKS: dict[str, Callable[[rb.Baselines], str]] = {
     "chunking-table": rc.chunking_table,
     "chunking-notes": rc.chunking_notes,
     "caps-plan-notes": rc.caps_plan_notes,
+    "frameworks-table": rf.frameworks_table,
+    "frameworks-notes": rf.frameworks_notes,
     "memascend-settings": config_reference.settings_reference,
     "run-settings": config_reference.run_settings_reference,
 }

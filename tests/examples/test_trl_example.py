@@ -1,33 +1,24 @@
-"""examples/trl_sft.py with examples/ds_zero3_nvme.json: TRL's SFTTrainer, no memascend code, under
-``memascend run`` trains to the same losses as the same command without it, and (``-m slow``,
-SmolLM2-135M 4 x 256) with far less host memory.
+"""examples/trl_sft.py with examples/ds_zero3_nvme.json: TRL's SFTTrainer, no memascend code, full
+fine-tuning and LoRA (PEFT), under ``memascend run`` trains to the same losses as the same command
+without it, and (``-m slow``, SmolLM2-135M 4 x 256) with far less host memory (tests/examples/pairs.py
+runs the pairs).
 
-TRL runs from its own venv (tests/examples/frameworks.py): the default-suite test skips when it is
-absent, the slow test builds it. Peaks as in tests/examples/launch.py (``VmHWM``, ``VmLck`` polled over
+TRL runs from its own venv (tests/examples/frameworks.py): the default-suite tests skip when it is
+absent, the slow tests build it. Peaks as in tests/examples/launch.py (``VmHWM``, ``VmLck`` polled over
 the process tree).
 """
 
 from __future__ import annotations
 
 import json
-import math
-import random
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from memascend.config import DS_CONFIG_SECTION, MemAscendSettings
 from tests.examples.frameworks import framework_python
-from tests.examples.launch import EXAMPLES, result_line, run_measured
-
-SCRIPT = EXAMPLES / "trl_sft.py"
-DS_CONFIG = EXAMPLES / "ds_zero3_nvme.json"
-MARKER = "TRL_SFT_RESULT"
-_WORDS = ("the of and to a in that is was he for it with as his on be at by this had not are but from or have an "
-          "they which one you were her all she there would their we him been has when who will more no if out so "
-          "said what up its about into than them can only other new some could time these two may then do first").split()
+from tests.examples.pairs import DS_CONFIG, PAIRS, check_slow, measure, run_pair
 
 
 def test_the_deepspeed_config_is_zero3_nvme_with_a_default_section():
@@ -35,19 +26,8 @@ def test_the_deepspeed_config_is_zero3_nvme_with_a_default_section():
     zero = cfg["zero_optimization"]
     assert zero["stage"] == 3 and zero["offload_param"]["device"] == zero["offload_optimizer"]["device"] == "nvme"
     assert MemAscendSettings.from_mapping(cfg[DS_CONFIG_SECTION]) == MemAscendSettings()
-
-
-def chat_jsonl(path: Path, rows: int = 64) -> Path:
-    """``rows`` two-turn conversations of seeded random words, as ``{"messages": [...]}`` lines."""
-    rng = random.Random(7)
-
-    def sentence(lo: int, hi: int) -> str:
-        return " ".join(rng.choice(_WORDS) for _ in range(rng.randint(lo, hi)))
-
-    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": sentence(8, 24)},
-                                                     {"role": "assistant", "content": sentence(16, 48)}]}) + "\n"
-                            for _ in range(rows)))
-    return path
+    # what lets stock DeepSpeed 0.19.8 train LoRA with parameters on NVMe (docs/usage.md)
+    assert zero["stage3_max_reuse_distance"] == zero["stage3_prefetch_bucket_size"] == 0
 
 
 def tiny_model(folder: Path, tokenizer) -> Path:
@@ -64,72 +44,27 @@ def tiny_model(folder: Path, tokenizer) -> Path:
     return folder
 
 
-def run_pair(python: Path, tmp_path: Path, model: Path, *extra: str, timeout_s: float = 900) -> dict:
-    """The same command under ``memascend run`` and without it, at once: per name its run (as
-    :func:`run_measured`) and ``result``."""
-    data = chat_jsonl(tmp_path / "chat.jsonl")
-
-    def command(name: str) -> list[str]:
-        return [str(python), str(SCRIPT), "--model", str(model), "--data", str(data), "--deepspeed", str(DS_CONFIG),
-                "--nvme-path", str(tmp_path / f"{name}-swap"), "--output", str(tmp_path / name), *extra]
-
-    commands = [[sys.executable, "-m", "memascend", "run", "--", *command("memascend")], command("stock")]
-    runs = run_measured(commands, tmp_path, [tmp_path / "memascend.log", tmp_path / "stock.log"], timeout_s)
-    out = {}
-    for name, run in zip(("memascend", "stock"), runs, strict=True):
-        run["result"] = result_line(run["log"], MARKER)
-        assert run["returncode"] == 0 and run["result"] is not None, run["log"][-4000:]
-        out[name] = run
-    return out
-
-
-def _applied_lines(log: str) -> list[str]:
-    return [ln for ln in log.splitlines() if ln.startswith("memascend: applied")]
-
-
-def test_sft_trainer_under_memascend_run_trains_as_without_it(tmp_path, smollm2_tokenizer):
+@pytest.mark.parametrize("name", ["trl-full", "trl-lora"])
+def test_sft_trainer_one_step_under_memascend_run_trains_as_without_it(name, tmp_path, smollm2_tokenizer):
+    """One step on memascend's llama-tiny (LoRA: PEFT adapters on every linear layer, the frozen base
+    on NVMe), with and without ``memascend run``: equal loss, memascend applied once, only there."""
     python = framework_python("trl", build=False)
-    pair = run_pair(python, tmp_path, tiny_model(tmp_path / "tiny", smollm2_tokenizer), "--steps", "2",
-                    "--seq-len", "64")
-    ma, stock = pair["memascend"]["result"], pair["stock"]["result"]
-    assert len(ma["losses_hex"]) == 2 and ma["losses_hex"] == stock["losses_hex"]
-    assert ma["applied"] and ma["param_swapper"] == "PooledParamSwapper" and ma["sub_group_size"] < 10_000_000
-    assert not stock["applied"] and stock["param_swapper"] == "AsyncPartitionedParameterSwapper"
-    assert len(_applied_lines(pair["memascend"]["log"])) == 1 and not _applied_lines(pair["stock"]["log"])
-
-
-def test_sft_trainer_lora_trains_under_memascend_run(tmp_path, smollm2_tokenizer):
-    """LoRA (PEFT) adapters on every linear layer, the frozen base under ZeRO-3 on NVMe: one run
-    under memascend run (stock DeepSpeed 0.19.8 stops at SmolLM2's first forward with "Not enough
-    buffers 0 for swapping 1", so there is no stock pair to compare with)."""
-    python = framework_python("trl", build=False)
-    if subprocess.run([str(python), "-c", "import peft"], capture_output=True).returncode != 0:
+    if PAIRS[name].lora_rank and subprocess.run([str(python), "-c", "import peft"], capture_output=True).returncode:
         pytest.skip(f"no peft in {python}")
-    data = chat_jsonl(tmp_path / "chat.jsonl")
-    model = tiny_model(tmp_path / "tiny", smollm2_tokenizer)
-    run = run_measured([[sys.executable, "-m", "memascend", "run", "--", str(python), str(SCRIPT), "--model",
-                         str(model), "--data", str(data), "--deepspeed", str(DS_CONFIG), "--nvme-path",
-                         str(tmp_path / "swap"), "--output", str(tmp_path / "out"), "--steps", "2", "--seq-len", "64",
-                         "--lora-rank", "8"]], tmp_path, [tmp_path / "lora.log"])[0]
-    result = result_line(run["log"], MARKER)
-    assert run["returncode"] == 0 and result is not None, run["log"][-4000:]
-    assert result["applied"] and len(result["losses"]) == 2 and all(math.isfinite(x) for x in result["losses"])
-    assert len(_applied_lines(run["log"])) == 1
+    pair = run_pair(name, tmp_path, tiny_model(tmp_path / "tiny", smollm2_tokenizer), python=python,
+                    shape={"micro_batch": 1, "seq_len": 64, "steps": 1}, timeout_s=600)
+    ma, stock = pair["memascend"], pair["stock"]
+    assert ma["returncode"] == stock["returncode"] == 0, ma["log"][-3000:] + stock["log"][-3000:]
+    assert len(ma["losses"]) == 1 and [x.hex() for x in ma["losses"]] == [x.hex() for x in stock["losses"]]
+    assert ma["result"]["applied"] and ma["result"]["param_swapper"] == "PooledParamSwapper"
+    assert not stock["result"]["applied"] and stock["result"]["param_swapper"] == "AsyncPartitionedParameterSwapper"
+    assert len(ma["applied_lines"]) == 1 and not stock["applied_lines"]
 
 
 @pytest.mark.slow
-def test_sft_trainer_smollm2_peak_memory_against_the_same_command_without_memascend_run(tmp_path):
-    from memascend.config import ModelConfig
-    from memascend.models.loading import resolve_model
-
-    python = framework_python("trl", build=True)
-    model = resolve_model(ModelConfig(name_or_path="smollm2-135m")).hf_dir
-    pair = run_pair(python, tmp_path, model, "--micro-batch", "4", "--seq-len", "256", "--steps", "3",
-                    timeout_s=1800)
-    ma, stock = pair["memascend"], pair["stock"]
-    print(f"TRL SFTTrainer SmolLM2-135M: peak RSS {ma['peak_rss_kib']} / {stock['peak_rss_kib']} KiB, "
-          f"locked {ma['peak_locked_kib']} / {stock['peak_locked_kib']} KiB; losses {ma['result']['losses']}")
-    assert ma["result"]["losses_hex"] == stock["result"]["losses_hex"] and len(ma["result"]["losses_hex"]) == 3
-    assert ma["result"]["applied"] and not stock["result"]["applied"]
-    assert ma["peak_rss_kib"] <= 0.40 * stock["peak_rss_kib"]
-    assert ma["peak_locked_kib"] <= 0.25 * stock["peak_locked_kib"]
+@pytest.mark.parametrize("name", ["trl-full", "trl-lora"])
+def test_sft_trainer_smollm2_peak_memory_against_the_same_command_without_memascend_run(name, tmp_path):
+    """SmolLM2-135M 4 x 256, 3 steps: the record ``python3 -m tests.examples.pairs`` commits."""
+    record = measure(name, tmp_path)
+    print(f"{name}: peak RSS {record['peak_rss_ratio']:.3f}x, locked {record['peak_locked_ratio']:.3f}x")
+    check_slow(name, record)

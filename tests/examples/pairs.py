@@ -1,0 +1,259 @@
+"""Framework pairs: one training command under ``memascend run`` and the same command without it.
+
+A pair (:data:`PAIRS`) is a framework (TRL's ``SFTTrainer`` through ``examples/trl_sft.py``, or
+``llamafactory-cli train`` with an ``examples/llamafactory`` YAML), full fine-tuning or LoRA, always
+with ``examples/ds_zero3_nvme.json`` (ZeRO-3, parameters and optimizer state on NVMe, an empty
+``"memascend"`` section; each engine gets its own swap folder). Both commands start at once (as
+tests/examples/launch.py measures them: peak ``VmHWM`` and ``VmLck`` over each process tree).
+
+:func:`run_pair` runs a pair at any shape (the default-suite tests use a tiny model and one step);
+:func:`measure` runs it at the measured shape (SmolLM2-135M, micro-batch 4 x up to 256 tokens, 3
+steps, one rank) and returns the record that the slow tests check (:func:`problems`) and that
+
+    python3 -m tests.examples.pairs [NAME ...] [--out DIR] [--stock-first]
+
+writes to ``DIR/NAME.json`` (default ``baselines/cpu-2c-24g/frameworks``; exit 1 when a record has
+problems, after writing it). docs/usage.md renders the committed records (tools/readme_frameworks.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.conftest import REPO
+from tests.examples.frameworks import framework_python
+from tests.examples.launch import EXAMPLES, result_line, run_measured
+
+DS_CONFIG = EXAMPLES / "ds_zero3_nvme.json"
+TRL_SCRIPT = EXAMPLES / "trl_sft.py"
+LF = EXAMPLES / "llamafactory"
+TRL_MARKER = "TRL_SFT_RESULT"
+OUT_DIR = REPO / "baselines" / "cpu-2c-24g" / "frameworks"
+RSS_RATIO_MAX = 0.40
+LOCKED_RATIO_MAX = 0.25
+MEASURED_SHAPE = {"micro_batch": 4, "seq_len": 256, "steps": 3}
+"""The measured runs: micro-batch (sequences), tokens per sequence (at most, for LLaMA-Factory), steps."""
+ENGINES = ("memascend", "stock")
+_WORDS = ("the of and to a in that is was he for it with as his on be at by this had not are but from or have an "
+          "they which one you were her all she there would their we him been has when who will more no if out so "
+          "said what up its about into than them can only other new some could time these two may then do first").split()
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One framework's command, full fine-tune or LoRA."""
+
+    framework: str
+    """A key of tests.examples.frameworks.FRAMEWORKS (its venv runs the command)."""
+    lora_rank: int
+    """0: every weight trained; else LoRA adapters of this rank on every linear layer."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.framework}-{'lora' if self.lora_rank else 'full'}"
+
+
+PAIRS: dict[str, Pair] = {p.name: p for p in (Pair("trl", 0), Pair("trl", 8), Pair("llamafactory", 0),
+                                                Pair("llamafactory", 8))}
+
+
+def chat_jsonl(path: Path, rows: int = 64) -> Path:
+    """``rows`` two-turn conversations of seeded random words, as ``{"messages": [...]}`` lines."""
+    import random
+
+    rng = random.Random(7)
+
+    def sentence(lo: int, hi: int) -> str:
+        return " ".join(rng.choice(_WORDS) for _ in range(rng.randint(lo, hi)))
+
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": sentence(8, 24)},
+                                                     {"role": "assistant", "content": sentence(16, 48)}]}) + "\n"
+                            for _ in range(rows)))
+    return path
+
+
+def _trl_command(pair: Pair, python: Path, work: Path, engine: str, model: Path, shape: dict) -> list[str]:
+    data = work / "chat.jsonl"
+    if not data.exists():
+        chat_jsonl(data)
+    command = [str(python), str(TRL_SCRIPT), "--model", str(model), "--data", str(data), "--deepspeed",
+               str(DS_CONFIG), "--nvme-path", str(work / f"{engine}-swap"), "--output", str(work / engine),
+               "--micro-batch", str(shape["micro_batch"]), "--seq-len", str(shape["seq_len"]),
+               "--steps", str(shape["steps"])]
+    return command + (["--lora-rank", str(pair.lora_rank)] if pair.lora_rank else [])
+
+
+def _lf_command(pair: Pair, python: Path, work: Path, engine: str, model: Path, shape: dict) -> list[str]:
+    from memascend.train.dist import free_port
+
+    cfg = json.loads(DS_CONFIG.read_text())
+    swap = work / f"{engine}-swap"
+    swap.mkdir(exist_ok=True)
+    for key in ("offload_param", "offload_optimizer"):
+        cfg["zero_optimization"][key]["nvme_path"] = str(swap)
+    (work / f"{engine}-ds.json").write_text(json.dumps(cfg))
+    yaml_file = LF / f"sft_{'lora' if pair.lora_rank else 'full'}_zero3_nvme.yaml"
+    # one process without a launcher: DeepSpeed's rendezvous variables; use_cpu for bf16 on a CPU host
+    return ["env", "DS_ACCELERATOR=cpu", "RANK=0", "WORLD_SIZE=1", "LOCAL_RANK=0", "MASTER_ADDR=127.0.0.1",
+            f"MASTER_PORT={free_port()}", str(python.parent / "llamafactory-cli"), "train", str(yaml_file),
+            f"model_name_or_path={model}", f"deepspeed={work / f'{engine}-ds.json'}", f"dataset_dir={LF}",
+            "use_cpu=true", f"output_dir={work / engine}", f"max_steps={shape['steps']}",
+            f"per_device_train_batch_size={shape['micro_batch']}", f"cutoff_len={shape['seq_len']}"]
+
+
+def _losses(pair: Pair, work: Path, engine: str, log: str) -> tuple[list[float], dict]:
+    """Per-step training losses (full precision) and, for TRL, the script's result line."""
+    if pair.framework == "trl":
+        result = result_line(log, TRL_MARKER) or {}
+        return result.get("losses", []), result
+    state = work / engine / "trainer_state.json"
+    history = json.loads(state.read_text())["log_history"] if state.is_file() else []
+    return [entry["loss"] for entry in history if "loss" in entry], {}
+
+
+def run_pair(name: str, work: Path, model: Path, *, shape: dict, python: Path, stock_first: bool = False,
+             timeout_s: float = 1800) -> dict:
+    """Run pair ``name`` (both engines at once) in ``work``.
+
+    Args:
+        name: a key of :data:`PAIRS`.
+        work: an empty folder (data, swap folders, outputs, logs).
+        model: a Hugging Face model folder with its tokenizer.
+        shape: ``micro_batch``, ``seq_len`` (tokens) and ``steps``.
+        python: the framework venv's Python.
+        stock_first: start the stock command first (the order of the two processes).
+
+    Returns:
+        Per engine (``"memascend"``, ``"stock"``): ``command`` (argv), ``returncode``, ``log``,
+        ``peak_rss_kib``, ``peak_locked_kib``, ``losses``, ``applied_lines`` (memascend's one stderr
+        line) and ``result`` (TRL's result line, else ``{}``).
+    """
+    pair = PAIRS[name]
+    make = _trl_command if pair.framework == "trl" else _lf_command
+    commands = {engine: make(pair, python, work, engine, model, shape) for engine in ENGINES}
+    commands["memascend"] = [sys.executable, "-m", "memascend", "run", "--", *commands["memascend"]]
+    order = ENGINES[::-1] if stock_first else ENGINES
+    runs = run_measured([commands[e] for e in order], REPO, [work / f"{e}.log" for e in order], timeout_s)
+    out = {}
+    for engine, run in zip(order, runs, strict=True):
+        losses, result = _losses(pair, work, engine, run["log"])
+        out[engine] = {**run, "command": commands[engine], "losses": losses, "result": result,
+                       "applied_lines": [ln for ln in run["log"].splitlines() if ln.startswith("memascend: applied")]}
+    return out
+
+
+def problems(record: dict) -> list[str]:
+    """What a record (:func:`measure`) falls short in: failed runs, losses that differ, memascend not
+    applied (or applied to stock), ratios above :data:`RSS_RATIO_MAX` / :data:`LOCKED_RATIO_MAX`."""
+    out = []
+    ma, stock = record["engines"]["memascend"], record["engines"]["stock"]
+    for engine, run in record["engines"].items():
+        if run["returncode"] != 0 or len(run["losses"]) != record["shape"]["steps"]:
+            out.append(f"{engine}: exit {run['returncode']}, {len(run['losses'])} losses")
+    if [x.hex() for x in ma["losses"]] != [x.hex() for x in stock["losses"]]:
+        out.append(f"losses differ: {ma['losses']} vs {stock['losses']}")
+    if ma["applied_lines"] != 1 or stock["applied_lines"] != 0:
+        out.append(f"applied lines: memascend {ma['applied_lines']}, stock {stock['applied_lines']}")
+    if not record["peak_rss_ratio"] <= RSS_RATIO_MAX:
+        out.append(f"peak RSS ratio {record['peak_rss_ratio']:.3f} > {RSS_RATIO_MAX}")
+    if not record["peak_locked_ratio"] <= LOCKED_RATIO_MAX:
+        out.append(f"locked ratio {record['peak_locked_ratio']:.3f} > {LOCKED_RATIO_MAX}")
+    return out
+
+
+LORA_RSS_GAP = ("with LoRA the stock run keeps no optimizer state for the frozen base: its peak is "
+                "DeepSpeed's locked parameter swap buffers over an unlocked floor (imports, model load, "
+                "activations) close to the memascend run's, so the peak RSS ratio stays above 0.40 until that "
+                "floor shrinks")
+
+
+def check_slow(name: str, record: dict) -> None:
+    """The slow tests' verdict on a record: every problem fails the test, except a LoRA pair's peak
+    RSS ratio above :data:`RSS_RATIO_MAX`, which is an expected failure (:data:`LORA_RSS_GAP`)."""
+    import pytest
+
+    issues = problems(record)
+    expected = [p for p in issues if PAIRS[name].lora_rank and p.startswith("peak RSS ratio")]
+    assert issues == expected, issues
+    if expected:
+        pytest.xfail(f"{expected[0]}: {LORA_RSS_GAP}")
+
+
+def _version(python: Path, package: str) -> str:
+    out = subprocess.run([str(python), "-c", f"import importlib.metadata as m; print(m.version({package!r}))"],
+                         capture_output=True, text=True)
+    return out.stdout.strip() or "absent"
+
+
+def _portable(argv: list[str], subs: dict[str, str]) -> str:
+    """``argv`` as one shell line, the run's folders written as ``$NAME``."""
+    text = shlex.join(argv)
+    for path, name in sorted(subs.items(), key=lambda kv: -len(kv[0])):
+        text = text.replace(path, name)
+    return text
+
+
+def measure(name: str, work: Path, *, stock_first: bool = False) -> dict:
+    """Pair ``name`` at :data:`MEASURED_SHAPE` on SmolLM2-135M (the venv built when absent): the
+    record written by ``python3 -m tests.examples.pairs`` (commands with ``$WORK``, ``$MODEL``,
+    ``$VENV``, ``$REPO`` for the run's folders; KiB peaks; losses and their ``float.hex``; ratios)."""
+    from memascend.config import ModelConfig
+    from memascend.models.loading import resolve_model
+
+    pair = PAIRS[name]
+    python = framework_python(pair.framework, build=True)
+    model = resolve_model(ModelConfig(name_or_path="smollm2-135m")).hf_dir
+    runs = run_pair(name, work, model, shape=MEASURED_SHAPE, python=python, stock_first=stock_first)
+    subs = {str(work): "$WORK", str(model): "$MODEL", str(python.parent.parent): "$VENV", str(REPO): "$REPO",
+            sys.executable: "python3"}
+    engines = {engine: {"command": _portable(run["command"], subs), "returncode": run["returncode"],
+                        "peak_rss_kib": run["peak_rss_kib"], "peak_locked_kib": run["peak_locked_kib"],
+                        "losses": run["losses"], "losses_hex": [x.hex() for x in run["losses"]],
+                        "applied_lines": len(run["applied_lines"])}
+               for engine, run in runs.items()}
+    record = {
+        "pair": name, "framework": pair.framework, "lora_rank": pair.lora_rank, "model": "SmolLM2-135M-Instruct",
+        "shape": dict(MEASURED_SHAPE), "ranks": 1, "started_first": "stock" if stock_first else "memascend",
+        "versions": {p: _version(python, p) for p in ("trl" if pair.framework == "trl" else "llamafactory",
+                                                      "transformers", "peft", "deepspeed", "torch")},
+        "engines": engines,
+        "peak_rss_ratio": engines["memascend"]["peak_rss_kib"] / max(1, engines["stock"]["peak_rss_kib"]),
+        "peak_locked_ratio": engines["memascend"]["peak_locked_kib"] / max(1, engines["stock"]["peak_locked_kib"]),
+    }
+    for engine, run in runs.items():
+        if run["returncode"] != 0:
+            record["engines"][engine]["log_tail"] = run["log"][-2000:]
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", metavar="NAME", help=f"pairs to measure: {', '.join(PAIRS)} (default: all)")
+    parser.add_argument("--out", type=Path, default=OUT_DIR, help="folder for NAME.json")
+    parser.add_argument("--stock-first", action="store_true", help="start the stock command first")
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.names) - set(PAIRS))
+    if unknown:
+        parser.error(f"unknown pair {', '.join(unknown)} (known: {', '.join(PAIRS)})")
+    failed = 0
+    for name in args.names or list(PAIRS):
+        with tempfile.TemporaryDirectory(prefix=f"pair-{name}-") as work:
+            record = measure(name, Path(work), stock_first=args.stock_first)
+        issues = problems(record)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
+        print(f"{name}: peak RSS {record['peak_rss_ratio']:.3f}x, locked {record['peak_locked_ratio']:.3f}x; "
+              + ("; ".join(issues) if issues else "losses equal"), flush=True)
+        failed += bool(issues)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
