@@ -87,6 +87,8 @@ class ChunkedSubGroups:
 
     parked: bool = False
     """The chunk buffers are parked between steps (:meth:`release`)."""
+    sub_groups: set[int] = frozenset()
+    """The sub-groups stepped in chunks."""
 
     def __init__(self, opt: Any, chunk_numel: int, settings: MemAscendSettings) -> None:
         self.chunk_numel = int(chunk_numel)
@@ -183,15 +185,21 @@ class ChunkedSubGroups:
         self._free_staging()
 
     # -- the step -----------------------------------------------------------------------------
+    ahead: _ReadAhead | None = None
+    """Reads submitted into a buffer set for a chunk not yet stepped (read-ahead)."""
+
     def step(self, opt: Any, sub_group_id: int) -> None:
         """Step sub-group ``sub_group_id`` chunk by chunk (gradients already swapped out).
 
-        With :attr:`read_ahead`, chunk ``i + 1``'s reads are in flight while Adam steps chunk ``i``
-        (buffer set ``i % 2``), and chunk ``i``'s writes until the wait before chunk ``i + 1`` is
-        stepped (which precedes the reads into set ``i % 2`` again); else each chunk is read, stepped
-        and written in turn. Same arithmetic either way.
+        With :attr:`read_ahead`, the next chunk's reads are submitted as soon as the current chunk's
+        are complete (before its gradient is gathered), into the other buffer set, so they run while
+        the current chunk is gathered and stepped; the current chunk's writes are submitted after it
+        and complete at the next chunk's wait. The last chunk of a sub-group reads ahead the first
+        chunk of the next sub-group when that one is stepped in chunks too
+        (:meth:`_read_ahead`); its writes then complete at that sub-group's first wait. Without
+        read-ahead each chunk is read, stepped and written in turn. Same arithmetic either way.
         """
-        files = _SubGroupFiles.of(opt, sub_group_id)
+        files = self._files_for(opt, sub_group_id)
         sets, grad = self.acquire()
         param_writer = _ParamWriter(self, opt, sub_group_id)
         for name in ("param", *STATE_KEYS):
@@ -199,15 +207,15 @@ class ChunkedSubGroups:
         step_count = files.state.get("step", 0)
         new_step = step_count
         chunks = chunk_plan.chunk_bounds(files.numel, self.chunk_numel)
-        rounds = self._submit_reads(files, sets[0], *chunks[0]) if self.read_ahead and chunks else []
+        cur, self.ahead = self.ahead, None
         for i, (start, stop) in enumerate(chunks):
-            bufs = sets[i % len(sets)]
-            if not self.read_ahead:
-                rounds = self._submit_reads(files, bufs, start, stop)
+            if cur is None:  # nothing read ahead: the sub-group's first chunk, or no read-ahead
+                cur = self._submit_reads(files, sub_group_id, 0, start, stop)
             self.io.wait()  # chunk i's reads (and chunk i - 1's writes) are done
-            chunk_grad = self._gather_gradient(files, bufs["slab"], rounds, grad.narrow(0, 0, stop - start), start, stop)
-            if self.read_ahead and i + 1 < len(chunks):
-                rounds = self._submit_reads(files, sets[(i + 1) % len(sets)], *chunks[i + 1])
+            nxt = self._read_ahead(opt, files, sub_group_id, chunks, i, cur.set_index) if self.read_ahead else None
+            bufs = sets[cur.set_index]
+            chunk_grad = self._gather_gradient(files, bufs["slab"], cur.rounds, grad.narrow(0, 0, stop - start),
+                                               start, stop)
             chunk_grad.mul_(self.inv_scale)
             io_numel = chunk_plan.chunk_io_numel(start, stop, files.numel, files.numel_alignment)
             views = {name: bufs[name].narrow(0, 0, io_numel) for name in ("param", *STATE_KEYS)}
@@ -217,20 +225,54 @@ class ChunkedSubGroups:
             if not self.read_ahead:
                 self.io.wait()
             param_writer.chunk(views["param"], start, stop)
-        self.io.wait()
+            cur = nxt
+        if self.ahead is None:
+            self.io.wait()  # the last chunk's writes (else the next sub-group's first wait covers them)
         for name in ("param", *STATE_KEYS):
             self.io.end_write(files.paths[name])
         param_writer.finish()
         files.state["step"] = new_step
 
-    def _submit_reads(self, files: _SubGroupFiles, bufs: dict[str, torch.Tensor], start: int,
-                      stop: int) -> list[list[chunk_plan.SlabRead]]:
-        """Submit chunk ``[start, stop)``'s reads into buffer set ``bufs``: master weights, moments
-        (zeroed instead before the first step) and the first round of its gradient reads.
+    def _files_for(self, opt: Any, sub_group_id: int) -> _SubGroupFiles:
+        """The sub-group's files: those its read-ahead used, else read now (and any read-ahead for
+        another sub-group is completed and dropped)."""
+        if self.ahead is not None and self.ahead.sub_group_id == sub_group_id:
+            return self.ahead.files
+        self.drain()
+        self.ahead = None
+        return _SubGroupFiles.of(opt, sub_group_id)
+
+    def drain(self) -> None:
+        """Complete every transfer in flight (read-ahead data stays valid in its buffer set); before
+        anything else uses the optimizer swapper's handle."""
+        if self.io is not None and getattr(self.io, "pending", 0):
+            self.io.wait()
+
+    def _read_ahead(self, opt: Any, files: _SubGroupFiles, sub_group_id: int, chunks: list[tuple[int, int]],
+                    i: int, set_index: int) -> _ReadAhead | None:
+        """Submit the reads that follow chunk ``i`` into the other buffer set: chunk ``i + 1``
+        (returned), or after the last chunk the first chunk of sub-group ``sub_group_id + 1`` where
+        that one is stepped in chunks as well (kept in :attr:`ahead`; ``None`` returned)."""
+        other = (set_index + 1) % len(self.sets)
+        if i + 1 < len(chunks):
+            return self._submit_reads(files, sub_group_id, other, *chunks[i + 1])
+        nxt = sub_group_id + 1
+        if nxt in self.sub_groups:
+            nfiles = _SubGroupFiles.of(opt, nxt)
+            first = chunk_plan.chunk_bounds(nfiles.numel, self.chunk_numel)
+            if first:
+                self.ahead = self._submit_reads(nfiles, nxt, other, *first[0])
+        return None
+
+    def _submit_reads(self, files: _SubGroupFiles, sub_group_id: int, set_index: int, start: int,
+                      stop: int) -> _ReadAhead:
+        """Submit chunk ``[start, stop)``'s reads into buffer set ``set_index``: master weights,
+        moments (zeroed instead before the first step) and the first round of its gradient reads.
 
         Returns:
-            The chunk's gradient read rounds (the first one submitted).
+            What was submitted, with the chunk's gradient read rounds (the first one submitted).
         """
+        bufs = self.sets[set_index]
         io_numel = chunk_plan.chunk_io_numel(start, stop, files.numel, files.numel_alignment)
         names = ("param", *STATE_KEYS) if files.has_moments else ("param",)
         for k in STATE_KEYS if not files.has_moments else ():
@@ -239,7 +281,7 @@ class ChunkedSubGroups:
         pieces = chunk_plan.pieces_in_chunk(files.fragment_sources, start, stop)
         rounds = chunk_plan.slab_rounds(pieces, files.fragment_file_numels, _ALIGN_NUMEL, bufs["slab"].numel())
         self.io.submit_read(reads + _slab_requests(files, bufs["slab"], rounds[0] if rounds else []))
-        return rounds
+        return _ReadAhead(sub_group_id, files, set_index, rounds)
 
     def _gather_gradient(self, files: _SubGroupFiles, slab: torch.Tensor, rounds: list[list[chunk_plan.SlabRead]],
                          grad: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -284,6 +326,17 @@ def _slab_requests(files: _SubGroupFiles, slab: torch.Tensor, reads: list[chunk_
     """The range-I/O requests of one round of gradient reads into ``slab``."""
     return [(slab.narrow(0, r.slab_start, r.read_stop - r.read_start), files.fragment_paths[r.index],
              r.read_start * _FP32_BYTES) for r in reads]
+
+
+@dataclasses.dataclass
+class _ReadAhead:
+    """Reads submitted for one chunk: its sub-group and files, the buffer set they go to, and the
+    chunk's gradient read rounds (the first one submitted with them)."""
+
+    sub_group_id: int
+    files: _SubGroupFiles
+    set_index: int
+    rounds: list[list[chunk_plan.SlabRead]]
 
 
 @dataclasses.dataclass
@@ -439,8 +492,19 @@ def _chunked(opt: Any, settings: MemAscendSettings) -> ChunkedSubGroups | None:
 
 
 def _is_chunked(opt: Any, sub_group_id: int, settings: MemAscendSettings) -> ChunkedSubGroups | None:
+    """The plan where ``sub_group_id`` is stepped in chunks; otherwise ``None``, after completing the
+    plan's transfers in flight (the stock path about to run shares the swapper's handle)."""
     plan = _chunked(opt, settings)
-    return plan if plan is not None and sub_group_id in plan.sub_groups else None
+    if plan is not None and sub_group_id in plan.sub_groups:
+        return plan
+    if plan is not None:
+        plan.drain()
+    return None
+
+
+def _drain(plan: ChunkedSubGroups | None) -> None:
+    if plan is not None:
+        plan.drain()
 
 
 def make_prepare_sub_group(originals: dict[str, Any], settings: MemAscendSettings) -> Any:
@@ -455,6 +519,8 @@ def make_prepare_sub_group(originals: dict[str, Any], settings: MemAscendSetting
         plan = _is_chunked(self, sub_group_id, settings)
         if plan is None:
             return original(self, sub_group_id, timer_names)
+        if self.optimizer_swapper.gradient_swapper.has_buffers():
+            plan.drain()  # flushing stock's gradient swapper waits on the handle the read-ahead uses
         self.optimizer_swapper.flush_gradients()
         plan.deferred.add(sub_group_id)
         return None
@@ -472,6 +538,7 @@ def make_unscale_and_clip_grads(originals: dict[str, Any], settings: MemAscendSe
     def unscale_and_clip_grads(self, sub_group_id, total_norm):
         plan = _is_chunked(self, sub_group_id, settings)
         if plan is None or sub_group_id not in plan.deferred:
+            _drain(plan)
             return original(self, sub_group_id, total_norm)
         plan.deferred.discard(sub_group_id)
         plan.stepping.add(sub_group_id)
@@ -498,6 +565,7 @@ def make_optimizer_step(originals: dict[str, Any], settings: MemAscendSettings) 
     def _optimizer_step(self, sub_group_id):
         plan = _is_chunked(self, sub_group_id, settings)
         if plan is None or sub_group_id not in plan.stepping:
+            _drain(plan)
             return original(self, sub_group_id)
         return plan.step(self, sub_group_id)
 
@@ -516,6 +584,7 @@ def make_reassign_or_swap_out(originals: dict[str, Any], settings: MemAscendSett
         plan = _is_chunked(self, sub_group_id, settings)
         if plan is not None and sub_group_id in plan.stepping:
             return None
+        _drain(plan)
         if plan is not None and sub_group_id in plan.deferred:
             plan.deferred.discard(sub_group_id)
             prepare(self, sub_group_id, set())
@@ -534,6 +603,7 @@ def make_release_sub_group(originals: dict[str, Any], settings: MemAscendSetting
     def _release_sub_group(self, sub_group_id, timer_names):
         plan = _is_chunked(self, sub_group_id, settings)
         if plan is None or sub_group_id not in plan.stepping:
+            _drain(plan)
             return original(self, sub_group_id, timer_names)
         plan.stepping.discard(sub_group_id)
         fp32 = self.fp32_partitioned_groups_flat[sub_group_id]
@@ -542,6 +612,7 @@ def make_release_sub_group(originals: dict[str, Any], settings: MemAscendSetting
             swap_info.release_unswapped_gradients()
         fp32.grad = None
         if sub_group_id == plan.last and settings.enable_optimizer_buffer_release:
+            plan.drain()
             plan.release()
         return None
 
