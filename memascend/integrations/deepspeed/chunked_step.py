@@ -16,9 +16,13 @@ next chunk. The buffers are chunk-sized and the files keep stock's names and lay
 checkpoints (swap-folder copy or raw-store export) and exact resume are unchanged.
 
 Read-ahead and write-behind (``enable_chunk_prefetch``, on an asynchronous target: DeepSpeed's aio
-handle): two buffer sets; chunk ``i + 1``'s reads are submitted before Adam steps chunk ``i``, chunk
-``i``'s writes after it, and one ``wait`` (the handle's, which completes everything outstanding)
-before chunk ``i + 1`` is stepped covers both, so no set is read into while it is being written.
+handle): two buffer sets; chunk ``i + 1``'s reads are submitted as soon as chunk ``i``'s are complete
+(before its gradient is gathered and Adam steps it), chunk ``i``'s writes after it, and one ``wait``
+(the handle's, which completes everything outstanding) before chunk ``i + 1`` is stepped covers both,
+so no set is read into while it is being written. The last chunk of a sub-group reads ahead the first
+chunk of the next sub-group when that one is stepped in chunks too, so the disk never waits for a
+sub-group to start; the 16-bit parameters written to their swap files go out asynchronously as well
+(:mod:`.chunk_param_writer`).
 
 Bit-identity: Adam is elementwise, chunk boundaries are SIMD- and I/O-aligned
 (:data:`~.chunk_plan.CHUNK_ALIGN_NUMEL`), the loss-scale/clip factor is stock's
@@ -48,6 +52,7 @@ from memascend.config.settings import MemAscendSettings
 from memascend.config.sizing import resolve_chunk_numel
 from memascend.integrations.deepspeed import chunk_plan
 from memascend.integrations.deepspeed.chunk_io import range_io_for
+from memascend.integrations.deepspeed.chunk_param_writer import ParamWriter
 from memascend.integrations.deepspeed.pinning import LockedAllocator, make_room
 from memascend.memory import host_allocator
 
@@ -201,7 +206,7 @@ class ChunkedSubGroups:
         """
         files = self._files_for(opt, sub_group_id)
         sets, grad = self.acquire()
-        param_writer = _ParamWriter(self, opt, sub_group_id)
+        param_writer = ParamWriter(self, opt, sub_group_id)
         for name in ("param", *STATE_KEYS):
             self.io.begin_write(files.paths[name], files.file_numel * _FP32_BYTES)
         step_count = files.state.get("step", 0)
@@ -396,79 +401,6 @@ def _adam_on_chunk(optimizer: Any, group_id: int, views: dict[str, torch.Tensor]
         optimizer.state.pop(param, None)
         param.grad = None
     return state["step"]
-
-
-class _ParamWriter:
-    """Copies each stepped chunk into the sub-group's 16-bit partition: its DRAM flat buffer, or the
-    parameters' partitions (in DRAM, or written to their swap files)."""
-
-    def __init__(self, owner: ChunkedSubGroups, opt: Any, sub_group_id: int) -> None:
-        self.owner, self.opt, self.sub_group_id = owner, opt, sub_group_id
-        self.flat = opt.fp16_partitioned_groups_flat[sub_group_id]
-        self.params = list(zip(opt.fp16_groups[sub_group_id], opt.fp16_partitioned_groups[sub_group_id]))
-        offsets, pos = [], 0
-        for _, part in self.params:
-            offsets.append((pos, int(part.ds_numel)))
-            pos += int(part.ds_numel)
-        self.sources = offsets
-        self.carry: dict[int, torch.Tensor] = {}
-
-    def chunk(self, fp32: torch.Tensor, start: int, stop: int) -> None:
-        """Copy the stepped master weights ``fp32`` of elements ``[start, stop)`` to 16 bits."""
-        if self.flat is not None:
-            self.flat.narrow(0, start, stop - start).copy_(fp32.narrow(0, 0, stop - start))
-            return
-        from deepspeed.runtime.zero.partition_parameters import PartitionedParamStatus
-
-        whole_params, whole_src = [], []
-        for piece in chunk_plan.pieces_in_chunk(self.sources, start, stop):
-            param, part = self.params[piece.index]
-            src = fp32.narrow(0, piece.dest_start, piece.numel)
-            if part.status == PartitionedParamStatus.AVAILABLE:
-                part.data.narrow(0, piece.src_start, piece.numel).copy_(src)
-            elif piece.src_start == 0 and piece.src_stop == int(part.ds_numel):
-                whole_params.append(param)
-                whole_src.append(src)
-            else:
-                self._write_piece(param, part, piece, src)
-        if whole_params:
-            whole_params[0].nvme_swapper.swap_out_partitioned_params(dst_fp16_params=whole_params,
-                                                                     src_fp32_params=whole_src)
-
-    def _write_piece(self, param: Any, part: Any, piece: chunk_plan.Piece, src: torch.Tensor) -> None:
-        """Write one piece of a parameter partition that spans chunks to its swap file, in order;
-        the unaligned tail waits in ``carry`` for the next piece."""
-        swapper = param.nvme_swapper
-        swapper.synchronize_writes()
-        handle = swapper.aio_write_handle
-        io = self.owner.param_io.setdefault(id(handle), range_io_for(handle))
-        path = swapper.get_path(param, must_exist=True)
-        numel = int(part.ds_numel)
-        # The swapper's dtype: a released partition's placeholder tensor may carry another one.
-        dtype = swapper.dtype
-        elem = torch.empty(0, dtype=dtype).element_size()
-        align = _DIRECT_IO_BYTES // elem
-        file_numel = swapper._io_aligned_numel(numel)
-        lo, hi = chunk_plan.param_writes(piece.src_start, piece.src_stop, numel, file_numel, align)
-        staging = self.owner.staging_for(handle, dtype, self.owner.buffer_numel + 4 * align)
-        if piece.src_start == 0:
-            io.begin_write(path, file_numel * elem)
-        carried = self.carry.pop(id(param), None)
-        if carried is not None:
-            staging.narrow(0, 0, carried.numel()).copy_(carried)
-        staging.narrow(0, piece.src_start - lo, piece.numel).copy_(src)
-        if hi > lo:
-            io.write([(staging.narrow(0, 0, hi - lo), path, lo * elem)])
-        if piece.src_stop < numel:
-            if piece.src_stop > hi:
-                self.carry[id(param)] = staging.narrow(0, hi - lo, piece.src_stop - hi).clone()
-        else:
-            io.end_write(path)
-
-    def finish(self) -> None:
-        """After the last chunk: point the partitions at the DRAM flat buffer, as stock does."""
-        if self.flat is not None:
-            self.opt._unflatten_partitioned_parameters(self.sub_group_id)
 
 
 # ---- the patched stage-3 methods ----------------------------------------------------------------
