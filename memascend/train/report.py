@@ -283,7 +283,6 @@ def build_report(inp: ReportInputs) -> dict:
         "wall_s": inp.wall_s,
         "memory": _memory_section(inp.summary, inp.rank_peaks),
         "nvme": _nvme_section(inp),
-        "swap_io": swap_io_summary(inp.per_step, inp.swap_bandwidth),
         "model_dir": inp.model_dir,
         "memory_breakdown": inp.memory_breakdown,
         # The user's --deepspeed-config as read (its path may be gone when the report is read
@@ -291,6 +290,7 @@ def build_report(inp: ReportInputs) -> dict:
         "user_deepspeed_config": inp.user_ds_config,
         "seeding": inp.seeding,
         "checkpoint": _checkpoint_section(inp),
+        "swap_io": swap_io_summary(inp.per_step, inp.swap_bandwidth),
     }
 
 
