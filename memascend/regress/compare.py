@@ -63,6 +63,9 @@ class RunMetrics:
         median_minor_faults: median page faults per step of rank 0's process
             (``report["median_minor_faults"]``; ``None`` for reports without them).
         per_node: the memory peaks are the largest node's (``memory.max_node_peak_*``), not every rank's sum.
+        swap_io: rank 0's swap I/O (``report["swap_io"]``: the swap target's bandwidth, the median
+            bytes and I/O wait of a step, each phase's median time against its disk floor); ``None``
+            for reports without it.
     """
 
     peak_rss_bytes: int
@@ -78,6 +81,13 @@ class RunMetrics:
     median_phase_s: dict[str, float] | None = None
     median_minor_faults: float | None = None
     per_node: bool = False
+    swap_io: dict | None = None
+
+    @property
+    def swap_bytes_per_step(self) -> int | None:
+        """Median swap bytes (read + written) of a step, ``None`` without :attr:`swap_io`."""
+        step = (self.swap_io or {}).get("median_step")
+        return int(step["read_bytes"] + step["write_bytes"]) if step else None
 
     @classmethod
     def from_report(cls, report: dict, per_node: bool = False) -> RunMetrics:
@@ -106,6 +116,7 @@ class RunMetrics:
             median_phase_s=report.get("median_phase_s"),
             median_minor_faults=report.get("median_minor_faults"),
             per_node=per_node,
+            swap_io=report.get("swap_io"),
         )
 
 

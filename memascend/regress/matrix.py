@@ -471,8 +471,40 @@ def _chunking() -> Matrix:
     )
 
 
+SPEED_THRESHOLDS = Thresholds(max_peak_rss_ratio=0.40, max_peak_locked_ratio=None, max_step_time_ratio=0.80,
+                              step_time_noise=0.0)
+"""The speed targets at the default host-memory budget: step time at most 0.80x stock's with peak RSS at
+most 0.40x, bit-identical losses. No noise allowance: run with ``--repeats`` (medians of alternating
+pairs) on a quiet machine. Locked memory is not held to a ratio here (the memory matrices do)."""
+
+
+def _speed() -> Matrix:
+    # Same-run pairs against stock ZeRO-Infinity with the same offload settings; the tables add each
+    # phase's time over its disk floor and the swap bytes per step (report.json swap_io).
+    configs = (
+        # The default job: SmolLM2-135M, Shakespeare, 4 x 256, params and optimizer on NVMe.
+        BenchConfig(name="smollm2-bf16-256x4-speed", steps=5, thresholds=SPEED_THRESHOLDS),
+        # An untied family (a Mistral shape, cpu-full's row) and two ranks.
+        BenchConfig(name="mistral-0.07b-bf16-256x2-speed", from_scratch="mistral-0.07b", micro_batch=2, steps=5,
+                    thresholds=SPEED_THRESHOLDS),
+        BenchConfig(name="smollm2-bf16-256x4-r2-speed", nproc=2, steps=5, thresholds=SPEED_THRESHOLDS),
+        # The optimizer step against its disk floor on a ~1B model (cpu-full's scaling row's shape),
+        # stock tuned to fit this host as in cpu-full (sub_group_size 1e8 for both engines).
+        BenchConfig(name="llama-1b-bf16-256x1-speed", from_scratch="llama-1b", micro_batch=1, steps=4,
+                    activation_checkpointing=True, thresholds=SPEED_THRESHOLDS,
+                    deepspeed_settings=(("zero_optimization.sub_group_size", 100_000_000),)),
+    )
+    return Matrix(
+        name="speed",
+        description="speed against stock at the default host-memory budget: the SmolLM2-135M default job, an "
+                    "untied Mistral shape, two ranks and from-scratch llama-1b, with each phase's time over its "
+                    "disk floor and the swap bytes per step; ~40 min per repeat on a 2-core CPU",
+        configs=configs,
+    )
+
+
 MATRICES: dict[str, Matrix] = {m.name: m for m in (_smoke(), _cpu_full(), _gpu(), _scaling(), _ablation(),
-                                                   _chunking())}
+                                                   _chunking(), _speed())}
 """Every named matrix, by name."""
 
 

@@ -203,6 +203,33 @@ def phase_rows(results: list[ConfigResult]) -> list[list[str]]:
     return rows
 
 
+SPEED_HEADERS = ["config", "time ratio", "base fwd/bwd/step x floor", "ma fwd/bwd/step x floor",
+                 "base MiB/step", "ma MiB/step", "bytes ratio", "base io wait s", "ma io wait s"]
+
+
+def _over_floor(m) -> str:
+    phases = (m.swap_io or {}).get("median_phase") or {}
+    parts = [phases.get(p, {}).get("time_over_floor") for p in ("forward_s", "backward_s", "optimizer_step_s")]
+    return " / ".join("-" if v is None else f"{v:.2f}" for v in parts)
+
+
+def speed_rows(results: list[ConfigResult]) -> list[list[str]]:
+    """Speed against the disk: per configuration whose runs measured their swap I/O, the step-time
+    ratio, each engine's phases' time over their disk floor (forward / backward / optimizer step),
+    swap bytes per step (read + written) and their ratio, and the median I/O wait of a step."""
+    rows = []
+    for r in results:
+        b, m = r.baseline, r.memascend
+        if not (b and m and b.swap_bytes_per_step is not None and m.swap_bytes_per_step is not None):
+            continue
+        bb, mb = b.swap_bytes_per_step, m.swap_bytes_per_step
+        rows.append([r.config.name, f"{m.median_step_s / b.median_step_s:.3f}" if b.median_step_s else "-",
+                     _over_floor(b), _over_floor(m), f"{bb / 2**20:,.0f}", f"{mb / 2**20:,.0f}",
+                     f"{mb / bb:.3f}" if bb else "-", f"{b.swap_io['median_step']['io_wait_s']:.2f}",
+                     f"{m.swap_io['median_step']['io_wait_s']:.2f}"])
+    return rows
+
+
 def markdown_table(results: list[ConfigResult]) -> str:
     """GitHub markdown table of :func:`table_rows` (ratios are memascend / baseline, same run)."""
     return _md(HEADERS, table_rows(results))
@@ -446,6 +473,13 @@ def write_outputs(results: list[ConfigResult], out_dir: Path, meta: dict, timeli
                "Medians per step over the steady steps (and over repeats); this rank's wall time in "
                "the forward pass, the backward pass and DeepSpeed's optimizer step (ZeRO-3 swap-in/out "
                "of the optimizer state included).", "", _md(PHASE_HEADERS, phases)]
+    speed = speed_rows(results)
+    if speed:
+        md += ["", "## Speed against the disk floor", "",
+               "Per phase (forward / backward / optimizer step): median time over its disk floor, the "
+               "phase's swap bytes over the swap folder's bandwidth measured at the start of the same run "
+               "(report.json `swap_io`); MiB/step: swap bytes read + written per step; io wait: seconds "
+               "per step blocked on swap transfers.", "", _md(SPEED_HEADERS, speed)]
     if fit:
         for engine, f in fit.items():
             md.append(f"- {engine}: {f['bytes_per_param']:.2f} bytes/param + {f['intercept_bytes'] / GIB:.2f} GiB")

@@ -166,6 +166,7 @@ def merge_repeat_reports(reports: list[dict]) -> dict:
     if all(f is not None for f in faults):
         merged["median_minor_faults"] = statistics.median(faults)
         per_run["median_minor_faults"] = faults
+    merged["swap_io"] = merge_swap_io([r.get("swap_io") for r in reports])
     for key in _MEDIAN_MEMORY_KEYS:
         values = [r["memory"].get(key) for r in reports]
         if all(v is not None for v in values):
@@ -173,6 +174,26 @@ def merge_repeat_reports(reports: list[dict]) -> dict:
             per_run[key] = values
     losses = [[s["loss"] for s in r["steps"]] for r in reports]
     merged["repeats"] = {"n": len(reports), **per_run, "losses_equal": all(x == losses[0] for x in losses)}
+    return merged
+
+
+def merge_swap_io(sections: list[dict | None]) -> dict | None:
+    """``report["swap_io"]`` of several runs: the first run's bandwidth, every other number the
+    median over the runs (``time_over_floor`` recomputed from the medians); ``None`` where a run
+    lacks the section or its medians."""
+    if not sections or not all(s and s.get("median_phase") for s in sections):
+        return sections[0] if sections and len(sections) == 1 else None
+    merged = copy.deepcopy(sections[0])
+    merged["median_step"] = {k: statistics.median(s["median_step"][k] for s in sections)
+                             for k in sections[0]["median_step"]}
+    for phase, first in sections[0]["median_phase"].items():
+        row = {}
+        for key in first:
+            values = [s["median_phase"][phase][key] for s in sections]
+            row[key] = None if any(v is None for v in values) else statistics.median(values)
+        row["time_over_floor"] = row["time_s"] / row["floor_s"] if row.get("floor_s") else None
+        merged["median_phase"][phase] = row
+    merged["bandwidths"] = [s.get("bandwidth") for s in sections]
     return merged
 
 

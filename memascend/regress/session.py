@@ -110,6 +110,7 @@ def _print_results(console, results: list[ConfigResult], matrix: Matrix, configs
         CAP_HEADERS,
         LARGEST_HEADERS,
         PHASE_HEADERS,
+        SPEED_HEADERS,
         cap_rows,
         largest_rows,
         largest_summary,
@@ -117,12 +118,16 @@ def _print_results(console, results: list[ConfigResult], matrix: Matrix, configs
         phase_rows,
         rich_plain_table,
         rich_table,
+        speed_rows,
     )
 
     console.print(rich_table(results, f"{matrix.name} on {prof}: memascend / baseline, same run"))
     phases = phase_rows(results)
     if phases:
         console.print(rich_plain_table(PHASE_HEADERS, phases, "where the step time goes (median s per step)"))
+    speed = speed_rows(results)
+    if speed:
+        console.print(rich_plain_table(SPEED_HEADERS, speed, "speed against the disk floor (phase time / floor)"))
     if cap_meta:
         console.print(rich_plain_table(CAP_HEADERS, cap_rows(results), f"runs under the {cap_meta['cap']} cap"))
     if cap_meta and matrix.capped_search:

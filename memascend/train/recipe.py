@@ -34,6 +34,7 @@ from pathlib import Path
 from memascend.config import MAX_STEPS, RunConfig
 from memascend.config.render import resolve
 from memascend.errors import UserError
+from memascend.integrations.deepspeed.io_meter import METER, SwapIOTotals
 from memascend.telemetry import MemorySampler, read_proc_io
 from memascend.telemetry.tensorboard import check_tensorboard
 from memascend.train import checkpoints as ckpt
@@ -105,6 +106,7 @@ class FinetuneRecipe:
         self.t_start = time.time()
         self.swap_dir: Path | None = None
         self.raw_store = None
+        self.swap_bandwidth: dict | None = None  # io_meter.Bandwidth.to_dict() of the swap folder
         self.resume_ck = None
         self.layout: dict[str, list[int]] | None = None
         self.client_state: dict | None = None
@@ -307,6 +309,7 @@ class FinetuneRecipe:
                 model=model, model_parameters=model.parameters(), config=ds_cfg,
                 lr_scheduler=schedule.scheduler_factory(cfg.train, self.steps))
         del hf_ds
+        self._meter_swap_io()
         self.phases.line(f"DeepSpeed initialized (ZeRO-3; parameters on {cfg.offload.param}, optimizer state on "
                          f"{cfg.offload.optimizer}; {self.steps:,} steps, lr {cfg.train.lr:g} {cfg.train.lr_scheduler}"
                          f"{f', {cfg.train.warmup_steps} warm-up' if cfg.train.warmup_steps else ''})")
@@ -314,6 +317,22 @@ class FinetuneRecipe:
         # The parameter's own dtype: ZeRO-3 keeps it when it frees param.data, while ds_tensor of a
         # partition that lives on NVMe only is DeepSpeed's float16 placeholder until it is swapped in.
         self.param_dtype = str(first.dtype).replace("torch.", "")
+
+    def _meter_swap_io(self) -> None:
+        """The swap target's bandwidth (a short probe, swap folder only) and the swap I/O meter
+        (per phase bytes and waits, both engines: :mod:`memascend.integrations.deepspeed.io_meter`)."""
+        from memascend.integrations import deepspeed as seam
+        from memascend.integrations.deepspeed import io_meter
+
+        bandwidth = None
+        if self.cfg.offload.uses_nvme and self.raw_store is None and self.swap_dir is not None:
+            bandwidth = io_meter.probe_folder_bandwidth(self.swap_dir, self.resolved.ds_config)
+        self.swap_bandwidth = bandwidth.to_dict() if bandwidth is not None else None
+        if bandwidth is not None:
+            self.phases.line(f"swap target: read {bandwidth.read_bytes_per_s / 1e9:.2f} GB/s, write "
+                             f"{bandwidth.write_bytes_per_s / 1e9:.2f} GB/s (probe of "
+                             f"{format_bytes(bandwidth.probe_bytes)}, {bandwidth.probe_s:.1f}s)")
+        seam.install_io_meter()
 
     def _total_steps(self) -> int:
         """Optimizer steps of the run (``--steps``, or ``--epochs`` over the training blocks)."""
@@ -404,8 +423,9 @@ class FinetuneRecipe:
         lrs = engine.get_lr()  # the rate this step runs with: the scheduler moves it after engine.step()
         skipped_before = int(getattr(engine, "skipped_steps", 0))
         phase_s = {"forward_s": 0.0, "backward_s": 0.0, "optimizer_step_s": 0.0}
+        phase_io = {name: SwapIOTotals() for name in phase_s}
         grad_accum = self.resolved.grad_accum
-        losses = [self._micro_step(step * grad_accum + micro, phase_s) for micro in range(grad_accum)]
+        losses = [self._micro_step(step * grad_accum + micro, phase_s, phase_io) for micro in range(grad_accum)]
         loss_sum, n = all_reduce_sum([sum(losses), len(losses)])
         dt = time.monotonic() - t0
         end = self.sampler.sample()
@@ -424,28 +444,32 @@ class FinetuneRecipe:
             locked_bytes=end.locked_bytes,
             nvme_read_bytes=end.read_bytes - io0["read_bytes"],
             nvme_write_bytes=end.write_bytes - io0["write_bytes"],
+            **report_mod.swap_io_fields(phase_s, {k: v.to_dict() for k, v in phase_io.items()}, self.swap_bandwidth),
         )
 
-    def _micro_step(self, index: int, phase_s: dict[str, float]) -> float:
+    def _micro_step(self, index: int, phase_s: dict[str, float], phase_io: dict[str, SwapIOTotals]) -> float:
         """Forward, backward and ``engine.step()`` of micro-batch ``index``; adds each phase's
-        seconds to ``phase_s``; returns this rank's loss."""
+        seconds to ``phase_s`` and its swap I/O to ``phase_io``; returns this rank's loss."""
         engine = self.engine
         idx = self.blocks.indices(index)
         ids = self.split.train.input_ids[idx].to(engine.device)
         labels = self.split.train.labels[idx].to(engine.device)
         self.sampler.phase("forward")
-        t_phase = time.monotonic()
+        t_phase, io_phase = time.monotonic(), METER.totals()
         loss = engine(input_ids=ids, labels=labels).loss
         self.sampler.phase("backward")
-        t_backward = time.monotonic()
+        t_backward, io_backward = time.monotonic(), METER.totals()
         engine.backward(loss)
         self.sampler.phase("step")
-        t_step = time.monotonic()
+        t_step, io_step = time.monotonic(), METER.totals()
         engine.step()
-        t_done = time.monotonic()
+        t_done, io_done = time.monotonic(), METER.totals()
         phase_s["forward_s"] += t_backward - t_phase
         phase_s["backward_s"] += t_step - t_backward
         phase_s["optimizer_step_s"] += t_done - t_step
+        phase_io["forward_s"] += io_backward - io_phase
+        phase_io["backward_s"] += io_step - io_backward
+        phase_io["optimizer_step_s"] += io_done - io_step
         return float(loss.detach().float())
 
     def _after_step(self, step: int, record: StepRecord, bar) -> None:
@@ -566,7 +590,7 @@ class FinetuneRecipe:
             seeding=self.seeding, model_dir=str(self.model_dir) if self.model_dir else None,
             resumed_from=str(self.resume_ck.path) if self.resume_ck is not None else None,
             start_step=self.start_step, periodic_saved=self.periodic.saved, checkpoint_saves=self.ck_saves,
-            saved_to=train.save_checkpoint, saved_tag=self.checkpoint_tag,
+            saved_to=train.save_checkpoint, saved_tag=self.checkpoint_tag, swap_bandwidth=self.swap_bandwidth,
         )
 
     def _write_outputs(self, rep: dict) -> None:

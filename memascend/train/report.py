@@ -73,6 +73,15 @@ class StepRecord:
             storage during the step (``/proc/self/io``: the swap traffic, as ``report.json``'s
             ``nvme`` section counts it over the training loop).
         eval_loss: the held-out loss measured after this step (``--eval-every``), else ``None``.
+        swap_read_bytes, swap_write_bytes: bytes this rank's swap handles read from and wrote to the
+            swap target during the step (:mod:`memascend.integrations.deepspeed.io_meter`: the
+            buffers handed to DeepSpeed's aio handle or the raw store, either engine).
+        io_wait_s: seconds of the step this rank was blocked waiting for swap transfers.
+        phase_io: per phase (:data:`PHASES`) ``read_bytes``, ``write_bytes``, ``read_ops``,
+            ``write_ops`` and ``io_wait_s`` of the swap target, summed over the micro-batches.
+        phase_floor_s: per phase, its disk floor in seconds (its swap bytes over the swap target's
+            bandwidth measured at the start of the run: ``report.json``'s ``swap_io.bandwidth``);
+            ``None`` where no bandwidth was measured (no swap folder).
     """
 
     step: int
@@ -90,6 +99,11 @@ class StepRecord:
     nvme_read_bytes: int
     nvme_write_bytes: int
     eval_loss: float | None = None
+    swap_read_bytes: int = 0
+    swap_write_bytes: int = 0
+    io_wait_s: float = 0.0
+    phase_io: Mapping[str, Mapping[str, float]] | None = None
+    phase_floor_s: Mapping[str, float] | None = None
 
     def to_dict(self) -> dict:
         """The JSON record (keys in this order; lists and dicts are fresh copies)."""
@@ -109,7 +123,67 @@ class StepRecord:
             "nvme_read_bytes": self.nvme_read_bytes,
             "nvme_write_bytes": self.nvme_write_bytes,
             "eval_loss": self.eval_loss,
+            "swap_read_bytes": self.swap_read_bytes,
+            "swap_write_bytes": self.swap_write_bytes,
+            "io_wait_s": self.io_wait_s,
+            "phase_io": {k: dict(v) for k, v in self.phase_io.items()} if self.phase_io is not None else None,
+            "phase_floor_s": dict(self.phase_floor_s) if self.phase_floor_s is not None else None,
         }
+
+
+def phase_floor_s(phase_io: Mapping[str, Mapping[str, float]], bandwidth: Mapping[str, float] | None
+                  ) -> dict[str, float] | None:
+    """Each phase's disk floor in seconds: ``read_bytes / read_bytes_per_s + write_bytes /
+    write_bytes_per_s`` (reads and writes share the target); ``None`` without a ``bandwidth``
+    (``io_meter.Bandwidth.to_dict()``)."""
+    if bandwidth is None:
+        return None
+    return {name: io["read_bytes"] / bandwidth["read_bytes_per_s"] + io["write_bytes"] / bandwidth["write_bytes_per_s"]
+            for name, io in phase_io.items()}
+
+
+def swap_io_fields(phase_s: Mapping[str, float], phase_io: Mapping[str, Mapping[str, float]],
+                   bandwidth: Mapping[str, float] | None) -> dict[str, Any]:
+    """The swap I/O fields of a :class:`StepRecord` from its per-phase I/O (``phase_s`` names the
+    phases; ``phase_io`` as :attr:`StepRecord.phase_io`)."""
+    return {
+        "swap_read_bytes": int(sum(io["read_bytes"] for io in phase_io.values())),
+        "swap_write_bytes": int(sum(io["write_bytes"] for io in phase_io.values())),
+        "io_wait_s": float(sum(io["io_wait_s"] for io in phase_io.values())),
+        "phase_io": {name: dict(phase_io[name]) for name in phase_s},
+        "phase_floor_s": phase_floor_s(phase_io, bandwidth),
+    }
+
+
+def swap_io_summary(per_step: list[dict], bandwidth: Mapping[str, float] | None) -> dict:
+    """``report.json``'s ``swap_io``: the bandwidth probe and, over the steady steps (the first
+    excluded, as for ``median_step_s``), the median swap bytes and I/O wait of a step and of each
+    phase, each phase's disk floor and its time over that floor.
+
+    Returns:
+        ``{"bandwidth", "median_step": {read_bytes, write_bytes, io_wait_s}, "median_phase": {phase:
+        {read_bytes, write_bytes, io_wait_s, time_s, floor_s, time_over_floor}}}``; the medians are
+        ``None`` when the steps carry no swap I/O (reports written before it was recorded).
+    """
+    steady = [s for s in (per_step[1:] or per_step) if s.get("phase_io")]
+    out: dict[str, Any] = {"bandwidth": dict(bandwidth) if bandwidth is not None else None,
+                           "median_step": None, "median_phase": None}
+    if not steady:
+        return out
+    out["median_step"] = {key: statistics.median(s[field] for s in steady) for key, field in
+                          (("read_bytes", "swap_read_bytes"), ("write_bytes", "swap_write_bytes"),
+                           ("io_wait_s", "io_wait_s"))}
+    phases = {}
+    for name in PHASES:
+        io = {key: statistics.median(s["phase_io"][name][key] for s in steady)
+              for key in ("read_bytes", "write_bytes", "io_wait_s")}
+        time_s = statistics.median(s["phase_s"][name] for s in steady)
+        floors = [s["phase_floor_s"][name] for s in steady if s.get("phase_floor_s")]
+        floor = statistics.median(floors) if floors else None
+        phases[name] = {**io, "time_s": time_s, "floor_s": floor,
+                        "time_over_floor": time_s / floor if floor else None}
+    out["median_phase"] = phases
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,6 +220,8 @@ class ReportInputs:
         periodic_saved: tags of the periodic checkpoints saved.
         checkpoint_saves: every save's ``{"path", "save_s", "manifest_s", "bytes"}``.
         saved_to, saved_tag: ``--save-checkpoint`` and the tag saved there (``None``: none).
+        swap_bandwidth: the swap target's measured bandwidth (``io_meter.Bandwidth.to_dict()``;
+            ``None``: not measured).
     """
 
     cfg: RunConfig
@@ -181,6 +257,7 @@ class ReportInputs:
     checkpoint_saves: list[dict]
     saved_to: str | None
     saved_tag: str | None
+    swap_bandwidth: dict | None = None
 
 
 def build_report(inp: ReportInputs) -> dict:
@@ -213,6 +290,7 @@ def build_report(inp: ReportInputs) -> dict:
         "user_deepspeed_config": inp.user_ds_config,
         "seeding": inp.seeding,
         "checkpoint": _checkpoint_section(inp),
+        "swap_io": swap_io_summary(inp.per_step, inp.swap_bandwidth),
     }
 
 

@@ -53,6 +53,8 @@ def _seam_objects():
         # chunked_swap_out (optimizer_chunk_numel with enable_optimizer_pool)
         "PartitionedOptimizerSwapper.swap_out_gradients": (PartitionedOptimizerSwapper, "swap_out_gradients"),
         "PartitionedOptimizerSwapper.initialize_parameters": (PartitionedOptimizerSwapper, "initialize_parameters"),
+        "PartitionedOptimizerSwapper.flush_gradients": (PartitionedOptimizerSwapper, "flush_gradients"),
+        "stage3.independent_gradient_partition_epilogue": (S3, "independent_gradient_partition_epilogue"),
         "engine._load_checkpoint": (DeepSpeedEngine, "_load_checkpoint"),
         "deepspeed.initialize": (deepspeed, "initialize"),
     }

@@ -265,3 +265,39 @@ def test_read_ahead_is_off_on_a_synchronous_target():
     assert chunk_io.AioRangeIO.asynchronous and not chunk_io.StoreRangeIO.asynchronous
     assert MemAscendSettings().enable_chunk_prefetch
     assert not MemAscendSettings.baseline().enable_chunk_prefetch
+
+
+def test_read_ahead_crosses_into_the_next_chunked_sub_group(monkeypatch):
+    """The last chunk of sub-group 0 reads ahead the first chunk of sub-group 1 (stepped in chunks
+    too); sub-group 0's last writes are still outstanding when its step returns and complete at
+    sub-group 1's first wait. Both sub-groups end as the reference computes them."""
+    cases = [_case(11), _case(12)]
+    wants = [_reference(c, 0.5, True) for c in cases]
+    files_of = {}
+    for g, case in enumerate(cases):
+        files_of[g] = chunked_step._SubGroupFiles(
+            numel=case.numel, file_numel=chunk_plan.align_up(case.numel, 256), numel_alignment=256, group_id=0,
+            state={"step": 3}, has_moments=True, paths={k: f"{g}/{k}" for k in ("param", *chunked_step.STATE_KEYS)},
+            fragment_sources=case.fragments, fragment_paths=[f"{g}/grad{i}" for i in range(len(case.fragments))],
+            fragment_file_numels=[chunk_plan.align_up(n, 256) for _, n in case.fragments], unswapped=case.unswapped)
+    io = DeferredIO({f"{g}/{k}": t for g, c in enumerate(cases) for k, t in c.files.items()})
+    monkeypatch.setattr(chunked_step._SubGroupFiles, "of", classmethod(lambda cls, o, s: files_of[s]))
+    monkeypatch.setattr(chunked_step, "_adam_on_chunk", _fake_adam)
+    flats = [torch.zeros(c.numel, dtype=torch.bfloat16) for c in cases]
+    opt = types.SimpleNamespace(fp16_partitioned_groups_flat=flats, fp16_groups=[[], []],
+                                fp16_partitioned_groups=[[], []], optimizer=None,
+                                _unflatten_partitioned_parameters=lambda sub_group_id: None)
+    plan = chunked_step.ChunkedSubGroups.__new__(chunked_step.ChunkedSubGroups)
+    vars(plan).update(chunk_numel=4 * A, settings=MemAscendSettings(), buffer_numel=4 * A, io=io, read_ahead=True,
+                      allocator=_Allocator(), sets=[], grad=None, staging=None, param_io={}, inv_scale=0.5,
+                      peak_locked_bytes=0, sub_groups={0, 1})
+    plan.step(opt, 0)
+    assert plan.ahead is not None and plan.ahead.sub_group_id == 1
+    assert io.reads and io.writes  # sub-group 1's first reads and sub-group 0's last writes in flight
+    plan.step(opt, 1)
+    assert plan.ahead is None and not io.reads and not io.writes
+    for g, case in enumerate(cases):
+        for name, tensor in wants[g].items():
+            assert torch.equal(case.files[name][:case.numel], tensor), (g, name)
+        assert torch.equal(flats[g], wants[g]["param"].to(torch.bfloat16))
+        assert files_of[g].state["step"] == 4

@@ -70,7 +70,12 @@ def _run(folder: Path, ours: bool, grads: list[torch.Tensor], offsets: list[int]
     _call(ours, "initialize_parameters", swapper, [fp32], [master])
     for scale in (1.0, -0.5):
         _call(ours, "swap_out_gradients", swapper, fp32, offsets, [g * scale for g in grads])
-        swapper.flush_gradients()
+        if ours:  # the last window's writes are in flight until the swapper's flush completes them
+            assert chunked_swap_out._IN_FLIGHT in vars(swapper)
+            chunked_swap_out.make_flush_gradients(type(swapper).flush_gradients)(swapper)
+            assert chunked_swap_out._IN_FLIGHT not in vars(swapper)
+        else:
+            swapper.flush_gradients()
     info = swapper.swap_params_info["0_5"]
     files = {p.name: p.read_bytes() for p in Path(swapper.swap_folder).iterdir()}
     return swapper, info, files

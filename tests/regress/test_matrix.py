@@ -11,7 +11,7 @@ from memascend.regress.matrix import MATRICES, BenchConfig, Matrix, get_matrix
 
 
 def test_named_matrices_exist_and_smoke_is_smollm2_one_and_two_ranks():
-    assert set(MATRICES) == {"smoke", "cpu-full", "gpu", "scaling", "ablation", "chunking"}
+    assert set(MATRICES) == {"smoke", "cpu-full", "gpu", "scaling", "ablation", "chunking", "speed"}
     smoke = get_matrix("smoke")
     assert {c.data for c in smoke.configs} == {"shakespeare", "chitchat"}
     assert {c.nproc for c in smoke.configs} == {1, 2}
@@ -127,6 +127,24 @@ def test_chunking_runs_memascend_in_both_slots_the_reference_unchunked(tmp_path)
             "memascend": {"optimizer_chunk_numel": None, "enable_grad_streaming": False}}
     with pytest.raises(UserError):
         BenchConfig(name="x", reference_settings=(("no_such_setting", 1),))
+
+
+def test_speed_pairs_stock_with_the_speed_targets():
+    """Matrix ``speed``: same-run pairs against stock (no reference settings) with the default job,
+    an untied family, two ranks and llama-1b; step time <= 0.80x and RSS <= 0.40x with no noise
+    allowance."""
+    from memascend.regress.matrix import get_matrix
+
+    m = get_matrix("speed")
+    by_name = {c.name: c for c in m.configs}
+    assert by_name["smollm2-bf16-256x4-speed"].micro_batch == 4 and by_name["smollm2-bf16-256x4-speed"].seq_len == 256
+    assert by_name["mistral-0.07b-bf16-256x2-speed"].from_scratch == "mistral-0.07b"
+    assert by_name["smollm2-bf16-256x4-r2-speed"].nproc == 2
+    for cfg in m.configs:
+        assert cfg.reference_settings is None and cfg.memascend_settings == ()
+        th = cfg.thresholds
+        assert (th.max_step_time_ratio, th.step_time_noise, th.max_peak_rss_ratio) == (0.80, 0.0, 0.40)
+        assert th.bitwise_losses
 
 
 def test_deepspeed_settings_go_to_both_engines(tmp_path):

@@ -93,3 +93,36 @@ def test_simulated_nodes_rows_are_labelled_per_node(tmp_path):
     assert "`memory.max_node_peak_*`" in md
     write_outputs(results[1:], tmp_path, {"matrix": "smoke", "profile": "t"}, timelines={})
     assert "per node" not in (tmp_path / "results.md").read_text()
+
+
+def _swap_io(read_mib: float, write_mib: float, step_s: float, floor_s: float, wait_s: float) -> dict:
+    phase = {"read_bytes": 0, "write_bytes": 0, "io_wait_s": 0.0, "time_s": 1.0, "floor_s": 0.0,
+             "time_over_floor": None}
+    return {"bandwidth": {"read_bytes_per_s": 1e9, "write_bytes_per_s": 1e9},
+            "median_step": {"read_bytes": read_mib * 2**20, "write_bytes": write_mib * 2**20, "io_wait_s": wait_s},
+            "median_phase": {"forward_s": phase, "backward_s": phase,
+                             "optimizer_step_s": {**phase, "time_s": step_s, "floor_s": floor_s,
+                                                  "time_over_floor": step_s / floor_s}}}
+
+
+def test_speed_table_has_time_ratio_phase_floors_and_bytes_ratio(tmp_path):
+    from memascend.regress.output import speed_rows
+    from memascend.regress.runner import merge_swap_io
+
+    cfg = get_matrix("speed").configs[0]
+    base = make_report(rss_gib=6, locked_gib=3, step_s=10, losses=LOSSES)
+    mine = make_report(rss_gib=2, locked_gib=0.3, step_s=8, losses=LOSSES)
+    base["swap_io"] = _swap_io(2000, 2000, 4.0, 2.0, 3.0)
+    mine["swap_io"] = merge_swap_io([_swap_io(1000, 500, 3.0, 2.0, 1.0), _swap_io(1000, 500, 2.0, 2.0, 2.0),
+                                     _swap_io(1000, 500, 2.2, 2.0, 1.5)])
+    assert mine["swap_io"]["median_phase"]["optimizer_step_s"]["time_over_floor"] == pytest.approx(1.1)
+    assert mine["swap_io"]["median_step"]["io_wait_s"] == 1.5
+    res = evaluate(cfg, base, mine, golden=None, tol=GoldenTolerances())
+    assert speed_rows([res]) == [[cfg.name, "0.800", "- / - / 2.00", "- / - / 1.10", "4,000", "1,500", "0.375",
+                                  "3.00", "1.50"]]
+    doc = write_outputs([res], tmp_path, {"matrix": "speed", "profile": "test"}, {})
+    assert doc["configs"][0]["memascend"]["swap_io"]["median_step"]["io_wait_s"] == 1.5
+    assert "## Speed against the disk floor" in (tmp_path / "results.md").read_text()
+    # a run without swap I/O (a report from before it was measured) gives no row
+    del base["swap_io"]
+    assert speed_rows([evaluate(cfg, base, mine, golden=None, tol=GoldenTolerances())]) == []

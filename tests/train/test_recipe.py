@@ -27,8 +27,10 @@ from memascend.train.run_log import STEPS_LOG, RunLog
 FIXTURE = json.loads((Path(__file__).parent / "data" / "report_keys.json").read_text())
 PACKAGE = Path(__file__).resolve().parents[2] / "memascend"
 
-ADDED_STEP_KEYS = ["lr", "locked_bytes", "nvme_read_bytes", "nvme_write_bytes", "eval_loss"]
-"""Keys a step record gained after the fixture was recorded (issue 23: TensorBoard, --eval-every), at its end."""
+ADDED_STEP_KEYS = ["lr", "locked_bytes", "nvme_read_bytes", "nvme_write_bytes", "eval_loss", "swap_read_bytes",
+                   "swap_write_bytes", "io_wait_s", "phase_io", "phase_floor_s"]
+"""Keys a step record gained after the fixture was recorded (TensorBoard, --eval-every, the swap I/O
+meter), at its end."""
 ADDED_TRAIN_KEYS = {"lr_scheduler", "eval_every", "report_to", "verbose", "deterministic"}
 """``config.train`` keys added by issue 23 (the optimizer, evaluation and logging flags) and ``--deterministic``."""
 
@@ -77,7 +79,8 @@ def test_step_record_has_the_keys_and_values_of_the_old_record():
                    "phase_s": {"forward_s": 0.1, "backward_s": 0.2, "optimizer_step_s": 0.15}, "tokens": 64,
                    "tokens_per_s": 128.0, "rss_bytes": 1 << 29, "minor_faults": 1000, "skipped": False,
                    "lr": 1e-4, "locked_bytes": 1 << 20, "nvme_read_bytes": 4096, "nvme_write_bytes": 8192,
-                   "eval_loss": None}
+                   "eval_loss": None, "swap_read_bytes": 0, "swap_write_bytes": 0, "io_wait_s": 0.0, "phase_io": None,
+                   "phase_floor_s": None}
     assert dataclasses.replace(record(), eval_loss=3.5).to_dict()["eval_loss"] == 3.5
     assert list(rec["phase_s"]) == list(report_mod.PHASES)
     # JSON as steps.jsonl writes it: a list, not a tuple; the record is frozen and its dict a copy
@@ -145,7 +148,7 @@ def _inputs(backend: str, tmp_path: Path) -> report_mod.ReportInputs:
 def test_report_from_fixed_inputs_has_the_old_reports_keys(tmp_path, backend):
     want = FIXTURE[backend]
     rep = report_mod.build_report(_inputs(backend, tmp_path))
-    assert list(rep) == list(want)
+    assert list(rep) == [*want, "swap_io"]  # the swap I/O summary added at the end
     # the sections the builder makes, key for key and in order
     for section in ("host", "model", "data", "eval", "nvme", "checkpoint", "seeding"):
         if section == "nvme" and backend == "raw_store":

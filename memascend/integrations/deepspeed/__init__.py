@@ -118,6 +118,7 @@ __all__ = [
     "apply_from_config",
     "apply_raw_store",
     "applied_settings",
+    "install_io_meter",
     "patch_records",
     "prepare_ds_config",
     "revert",
@@ -270,6 +271,16 @@ def applied_settings() -> MemAscendSettings | None:
 def active_raw_store() -> RawStoreHandle | None:
     """The applied raw store's handle, or ``None``."""
     return _raw_store
+
+
+def install_io_meter() -> None:
+    """Count the swap I/O of the handles in this process (:mod:`.io_meter`: bytes read and written,
+    seconds waited, into ``io_meter.METER``), for either engine; call after ``deepspeed.initialize``.
+    :func:`revert` removes the counting."""
+    from memascend.integrations.deepspeed import io_meter
+
+    with _lock:
+        io_meter.install(_registry)
 
 
 def patch_records() -> tuple[PatchRecord, ...]:

@@ -25,7 +25,9 @@ while the caller computes: DeepSpeed's aio handle does the I/O on its own C++ th
 :class:`AioRangeIO` counts what it submitted and checks that count; the raw store's ranged transfers
 (:meth:`~memascend.io.store.TensorStore.read_extent` / ``write_extent``) are synchronous, so
 :class:`StoreRangeIO` completes each request when it is submitted (same order, same CRC32C checks)
-and its :meth:`~StoreRangeIO.wait` has nothing left to wait for.
+and its :meth:`~StoreRangeIO.wait` has nothing left to wait for. :class:`StoreRangeIO` counts its
+transfers (bytes and seconds) into :data:`~.io_meter.METER`; the aio handle's are counted by its
+metered methods (:func:`~.io_meter.install`).
 
 Every buffer is a contiguous CPU tensor whose first byte is direct-I/O aligned (a view at an
 aligned offset of a locked buffer), and every byte offset is a multiple of 4 KiB.
@@ -34,9 +36,12 @@ aligned offset of a locked buffer), and every byte offset is a multiple of 4 KiB
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch
+
+from memascend.integrations.deepspeed.io_meter import METER
 
 
 class AioRangeIO:
@@ -154,7 +159,9 @@ class StoreRangeIO:
             key = self.handle.key(path)
             rec = self.store.record(key)
             data = buffer.view(torch.uint8)
+            t0 = time.monotonic()
             self.store.read_extent(rec, data, int(offset), buffer.nbytes)
+            METER.add(read_bytes=buffer.nbytes, wait_s=time.monotonic() - t0)
             if self.store.enable_crc and rec.crc32c is not None:
                 self._check_in_order(key, rec, data, int(offset), buffer.nbytes)
 
@@ -216,7 +223,9 @@ class StoreRangeIO:
             if state is None or state[3] != offset:
                 raise ValueError(f"chunked optimizer step: write of '{key}' at {offset} out of order")
             data = buffer.view(torch.uint8)
+            t0 = time.monotonic()
             self.store.write_extent(state[0], data, int(offset), buffer.nbytes)
+            METER.add(write_bytes=buffer.nbytes, wait_s=time.monotonic() - t0)
             if self.store.enable_crc:
                 state[1] = nvme_io.load().crc32c(data, buffer.nbytes, state[1])
             state[2] = state[2] or str(buffer.dtype)

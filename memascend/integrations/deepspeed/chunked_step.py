@@ -16,9 +16,13 @@ next chunk. The buffers are chunk-sized and the files keep stock's names and lay
 checkpoints (swap-folder copy or raw-store export) and exact resume are unchanged.
 
 Read-ahead and write-behind (``enable_chunk_prefetch``, on an asynchronous target: DeepSpeed's aio
-handle): two buffer sets; chunk ``i + 1``'s reads are submitted before Adam steps chunk ``i``, chunk
-``i``'s writes after it, and one ``wait`` (the handle's, which completes everything outstanding)
-before chunk ``i + 1`` is stepped covers both, so no set is read into while it is being written.
+handle): two buffer sets; chunk ``i + 1``'s reads are submitted as soon as chunk ``i``'s are complete
+(before its gradient is gathered and Adam steps it), chunk ``i``'s writes after it, and one ``wait``
+(the handle's, which completes everything outstanding) before chunk ``i + 1`` is stepped covers both,
+so no set is read into while it is being written. The last chunk of a sub-group reads ahead the first
+chunk of the next sub-group when that one is stepped in chunks too, so the disk never waits for a
+sub-group to start; the 16-bit parameters written to their swap files go out asynchronously as well
+(:mod:`.chunk_param_writer`).
 
 Bit-identity: Adam is elementwise, chunk boundaries are SIMD- and I/O-aligned
 (:data:`~.chunk_plan.CHUNK_ALIGN_NUMEL`), the loss-scale/clip factor is stock's
@@ -48,6 +52,7 @@ from memascend.config.settings import MemAscendSettings
 from memascend.config.sizing import resolve_chunk_numel
 from memascend.integrations.deepspeed import chunk_plan
 from memascend.integrations.deepspeed.chunk_io import range_io_for
+from memascend.integrations.deepspeed.chunk_param_writer import ParamWriter
 from memascend.integrations.deepspeed.pinning import LockedAllocator, make_room
 from memascend.memory import host_allocator
 
@@ -87,6 +92,8 @@ class ChunkedSubGroups:
 
     parked: bool = False
     """The chunk buffers are parked between steps (:meth:`release`)."""
+    sub_groups: set[int] = frozenset()
+    """The sub-groups stepped in chunks."""
 
     def __init__(self, opt: Any, chunk_numel: int, settings: MemAscendSettings) -> None:
         self.chunk_numel = int(chunk_numel)
@@ -183,31 +190,37 @@ class ChunkedSubGroups:
         self._free_staging()
 
     # -- the step -----------------------------------------------------------------------------
+    ahead: _ReadAhead | None = None
+    """Reads submitted into a buffer set for a chunk not yet stepped (read-ahead)."""
+
     def step(self, opt: Any, sub_group_id: int) -> None:
         """Step sub-group ``sub_group_id`` chunk by chunk (gradients already swapped out).
 
-        With :attr:`read_ahead`, chunk ``i + 1``'s reads are in flight while Adam steps chunk ``i``
-        (buffer set ``i % 2``), and chunk ``i``'s writes until the wait before chunk ``i + 1`` is
-        stepped (which precedes the reads into set ``i % 2`` again); else each chunk is read, stepped
-        and written in turn. Same arithmetic either way.
+        With :attr:`read_ahead`, the next chunk's reads are submitted as soon as the current chunk's
+        are complete (before its gradient is gathered), into the other buffer set, so they run while
+        the current chunk is gathered and stepped; the current chunk's writes are submitted after it
+        and complete at the next chunk's wait. The last chunk of a sub-group reads ahead the first
+        chunk of the next sub-group when that one is stepped in chunks too
+        (:meth:`_read_ahead`); its writes then complete at that sub-group's first wait. Without
+        read-ahead each chunk is read, stepped and written in turn. Same arithmetic either way.
         """
-        files = _SubGroupFiles.of(opt, sub_group_id)
+        files = self._files_for(opt, sub_group_id)
         sets, grad = self.acquire()
-        param_writer = _ParamWriter(self, opt, sub_group_id)
+        param_writer = ParamWriter(self, opt, sub_group_id)
         for name in ("param", *STATE_KEYS):
             self.io.begin_write(files.paths[name], files.file_numel * _FP32_BYTES)
         step_count = files.state.get("step", 0)
         new_step = step_count
         chunks = chunk_plan.chunk_bounds(files.numel, self.chunk_numel)
-        rounds = self._submit_reads(files, sets[0], *chunks[0]) if self.read_ahead and chunks else []
+        cur, self.ahead = self.ahead, None
         for i, (start, stop) in enumerate(chunks):
-            bufs = sets[i % len(sets)]
-            if not self.read_ahead:
-                rounds = self._submit_reads(files, bufs, start, stop)
+            if cur is None:  # nothing read ahead: the sub-group's first chunk, or no read-ahead
+                cur = self._submit_reads(files, sub_group_id, 0, start, stop)
             self.io.wait()  # chunk i's reads (and chunk i - 1's writes) are done
-            chunk_grad = self._gather_gradient(files, bufs["slab"], rounds, grad.narrow(0, 0, stop - start), start, stop)
-            if self.read_ahead and i + 1 < len(chunks):
-                rounds = self._submit_reads(files, sets[(i + 1) % len(sets)], *chunks[i + 1])
+            nxt = self._read_ahead(opt, files, sub_group_id, chunks, i, cur.set_index) if self.read_ahead else None
+            bufs = sets[cur.set_index]
+            chunk_grad = self._gather_gradient(files, bufs["slab"], cur.rounds, grad.narrow(0, 0, stop - start),
+                                               start, stop)
             chunk_grad.mul_(self.inv_scale)
             io_numel = chunk_plan.chunk_io_numel(start, stop, files.numel, files.numel_alignment)
             views = {name: bufs[name].narrow(0, 0, io_numel) for name in ("param", *STATE_KEYS)}
@@ -217,20 +230,54 @@ class ChunkedSubGroups:
             if not self.read_ahead:
                 self.io.wait()
             param_writer.chunk(views["param"], start, stop)
-        self.io.wait()
+            cur = nxt
+        if self.ahead is None:
+            self.io.wait()  # the last chunk's writes (else the next sub-group's first wait covers them)
         for name in ("param", *STATE_KEYS):
             self.io.end_write(files.paths[name])
         param_writer.finish()
         files.state["step"] = new_step
 
-    def _submit_reads(self, files: _SubGroupFiles, bufs: dict[str, torch.Tensor], start: int,
-                      stop: int) -> list[list[chunk_plan.SlabRead]]:
-        """Submit chunk ``[start, stop)``'s reads into buffer set ``bufs``: master weights, moments
-        (zeroed instead before the first step) and the first round of its gradient reads.
+    def _files_for(self, opt: Any, sub_group_id: int) -> _SubGroupFiles:
+        """The sub-group's files: those its read-ahead used, else read now (and any read-ahead for
+        another sub-group is completed and dropped)."""
+        if self.ahead is not None and self.ahead.sub_group_id == sub_group_id:
+            return self.ahead.files
+        self.drain()
+        self.ahead = None
+        return _SubGroupFiles.of(opt, sub_group_id)
+
+    def drain(self) -> None:
+        """Complete every transfer in flight (read-ahead data stays valid in its buffer set); before
+        anything else uses the optimizer swapper's handle."""
+        if self.io is not None and getattr(self.io, "pending", 0):
+            self.io.wait()
+
+    def _read_ahead(self, opt: Any, files: _SubGroupFiles, sub_group_id: int, chunks: list[tuple[int, int]],
+                    i: int, set_index: int) -> _ReadAhead | None:
+        """Submit the reads that follow chunk ``i`` into the other buffer set: chunk ``i + 1``
+        (returned), or after the last chunk the first chunk of sub-group ``sub_group_id + 1`` where
+        that one is stepped in chunks as well (kept in :attr:`ahead`; ``None`` returned)."""
+        other = (set_index + 1) % len(self.sets)
+        if i + 1 < len(chunks):
+            return self._submit_reads(files, sub_group_id, other, *chunks[i + 1])
+        nxt = sub_group_id + 1
+        if nxt in self.sub_groups:
+            nfiles = _SubGroupFiles.of(opt, nxt)
+            first = chunk_plan.chunk_bounds(nfiles.numel, self.chunk_numel)
+            if first:
+                self.ahead = self._submit_reads(nfiles, nxt, other, *first[0])
+        return None
+
+    def _submit_reads(self, files: _SubGroupFiles, sub_group_id: int, set_index: int, start: int,
+                      stop: int) -> _ReadAhead:
+        """Submit chunk ``[start, stop)``'s reads into buffer set ``set_index``: master weights,
+        moments (zeroed instead before the first step) and the first round of its gradient reads.
 
         Returns:
-            The chunk's gradient read rounds (the first one submitted).
+            What was submitted, with the chunk's gradient read rounds (the first one submitted).
         """
+        bufs = self.sets[set_index]
         io_numel = chunk_plan.chunk_io_numel(start, stop, files.numel, files.numel_alignment)
         names = ("param", *STATE_KEYS) if files.has_moments else ("param",)
         for k in STATE_KEYS if not files.has_moments else ():
@@ -239,7 +286,7 @@ class ChunkedSubGroups:
         pieces = chunk_plan.pieces_in_chunk(files.fragment_sources, start, stop)
         rounds = chunk_plan.slab_rounds(pieces, files.fragment_file_numels, _ALIGN_NUMEL, bufs["slab"].numel())
         self.io.submit_read(reads + _slab_requests(files, bufs["slab"], rounds[0] if rounds else []))
-        return rounds
+        return _ReadAhead(sub_group_id, files, set_index, rounds)
 
     def _gather_gradient(self, files: _SubGroupFiles, slab: torch.Tensor, rounds: list[list[chunk_plan.SlabRead]],
                          grad: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -284,6 +331,17 @@ def _slab_requests(files: _SubGroupFiles, slab: torch.Tensor, reads: list[chunk_
     """The range-I/O requests of one round of gradient reads into ``slab``."""
     return [(slab.narrow(0, r.slab_start, r.read_stop - r.read_start), files.fragment_paths[r.index],
              r.read_start * _FP32_BYTES) for r in reads]
+
+
+@dataclasses.dataclass
+class _ReadAhead:
+    """Reads submitted for one chunk: its sub-group and files, the buffer set they go to, and the
+    chunk's gradient read rounds (the first one submitted with them)."""
+
+    sub_group_id: int
+    files: _SubGroupFiles
+    set_index: int
+    rounds: list[list[chunk_plan.SlabRead]]
 
 
 @dataclasses.dataclass
@@ -345,79 +403,6 @@ def _adam_on_chunk(optimizer: Any, group_id: int, views: dict[str, torch.Tensor]
     return state["step"]
 
 
-class _ParamWriter:
-    """Copies each stepped chunk into the sub-group's 16-bit partition: its DRAM flat buffer, or the
-    parameters' partitions (in DRAM, or written to their swap files)."""
-
-    def __init__(self, owner: ChunkedSubGroups, opt: Any, sub_group_id: int) -> None:
-        self.owner, self.opt, self.sub_group_id = owner, opt, sub_group_id
-        self.flat = opt.fp16_partitioned_groups_flat[sub_group_id]
-        self.params = list(zip(opt.fp16_groups[sub_group_id], opt.fp16_partitioned_groups[sub_group_id]))
-        offsets, pos = [], 0
-        for _, part in self.params:
-            offsets.append((pos, int(part.ds_numel)))
-            pos += int(part.ds_numel)
-        self.sources = offsets
-        self.carry: dict[int, torch.Tensor] = {}
-
-    def chunk(self, fp32: torch.Tensor, start: int, stop: int) -> None:
-        """Copy the stepped master weights ``fp32`` of elements ``[start, stop)`` to 16 bits."""
-        if self.flat is not None:
-            self.flat.narrow(0, start, stop - start).copy_(fp32.narrow(0, 0, stop - start))
-            return
-        from deepspeed.runtime.zero.partition_parameters import PartitionedParamStatus
-
-        whole_params, whole_src = [], []
-        for piece in chunk_plan.pieces_in_chunk(self.sources, start, stop):
-            param, part = self.params[piece.index]
-            src = fp32.narrow(0, piece.dest_start, piece.numel)
-            if part.status == PartitionedParamStatus.AVAILABLE:
-                part.data.narrow(0, piece.src_start, piece.numel).copy_(src)
-            elif piece.src_start == 0 and piece.src_stop == int(part.ds_numel):
-                whole_params.append(param)
-                whole_src.append(src)
-            else:
-                self._write_piece(param, part, piece, src)
-        if whole_params:
-            whole_params[0].nvme_swapper.swap_out_partitioned_params(dst_fp16_params=whole_params,
-                                                                     src_fp32_params=whole_src)
-
-    def _write_piece(self, param: Any, part: Any, piece: chunk_plan.Piece, src: torch.Tensor) -> None:
-        """Write one piece of a parameter partition that spans chunks to its swap file, in order;
-        the unaligned tail waits in ``carry`` for the next piece."""
-        swapper = param.nvme_swapper
-        swapper.synchronize_writes()
-        handle = swapper.aio_write_handle
-        io = self.owner.param_io.setdefault(id(handle), range_io_for(handle))
-        path = swapper.get_path(param, must_exist=True)
-        numel = int(part.ds_numel)
-        # The swapper's dtype: a released partition's placeholder tensor may carry another one.
-        dtype = swapper.dtype
-        elem = torch.empty(0, dtype=dtype).element_size()
-        align = _DIRECT_IO_BYTES // elem
-        file_numel = swapper._io_aligned_numel(numel)
-        lo, hi = chunk_plan.param_writes(piece.src_start, piece.src_stop, numel, file_numel, align)
-        staging = self.owner.staging_for(handle, dtype, self.owner.buffer_numel + 4 * align)
-        if piece.src_start == 0:
-            io.begin_write(path, file_numel * elem)
-        carried = self.carry.pop(id(param), None)
-        if carried is not None:
-            staging.narrow(0, 0, carried.numel()).copy_(carried)
-        staging.narrow(0, piece.src_start - lo, piece.numel).copy_(src)
-        if hi > lo:
-            io.write([(staging.narrow(0, 0, hi - lo), path, lo * elem)])
-        if piece.src_stop < numel:
-            if piece.src_stop > hi:
-                self.carry[id(param)] = staging.narrow(0, hi - lo, piece.src_stop - hi).clone()
-        else:
-            io.end_write(path)
-
-    def finish(self) -> None:
-        """After the last chunk: point the partitions at the DRAM flat buffer, as stock does."""
-        if self.flat is not None:
-            self.opt._unflatten_partitioned_parameters(self.sub_group_id)
-
-
 # ---- the patched stage-3 methods ----------------------------------------------------------------
 
 
@@ -439,8 +424,19 @@ def _chunked(opt: Any, settings: MemAscendSettings) -> ChunkedSubGroups | None:
 
 
 def _is_chunked(opt: Any, sub_group_id: int, settings: MemAscendSettings) -> ChunkedSubGroups | None:
+    """The plan where ``sub_group_id`` is stepped in chunks; otherwise ``None``, after completing the
+    plan's transfers in flight (the stock path about to run shares the swapper's handle)."""
     plan = _chunked(opt, settings)
-    return plan if plan is not None and sub_group_id in plan.sub_groups else None
+    if plan is not None and sub_group_id in plan.sub_groups:
+        return plan
+    if plan is not None:
+        plan.drain()
+    return None
+
+
+def _drain(plan: ChunkedSubGroups | None) -> None:
+    if plan is not None:
+        plan.drain()
 
 
 def make_prepare_sub_group(originals: dict[str, Any], settings: MemAscendSettings) -> Any:
@@ -455,6 +451,8 @@ def make_prepare_sub_group(originals: dict[str, Any], settings: MemAscendSetting
         plan = _is_chunked(self, sub_group_id, settings)
         if plan is None:
             return original(self, sub_group_id, timer_names)
+        if self.optimizer_swapper.gradient_swapper.has_buffers():
+            plan.drain()  # flushing stock's gradient swapper waits on the handle the read-ahead uses
         self.optimizer_swapper.flush_gradients()
         plan.deferred.add(sub_group_id)
         return None
@@ -472,6 +470,7 @@ def make_unscale_and_clip_grads(originals: dict[str, Any], settings: MemAscendSe
     def unscale_and_clip_grads(self, sub_group_id, total_norm):
         plan = _is_chunked(self, sub_group_id, settings)
         if plan is None or sub_group_id not in plan.deferred:
+            _drain(plan)
             return original(self, sub_group_id, total_norm)
         plan.deferred.discard(sub_group_id)
         plan.stepping.add(sub_group_id)
@@ -498,6 +497,7 @@ def make_optimizer_step(originals: dict[str, Any], settings: MemAscendSettings) 
     def _optimizer_step(self, sub_group_id):
         plan = _is_chunked(self, sub_group_id, settings)
         if plan is None or sub_group_id not in plan.stepping:
+            _drain(plan)
             return original(self, sub_group_id)
         return plan.step(self, sub_group_id)
 
@@ -516,6 +516,7 @@ def make_reassign_or_swap_out(originals: dict[str, Any], settings: MemAscendSett
         plan = _is_chunked(self, sub_group_id, settings)
         if plan is not None and sub_group_id in plan.stepping:
             return None
+        _drain(plan)
         if plan is not None and sub_group_id in plan.deferred:
             plan.deferred.discard(sub_group_id)
             prepare(self, sub_group_id, set())
@@ -534,6 +535,7 @@ def make_release_sub_group(originals: dict[str, Any], settings: MemAscendSetting
     def _release_sub_group(self, sub_group_id, timer_names):
         plan = _is_chunked(self, sub_group_id, settings)
         if plan is None or sub_group_id not in plan.stepping:
+            _drain(plan)
             return original(self, sub_group_id, timer_names)
         plan.stepping.discard(sub_group_id)
         fp32 = self.fp32_partitioned_groups_flat[sub_group_id]
@@ -542,6 +544,7 @@ def make_release_sub_group(originals: dict[str, Any], settings: MemAscendSetting
             swap_info.release_unswapped_gradients()
         fp32.grad = None
         if sub_group_id == plan.last and settings.enable_optimizer_buffer_release:
+            plan.drain()
             plan.release()
         return None
 

@@ -22,11 +22,16 @@ I/O-alignment padding, zero here (stock's padding is whatever its reused buffer 
 it). Stock's whole-file reads (``_swap_in_gradients``, ``swap_in_optimizer_state``), the chunked
 step's ranged reads and checkpoints therefore see no difference.
 
-Writes are synchronous: each call returns with its files written (stock's asynchronous swapper
-leaves the last buffer in flight until ``flush_gradients``).
+The initial write-out is synchronous. The gradient swap-out is asynchronous, as stock's is: a call
+returns with its last window of pieces still being written, so the writes run while backward
+computes the next bucket; the next call (which reuses the window) completes them first, and so do
+``flush_gradients`` (the optimizer step's first use of the handle), the end of backward
+(``independent_gradient_partition_epilogue``) and :func:`complete_gradient_writes` (before anything
+reads the gradient files back).
 
 Replaces (``optimizer_chunk_numel`` set and ``enable_optimizer_pool``):
-``PartitionedOptimizerSwapper.swap_out_gradients`` and ``initialize_parameters``. The pipelined
+``PartitionedOptimizerSwapper.swap_out_gradients`` and ``initialize_parameters``; wraps
+``flush_gradients`` and stage 3's ``independent_gradient_partition_epilogue``. The pipelined
 swapper and ``initialize_from_swapped_fp16_params`` (``offload_optimizer.fast_init``) keep stock's.
 """
 
@@ -83,15 +88,19 @@ class PieceWriter:
             self.used = min(self.buffer.numel(), chunk_plan.align_up(self.used + piece, _ALIGN_NUMEL))
             pos += piece
 
-    def flush(self) -> None:
-        """Write the pieces in the buffer (begin/end of each file around its first/last piece)."""
+    def flush(self, wait: bool = True) -> None:
+        """Write the pieces in the buffer (begin/end of each file around its first/last piece);
+        ``wait=False``: only submit them (the buffer may be refilled after ``io.wait()``)."""
         if not self.pending:
             return
         elem = self.buffer.element_size()
         for _, path, pos, file_numel, _ in self.pending:
             if pos == 0:
                 self.io.begin_write(path, file_numel * elem)
-        self.io.write([(view, path, pos * elem) for view, path, pos, _, _ in self.pending])
+        requests = [(view, path, pos * elem) for view, path, pos, _, _ in self.pending]
+        self.io.submit_write(requests)
+        if wait:
+            self.io.wait()
         for _, path, _, _, last in self.pending:
             if last:
                 self.io.end_write(path)
@@ -105,17 +114,49 @@ def window_numel(swapper: Any, chunk_numel: int) -> int:
     return chunk_plan.window_numel(swapper.largest_numel, chunk_numel)
 
 
-def _write_through_window(swapper: Any, chunk_numel: int, items: list[tuple[torch.Tensor, str, int]]) -> None:
-    """Write ``(src, path, file_numel)`` items through a window buffer borrowed from the manager."""
+_IN_FLIGHT = "_memascend_gradient_window"
+"""Swapper attribute: the :class:`PieceWriter` whose last gradient writes are still in flight."""
+
+
+def _write_through_window(swapper: Any, chunk_numel: int, items: list[tuple[torch.Tensor, str, int]],
+                          asynchronous: bool = False) -> None:
+    """Write ``(src, path, file_numel)`` items through a window buffer borrowed from the manager;
+    ``asynchronous``: the last pieces stay in flight, the window held until
+    :func:`complete_gradient_writes` (or the next call, which completes them first)."""
     manager = swapper.swap_buffer_manager
-    buffer = manager.allocate_window(window_numel(swapper, chunk_numel), 1)[0]
-    try:
+    writer = swapper.__dict__.pop(_IN_FLIGHT, None)
+    if writer is None:
+        buffer = manager.allocate_window(window_numel(swapper, chunk_numel), 1)[0]
         writer = PieceWriter(range_io_for(swapper.aio_handle), buffer)
+    try:
+        writer.io.wait()  # the previous call's writes, out of the window about to be refilled
         for src, path, file_numel in items:
             writer.add(src.reshape(-1), path, file_numel)
-        writer.flush()
+        writer.flush(wait=not asynchronous)
+    except BaseException:
+        writer.io.wait()
+        manager.free_window([writer.buffer])
+        raise
+    if asynchronous and getattr(writer.io, "pending", 0):
+        swapper.__dict__[_IN_FLIGHT] = writer
+    else:
+        manager.free_window([writer.buffer])
+
+
+def complete_gradient_writes(swapper: Any) -> None:
+    """Complete the gradient writes ``swapper`` left in flight and return its window; nothing to do
+    when there are none. Call before anything else uses the swapper's handle or reads the files.
+
+    Raises:
+        RuntimeError: the handle completed another number of writes than were submitted.
+    """
+    writer = swapper.__dict__.pop(_IN_FLIGHT, None) if swapper is not None else None
+    if writer is None:
+        return
+    try:
+        writer.io.wait()
     finally:
-        manager.free_window([buffer])
+        swapper.swap_buffer_manager.free_window([writer.buffer])
 
 
 def make_swap_out_gradients(original: Any, chunk_numel: int) -> Any:
@@ -146,7 +187,7 @@ def make_swap_out_gradients(original: Any, chunk_numel: int) -> Any:
             self._flush_gradient_swapper(self.gradient_swapper)
             paths = swap_info.get_or_create_gradient_paths([o for _, o in swappable], [t.numel() for t, _ in swappable])
             _write_through_window(self, chunk_numel, [(t, p, self._io_aligned_numel(t.numel()))
-                                                      for (t, _), p in zip(swappable, paths)])
+                                                      for (t, _), p in zip(swappable, paths)], asynchronous=True)
         self._stop_timer(SWAP_OUT_GRADIENT_TIMER)
         self.timer_names.add(SWAP_OUT_GRADIENT_TIMER)
         return None
@@ -177,13 +218,42 @@ def make_initialize_parameters(original: Any, chunk_numel: int) -> Any:
     return initialize_parameters
 
 
+def make_flush_gradients(original: Any) -> Any:
+    """``PartitionedOptimizerSwapper.flush_gradients``: the window's writes in flight completed, then stock's."""
+
+    @functools.wraps(original)
+    def flush_gradients(self):
+        complete_gradient_writes(self)
+        return original(self)
+
+    return flush_gradients
+
+
+def make_gradient_epilogue(original: Any) -> Any:
+    """``DeepSpeedZeroOptimizer_Stage3.independent_gradient_partition_epilogue`` (the end of every
+    backward): stock's, then the gradient writes in flight completed, so none outlives backward."""
+
+    @functools.wraps(original)
+    def independent_gradient_partition_epilogue(self):
+        result = original(self)
+        complete_gradient_writes(getattr(self, "optimizer_swapper", None))
+        return result
+
+    return independent_gradient_partition_epilogue
+
+
 def patch(registry: Any, chunk_numel: int) -> None:
-    """Patch ``PartitionedOptimizerSwapper.swap_out_gradients`` and ``initialize_parameters`` through
+    """Patch ``PartitionedOptimizerSwapper.swap_out_gradients``, ``initialize_parameters`` and
+    ``flush_gradients`` and stage 3's ``independent_gradient_partition_epilogue`` through
     ``registry`` (reversible) to write through a window of ``chunk_numel`` elements."""
     from deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper import (
         PartitionedOptimizerSwapper as swapper,
     )
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as stage3
 
     registry.patch(swapper, "swap_out_gradients", make_swap_out_gradients(swapper.swap_out_gradients, chunk_numel))
     registry.patch(swapper, "initialize_parameters",
                    make_initialize_parameters(swapper.initialize_parameters, chunk_numel))
+    registry.patch(swapper, "flush_gradients", make_flush_gradients(swapper.flush_gradients))
+    registry.patch(stage3, "independent_gradient_partition_epilogue",
+                   make_gradient_epilogue(stage3.independent_gradient_partition_epilogue))

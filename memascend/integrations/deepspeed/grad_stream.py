@@ -155,9 +155,13 @@ def make_setup_for_real_optimizer(original: Callable[..., Any], stage3_cls: type
 
 
 def _flush_gradient_writes(swapper: Any) -> None:
-    """Wait for the optimizer swapper's pending gradient writes, keeping its pinned buffers."""
+    """Wait for the optimizer swapper's pending gradient writes, keeping its pinned buffers (the
+    chunk window's writes in flight, :func:`~.chunked_swap_out.complete_gradient_writes`, too)."""
     from deepspeed.runtime.swap_tensor.async_swapper import INVALID_BUFFER_INDEX
 
+    from memascend.integrations.deepspeed.chunked_swap_out import complete_gradient_writes
+
+    complete_gradient_writes(swapper)
     writer = getattr(swapper, "gradient_swapper", None)
     if writer is None or not writer.has_buffers():
         return
