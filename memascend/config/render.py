@@ -61,13 +61,26 @@ class ModelShape:
     Attributes:
         total_numel: all parameters (tied weights once).
         param_numels: element count of every parameter, in module registration order.
-        module_param_counts: per module, its direct (non-recursive) trainable parameters that
-            ZeRO-3 fetches together.
+        module_param_counts: per module, its direct (non-recursive) parameters that ZeRO-3
+            fetches together.
+        trainable_numels: element count of every parameter the optimizer holds, in registration
+            order (``None``: every parameter; with LoRA, the adapters only).
     """
 
     total_numel: int
     param_numels: tuple[int, ...]
     module_param_counts: tuple[int, ...]
+    trainable_numels: tuple[int, ...] | None = None
+
+    @property
+    def optimizer_numels(self) -> tuple[int, ...]:
+        """Element counts of the parameters the optimizer holds (every parameter but frozen ones)."""
+        return self.param_numels if self.trainable_numels is None else self.trainable_numels
+
+    @property
+    def trainable_numel(self) -> int:
+        """Elements the optimizer holds (fp32 master, Adam moments, gradients): all but frozen ones."""
+        return sum(self.optimizer_numels)
 
     @property
     def largest_numel(self) -> int:
@@ -86,19 +99,23 @@ class Derived:
 
 def model_shape(model) -> ModelShape:
     """Shape summary of an (ideally meta-device) ``torch.nn.Module``: parameters in registration
-    order, tied weights once; per module its direct trainable parameters."""
+    order, tied weights once; per module its direct parameters (frozen ones too: ZeRO-3 fetches them
+    alike); the trainable ones apart when some are frozen (LoRA)."""
     seen: set[int] = set()
-    numels = []
+    numels, trainable = [], []
     for p in model.parameters():
         if id(p) not in seen:
             seen.add(id(p))
             numels.append(p.numel())
+            if p.requires_grad:
+                trainable.append(p.numel())
     counts = []
     for mod in model.modules():
-        direct = [p for p in mod.parameters(recurse=False) if p.requires_grad]
+        direct = list(mod.parameters(recurse=False))
         if direct:
             counts.append(len(direct))
-    return ModelShape(total_numel=sum(numels), param_numels=tuple(numels), module_param_counts=tuple(counts))
+    return ModelShape(total_numel=sum(numels), param_numels=tuple(numels), module_param_counts=tuple(counts),
+                      trainable_numels=None if len(trainable) == len(numels) else tuple(trainable))
 
 
 

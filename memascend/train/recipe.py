@@ -296,7 +296,8 @@ class FinetuneRecipe:
         check_memlock_for_run(self.resolved.upfront_locked_bytes)
         ds_cfg = self.resolved.ds_config
         self.sampler.phase("build")  # the model built or loaded (report: memory.phase_peak_rss_bytes.build)
-        model, hf_ds = build_model(self.src, cfg.model, ds_cfg, cfg.train.seed, layerwise=cfg.engine == "memascend")
+        model, hf_ds = build_model(self.src, cfg.model, ds_cfg, cfg.train.seed, layerwise=cfg.engine == "memascend",
+                                   lora=cfg.lora)
         self.sampler.phase("initialize")
         self.phases.line(f"model {'built' if cfg.model.from_scratch else 'loaded'} "
                          f"({console.format_params(self.shape.total_numel)} params, {cfg.train.dtype})")
@@ -304,7 +305,7 @@ class FinetuneRecipe:
             model.gradient_checkpointing_enable()
         with console.quiet_prints(cfg.train.verbose):  # an op loaded from the build cache prints that it was built
             self.engine, _opt, _, _ = deepspeed.initialize(
-                model=model, model_parameters=model.parameters(), config=ds_cfg,
+                model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_cfg,
                 lr_scheduler=schedule.scheduler_factory(cfg.train, self.steps))
         del hf_ds
         self.phases.line(f"DeepSpeed initialized (ZeRO-3; parameters on {cfg.offload.param}, optimizer state on "
