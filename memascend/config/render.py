@@ -16,7 +16,8 @@ default would crash on the model at hand. Two stock failures are avoided:
 - "More elements N than buffer size" (DeepSpeed #3506): every parameter swap buffer must hold the
   largest parameter partition (``offload_param.buffer_size``, in elements, default 1e8).
 - "Not enough buffers 0 for swapping K" (DeepSpeed #3062): ``offload_param.buffer_count`` (default
-  5) must cover the parameters a module fetches at once plus the prefetched ones.
+  5) must cover the parameters a module fetches at once plus the prefetched ones; with frozen parameters
+  (LoRA) stock's NVMe prefetch keeps buffers it never releases, so the baseline runs without prefetch.
 """
 
 from __future__ import annotations
@@ -194,7 +195,30 @@ def render_ds_config(cfg: RunConfig, shape: ModelShape, world_size: int, swap_di
         derived += _derive_param_buffers(z, shape, world_size)
         if cfg.engine == "baseline":
             derived += _derive_stock_max_in_cpu(z, shape, world_size)
+            derived += _derive_stock_frozen_prefetch(z, shape)
     return ds, derived
+
+
+def _derive_stock_frozen_prefetch(z: dict, shape: ModelShape) -> list[Derived]:
+    """Stock only, with frozen parameters (LoRA): ``stage3_prefetch_bucket_size`` 0 when the user
+    left it out.
+
+    Stock 0.19.8's NVMe prefetch (``PartitionedParameterCoordinator.__prefetch_nvme_param_partitions``)
+    swaps in the partitions of parameters ahead in the recorded trace. With frozen base weights the
+    fetches of a step no longer follow that trace, and partitions swapped in ahead but never gathered
+    keep their swap buffers (never released: the swapper's ``available_params``); after two steps all
+    ``buffer_count`` buffers are held and the next fetch fails with "Not enough buffers 0 for swapping
+    1" (``partitioned_param_swapper.swap_in``). Without prefetch every partition is swapped in when
+    its module runs and released after. The math is unchanged (prefetch only moves reads earlier);
+    memascend's engine keeps its own prefetch (its pool reads ahead a layer and releases what it read).
+    """
+    if shape.trainable_numels is None or "stage3_prefetch_bucket_size" in z:
+        return []
+    z["stage3_prefetch_bucket_size"] = 0
+    return [Derived("zero_optimization.stage3_prefetch_bucket_size", 0, ds_defaults.PREFETCH_BUCKET_NUMEL,
+                    "frozen parameters (LoRA): stock's NVMe prefetch leaves partitions swapped in but never "
+                    "gathered holding swap buffers (stock would fail in step 3: 'Not enough buffers 0 for "
+                    "swapping 1')")]
 
 
 def per_rank_param_numel(param_numels: Iterable[int], world_size: int) -> int:

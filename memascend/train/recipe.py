@@ -505,13 +505,22 @@ class FinetuneRecipe:
         self.sampler.phase("done")
 
     def _save_model(self) -> None:
-        """The fine-tuned model and tokenizer as an HF folder ``OUTPUT/model`` (collective gather,
+        """The fine-tuned model and tokenizer as an HF folder ``OUTPUT/model``; a LoRA run's adapter
+        ``OUTPUT/adapter`` and, with ``--merge-lora``, the merged model there (collective gather,
         rank 0 writes)."""
         from memascend.integrations.deepspeed.engine_state import consolidated_16bit_state_dict
+        from memascend.train.lora_save import save_lora_outputs
 
         t_save = time.monotonic()
         state_dict = consolidated_16bit_state_dict(self.engine)
-        if self.is_rank0:
+        if self.is_rank0 and self.cfg.lora.enabled:
+            with output_errors(self.out_dir, "the LoRA adapter"):
+                adapter_dir, merged_dir = save_lora_outputs(self.engine.module, state_dict, self.out_dir,
+                                                            self.tokenizer, merge=self.cfg.lora.merge)
+            self.model_dir = merged_dir or adapter_dir
+            self.phases.line(f"LoRA adapter saved: {adapter_dir}{f', merged model: {merged_dir}' if merged_dir else ''}"
+                             f" ({time.monotonic() - t_save:.1f}s)")
+        elif self.is_rank0:
             self.model_dir = self.out_dir / "model"
             model_to_save = self.engine.module
             with contextlib.suppress(AttributeError):
