@@ -17,7 +17,8 @@ default would crash on the model at hand. Two stock failures are avoided:
   largest parameter partition (``offload_param.buffer_size``, in elements, default 1e8).
 - "Not enough buffers 0 for swapping K" (DeepSpeed #3062): ``offload_param.buffer_count`` (default
   5) must cover the parameters a module fetches at once plus the prefetched ones; with frozen parameters
-  (LoRA) stock's NVMe prefetch keeps buffers it never releases, so the baseline runs without prefetch.
+  (LoRA) stock's NVMe prefetch and its reuse distance keep buffers they never release, so the baseline
+  runs with both off (:func:`_derive_stock_frozen_params`).
 """
 
 from __future__ import annotations
@@ -195,30 +196,40 @@ def render_ds_config(cfg: RunConfig, shape: ModelShape, world_size: int, swap_di
         derived += _derive_param_buffers(z, shape, world_size)
         if cfg.engine == "baseline":
             derived += _derive_stock_max_in_cpu(z, shape, world_size)
-            derived += _derive_stock_frozen_prefetch(z, shape)
+            derived += _derive_stock_frozen_params(z, shape)
     return ds, derived
 
 
-def _derive_stock_frozen_prefetch(z: dict, shape: ModelShape) -> list[Derived]:
-    """Stock only, with frozen parameters (LoRA): ``stage3_prefetch_bucket_size`` 0 when the user
-    left it out.
+def _derive_stock_frozen_params(z: dict, shape: ModelShape) -> list[Derived]:
+    """Stock only, with frozen parameters (LoRA): ``stage3_prefetch_bucket_size`` and
+    ``stage3_max_reuse_distance`` 0 where the user left them out.
 
-    Stock 0.19.8's NVMe prefetch (``PartitionedParameterCoordinator.__prefetch_nvme_param_partitions``)
-    swaps in the partitions of parameters ahead in the recorded trace. With frozen base weights the
-    fetches of a step no longer follow that trace, and partitions swapped in ahead but never gathered
-    keep their swap buffers (never released: the swapper's ``available_params``); after two steps all
-    ``buffer_count`` buffers are held and the next fetch fails with "Not enough buffers 0 for swapping
-    1" (``partitioned_param_swapper.swap_in``). Without prefetch every partition is swapped in when
-    its module runs and released after. The math is unchanged (prefetch only moves reads earlier);
-    memascend's engine keeps its own prefetch (its pool reads ahead a layer and releases what it read).
+    With frozen base weights stock 0.19.8 runs out of parameter swap buffers in its second or third
+    step ("Not enough buffers 0 for swapping 1", ``partitioned_param_swapper.swap_in``): once its
+    module trace is complete, (1) the NVMe prefetch
+    (``PartitionedParameterCoordinator.__prefetch_nvme_param_partitions``) swaps in partitions ahead
+    along the trace that the step then does not gather in that order, and (2) a parameter used
+    again within ``stage3_max_reuse_distance`` elements (default 1e9: all of a small model) is not
+    released after its module's forward (``__params_to_release``): the frozen layers whose weights
+    the backward pass uses again, and a tied embedding, stay gathered; each such partition holds a
+    swap buffer until all ``buffer_count`` are taken. Measured on the CPU: either setting alone still
+    fails, both together run. Neither changes the math (they only decide when partitions are read
+    and released); memascend's engine keeps its own (its pool grows instead of failing).
     """
-    if shape.trainable_numels is None or "stage3_prefetch_bucket_size" in z:
+    if shape.trainable_numels is None:
         return []
-    z["stage3_prefetch_bucket_size"] = 0
-    return [Derived("zero_optimization.stage3_prefetch_bucket_size", 0, ds_defaults.PREFETCH_BUCKET_NUMEL,
-                    "frozen parameters (LoRA): stock's NVMe prefetch leaves partitions swapped in but never "
-                    "gathered holding swap buffers (stock would fail in step 3: 'Not enough buffers 0 for "
-                    "swapping 1')")]
+    out = []
+    for key, stock, why in (
+            ("stage3_prefetch_bucket_size", ds_defaults.PREFETCH_BUCKET_NUMEL,
+             "its NVMe prefetch swaps in partitions the step then does not gather"),
+            ("stage3_max_reuse_distance", ds_defaults.MAX_REUSE_DISTANCE_NUMEL,
+             "partitions reused within the distance stay gathered, holding their swap buffers")):
+        if key not in z:
+            z[key] = 0
+            out.append(Derived(f"zero_optimization.{key}", 0, stock,
+                               f"frozen parameters (LoRA): {why} (stock would fail in step 2 or 3: "
+                               "'Not enough buffers 0 for swapping 1')"))
+    return out
 
 
 def per_rank_param_numel(param_numels: Iterable[int], world_size: int) -> int:
@@ -297,7 +308,8 @@ NVME_SPACE_MARGIN = 1.10
 """Factor on :func:`nvme_swap_bytes` for the space a run requires before it starts."""
 
 
-def nvme_swap_bytes(total_numel: int, param_bytes: int, param_on_nvme: bool, optimizer_on_nvme: bool) -> int:
+def nvme_swap_bytes(total_numel: int, param_bytes: int, param_on_nvme: bool, optimizer_on_nvme: bool,
+                    trainable_numel: int | None = None) -> int:
     """Bytes a run writes to its swap target, all ranks together (the prediction, no margin).
 
     Args:
@@ -305,16 +317,20 @@ def nvme_swap_bytes(total_numel: int, param_bytes: int, param_on_nvme: bool, opt
         param_bytes: bytes per element of the training dtype (2 for bf16/fp16, 4 for fp32).
         param_on_nvme: whether ``offload_param`` goes to NVMe (the 16-bit parameters).
         optimizer_on_nvme: whether ``offload_optimizer`` goes to NVMe
-            (:data:`OPTIMIZER_NVME_BYTES_PER_PARAM` per parameter).
+            (:data:`OPTIMIZER_NVME_BYTES_PER_PARAM` per parameter the optimizer holds).
+        trainable_numel: parameters the optimizer holds (``None``: all; with LoRA, the adapters).
     """
-    per = (param_bytes if param_on_nvme else 0) + (OPTIMIZER_NVME_BYTES_PER_PARAM if optimizer_on_nvme else 0)
-    return total_numel * per
+    opt_numel = total_numel if trainable_numel is None else trainable_numel
+    return total_numel * (param_bytes if param_on_nvme else 0) + \
+        opt_numel * (OPTIMIZER_NVME_BYTES_PER_PARAM if optimizer_on_nvme else 0)
 
 
-def nvme_space_bytes(total_numel: int, param_bytes: int, param_on_nvme: bool, optimizer_on_nvme: bool) -> int:
+def nvme_space_bytes(total_numel: int, param_bytes: int, param_on_nvme: bool, optimizer_on_nvme: bool,
+                     trainable_numel: int | None = None) -> int:
     """NVMe space a run requires, all ranks together: :func:`nvme_swap_bytes` times
     :data:`NVME_SPACE_MARGIN` (an upper estimate; same arguments)."""
-    return int(nvme_swap_bytes(total_numel, param_bytes, param_on_nvme, optimizer_on_nvme) * NVME_SPACE_MARGIN)
+    return int(nvme_swap_bytes(total_numel, param_bytes, param_on_nvme, optimizer_on_nvme, trainable_numel)
+               * NVME_SPACE_MARGIN)
 
 
 def upfront_locked_bytes(ds_cfg: dict, dtype: str, largest_param_numel: int, world_size: int, engine: str) -> int:
@@ -423,7 +439,7 @@ def resolve(cfg: RunConfig, shape: ModelShape, world_size: int, swap_dir: str | 
         settings = applied_settings(cfg.memascend)
     off = cfg.offload
     nvme = nvme_space_bytes(shape.total_numel, DTYPE_BYTES[cfg.train.dtype], off.param == "nvme",
-                            off.optimizer == "nvme")
+                            off.optimizer == "nvme", shape.trainable_numel)
     return ResolvedRun(
         ds_config=ds_cfg,
         derived=tuple(derived),

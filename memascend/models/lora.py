@@ -78,6 +78,7 @@ def apply_lora(model, cfg: LoraConfig, *, origin: str, seed: int | None = None):
     return wrapped
 
 
+
 def adapted_layers(model) -> dict[str, tuple[int, int]]:
     """Every layer that carries a LoRA adapter in the PEFT model ``model``: name -> (input width,
     output width) of its base layer, in module order."""

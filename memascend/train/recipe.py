@@ -222,7 +222,7 @@ class FinetuneRecipe:
         train, info = self.cfg.train, self.info
         periodic_on = train.checkpoint_every is not None or train.checkpoint_every_minutes is not None
         if train.resume is not None or train.save_checkpoint is not None or periodic_on:
-            self.layout = ckpt.meta_param_layout(self.src, self.cfg.model)
+            self.layout = ckpt.meta_param_layout(self.src, self.cfg.model, self.cfg.lora)
         ckpt.check_shared_folders(train, self.out_dir, info, self.run_id)  # several hosts: one folder
         if train.resume is None:
             return
@@ -505,31 +505,15 @@ class FinetuneRecipe:
         self.sampler.phase("done")
 
     def _save_model(self) -> None:
-        """The fine-tuned model and tokenizer as an HF folder ``OUTPUT/model``; a LoRA run's adapter
-        ``OUTPUT/adapter`` and, with ``--merge-lora``, the merged model there (collective gather,
-        rank 0 writes)."""
-        from memascend.integrations.deepspeed.engine_state import consolidated_16bit_state_dict
-        from memascend.train.lora_save import save_lora_outputs
+        """The fine-tuned model (:func:`memascend.train.model_save.save_model`; collective gather, rank
+        0 writes)."""
+        from memascend.train.model_save import save_model
 
         t_save = time.monotonic()
-        state_dict = consolidated_16bit_state_dict(self.engine)
-        if self.is_rank0 and self.cfg.lora.enabled:
-            with output_errors(self.out_dir, "the LoRA adapter"):
-                adapter_dir, merged_dir = save_lora_outputs(self.engine.module, state_dict, self.out_dir,
-                                                            self.tokenizer, merge=self.cfg.lora.merge)
-            self.model_dir = merged_dir or adapter_dir
-            self.phases.line(f"LoRA adapter saved: {adapter_dir}{f', merged model: {merged_dir}' if merged_dir else ''}"
-                             f" ({time.monotonic() - t_save:.1f}s)")
-        elif self.is_rank0:
-            self.model_dir = self.out_dir / "model"
-            model_to_save = self.engine.module
-            with contextlib.suppress(AttributeError):
-                model_to_save.config.use_cache = True
-            with output_errors(self.out_dir, "the model"):
-                model_to_save.save_pretrained(self.model_dir, state_dict=state_dict, safe_serialization=True)
-                self.tokenizer.save_pretrained(self.model_dir)
-            self.phases.line(f"model saved: {self.model_dir} ({time.monotonic() - t_save:.1f}s)")
-        del state_dict
+        saved = save_model(self.engine, self.out_dir, self.tokenizer, self.cfg.lora, is_rank0=self.is_rank0)
+        if saved is not None:
+            self.model_dir, what = saved
+            self.phases.line(f"{what} ({time.monotonic() - t_save:.1f}s)")
 
     # ---- report and cleanup ---------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""LoRA through PEFT (memascend/models/lora.py, memascend/train/lora_save.py): the settings, the checks
+"""LoRA through PEFT (memascend/models/lora.py, memascend/train/model_save.py): the settings, the checks
 against the model, the merge (PEFT's own merge_and_unload is the oracle) and the stock DeepSpeed JSON
 of a run with frozen parameters."""
 
@@ -13,7 +13,7 @@ from memascend.config import LoraConfig, build_run_config
 from memascend.config.render import ModelShape, model_shape, render_ds_config
 from memascend.errors import UserError
 from memascend.models.lora import adapted_layers, apply_lora, trainable_numels
-from memascend.train.lora_save import merged_state_dict
+from memascend.train.model_save import merged_state_dict
 
 
 def _tiny_llama():
@@ -98,14 +98,15 @@ def _shape(frozen: bool) -> ModelShape:
                       trainable_numels=(64,) if frozen else None)
 
 
-@pytest.mark.parametrize("engine,frozen,prefetch", [("baseline", True, 0), ("baseline", False, None),
-                                                    ("memascend", True, None)])
-def test_stock_runs_frozen_parameters_without_nvme_prefetch(engine, frozen, prefetch):
+@pytest.mark.parametrize("engine,frozen,off", [("baseline", True, True), ("baseline", False, False),
+                                               ("memascend", True, False)])
+def test_stock_runs_frozen_parameters_without_prefetch_and_reuse(engine, frozen, off):
     cfg = build_run_config({}, {"engine": engine})
     ds, derived = render_ds_config(cfg, _shape(frozen), 1, "/swap")
-    assert ds["zero_optimization"].get("stage3_prefetch_bucket_size") == prefetch
-    keys = [d.key for d in derived]
-    assert ("zero_optimization.stage3_prefetch_bucket_size" in keys) == (prefetch == 0)
+    keys = {d.key for d in derived}
+    for key in ("stage3_prefetch_bucket_size", "stage3_max_reuse_distance"):
+        assert ds["zero_optimization"].get(key) == (0 if off else None)
+        assert (f"zero_optimization.{key}" in keys) == off
 
 
 def test_a_users_prefetch_setting_wins(tmp_path):
@@ -114,3 +115,4 @@ def test_a_users_prefetch_setting_wins(tmp_path):
     cfg = build_run_config({}, {"engine": "baseline", "deepspeed_config": str(user)})
     ds, _ = render_ds_config(cfg, _shape(True), 1, "/swap")
     assert ds["zero_optimization"]["stage3_prefetch_bucket_size"] == 1000
+    assert ds["zero_optimization"]["stage3_max_reuse_distance"] == 0

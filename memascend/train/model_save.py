@@ -1,6 +1,7 @@
-"""A LoRA run's outputs: the adapter in PEFT's format, and with ``--merge-lora`` the merged model.
+"""The run's model outputs: the fine-tuned model as a Hugging Face folder ``OUTPUT/model``; for a LoRA
+run the adapter in PEFT's format, and with ``--merge-lora`` the merged model.
 
-Both come from one consolidated 16-bit state dict gathered from the ZeRO-3 partitions
+All come from one consolidated 16-bit state dict gathered from the ZeRO-3 partitions
 (:func:`memascend.integrations.deepspeed.engine_state.consolidated_16bit_state_dict`, collective), so
 the base weights are read from NVMe once. ``OUTPUT/adapter`` holds ``adapter_config.json`` and
 ``adapter_model.safetensors`` (``peft.PeftModel.from_pretrained(base, OUTPUT/adapter)`` loads it);
@@ -10,9 +11,13 @@ the base weights are read from NVMe once. ``OUTPUT/adapter`` holds ``adapter_con
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
+
+from memascend.config import LoraConfig
+from memascend.train.run_log import output_errors
 
 PEFT_PREFIX = "base_model.model."
 """What PEFT's wrapper puts before every name of the base model's state dict."""
@@ -81,3 +86,35 @@ def save_lora_outputs(peft_model, state_dict: dict[str, torch.Tensor], out_dir: 
     base.save_pretrained(model_dir, state_dict=merged, safe_serialization=True)
     tokenizer.save_pretrained(model_dir)
     return adapter_dir, model_dir
+
+
+def save_model(engine, out_dir: Path, tokenizer, lora: LoraConfig, *, is_rank0: bool) -> tuple[Path, str] | None:
+    """Gather the engine's weights (collective: every rank calls it) and, on rank 0, write the model:
+    ``out_dir/model`` (a full fine-tune), or ``out_dir/adapter`` and with ``lora.merge`` the merged
+    ``out_dir/model`` (:func:`save_lora_outputs`).
+
+    Returns:
+        On rank 0 (the folder the report names: the model, else the adapter; a line saying what was
+        written), ``None`` on other ranks.
+
+    Raises:
+        UserError: the output folder could not be written (:func:`memascend.train.run_log.output_errors`).
+    """
+    from memascend.integrations.deepspeed.engine_state import consolidated_16bit_state_dict
+
+    state_dict = consolidated_16bit_state_dict(engine)
+    if not is_rank0:
+        return None
+    if lora.enabled:
+        with output_errors(out_dir, "the LoRA adapter"):
+            adapter_dir, merged_dir = save_lora_outputs(engine.module, state_dict, out_dir, tokenizer,
+                                                        merge=lora.merge)
+        return merged_dir or adapter_dir, f"LoRA adapter saved: {adapter_dir}" + (
+            f", merged model: {merged_dir}" if merged_dir else "")
+    model_dir = out_dir / "model"
+    with contextlib.suppress(AttributeError):
+        engine.module.config.use_cache = True
+    with output_errors(out_dir, "the model"):
+        engine.module.save_pretrained(model_dir, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(model_dir)
+    return model_dir, f"model saved: {model_dir}"
