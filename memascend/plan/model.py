@@ -260,9 +260,10 @@ def _add_param_offload(add, cfg: RunConfig, dims: ModelDims, z: dict, e: int, w:
             slots = sum(_aligned(n, e) for n in parts[:budget])
             if isinstance(settings.param_pool_bytes, int):  # the prefetch stops at the byte budget
                 slots = min(slots, max(_aligned(parts[0], e), settings.param_pool_bytes // e))
+            # Stage 3 keeps DRAM copies of trainable partitions only: frozen ones (LoRA) live in the pool.
             live = live_window_partitions(dims, w, cfg.train.activation_checkpointing,
                                           int(z.get("stage3_max_reuse_distance", ds_defaults.MAX_LIVE_PARAMETERS_NUMEL)),
-                                          max_in_cpu, e)
+                                          max_in_cpu if dims.trainable_numels is None else 0, e)
             live_slots = sum(_aligned(n, e) for n in live)
             if live_slots > slots:
                 add(f"param pool ({len(live)} partitions kept live by the reuse distance)", live_slots * e, True,
