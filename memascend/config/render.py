@@ -82,7 +82,7 @@ class ModelShape:
     @property
     def trainable_numel(self) -> int:
         """Elements the optimizer holds (fp32 master, Adam moments, gradients): all but frozen ones."""
-        return sum(self.optimizer_numels)
+        return self.total_numel if self.trainable_numels is None else sum(self.trainable_numels)
 
     @property
     def largest_numel(self) -> int:

@@ -288,7 +288,8 @@ def _add_gradients(add, cfg: RunConfig, dims: ModelDims, z: dict, e: int, w: int
     # ``min(bucket, total_numel)`` elements' pages are ever written (report.json
     # ``memory_breakdown.gradient_buffers.reduce_buckets.resident_at_end_bytes``).
     bucket_numel = int(z.get("reduce_bucket_size", ds_defaults.REDUCE_BUCKET_NUMEL))
-    grads_numel = sum(dims.optimizer_numels)  # frozen parameters (LoRA) have no gradient
+    # frozen parameters (LoRA) have no gradient
+    grads_numel = dims.total_numel if dims.trainable_numels is None else sum(dims.trainable_numels)
     add(f"reduce bucket ({min(bucket_numel, grads_numel):,} of {bucket_numel:,} elements touched)",
         min(bucket_numel, grads_numel) * e, False, "DeepSpeedZeroOptimizer_Stage3 ipg_buckets (reduce_bucket_size)")
     if release_grads == "stream":
@@ -366,7 +367,8 @@ def plan_engine(cfg: RunConfig, dims: ModelDims, run: ResolvedRun, world_size: i
     op, oo = z.get("offload_param", {}), z.get("offload_optimizer", {})
     # What the optimizer holds (fp32 master, Adam moments, gradient partitions): frozen parameters not.
     opt_numels = dims.optimizer_numels
-    opt_part = math.ceil(sum(opt_numels) / w)
+    opt_numel = dims.total_numel if dims.trainable_numels is None else sum(dims.trainable_numels)
+    opt_part = math.ceil(opt_numel / w)
     sub = _sub_group_numel(run.ds_config, opt_numels, w, opt_part)
     comps: list[Component] = []
 
@@ -391,7 +393,7 @@ def plan_engine(cfg: RunConfig, dims: ModelDims, run: ResolvedRun, world_size: i
     if ma and getattr(settings, "enable_host_block_cache", False):
         comps.extend(_host_block_cache_in_step(comps))
     nvme = nvme_swap_bytes(dims.total_numel, e, op.get("device") == "nvme", oo.get("device") == "nvme",
-                           sum(opt_numels))
+                           opt_numel)
     return EnginePlan(cfg.engine, tuple(sorted(comps, key=lambda c: -c.bytes)), nvme,
                       run.nvme_bytes_per_rank, run.upfront_locked_bytes)
 
