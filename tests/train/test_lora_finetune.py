@@ -11,7 +11,7 @@ import torch
 
 from tests.conftest import run_cli
 
-SEQ_LEN, EVAL_BLOCKS, SEED = 32, 2, 1234
+SEQ_LEN, EVAL_BLOCKS, SEED, DOCUMENTS = 32, 2, 1234, 2
 PARAMS = 134_515_008
 """SmolLM2-135M's parameters."""
 
@@ -20,7 +20,7 @@ PARAMS = 134_515_008
 def lora_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora")
     args = ["finetune", "--steps", "1", "--seq-len", str(SEQ_LEN), "--micro-batch", "2", "--eval-blocks",
-            str(EVAL_BLOCKS), "--lr", "5e-3", "--lora-rank", "4", "--lora-alpha", "8", "--merge-lora",
+            str(EVAL_BLOCKS), "--max-documents", str(DOCUMENTS), "--lr", "5e-3", "--lora-rank", "4", "--lora-alpha", "8", "--merge-lora",
             "--output", str(tmp / "out"), "--nvme-path", str(tmp / "swap")]
     proc = run_cli(args, tmp)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -68,7 +68,7 @@ def test_adapter_and_merged_model_load_back_as_the_trained_model(lora_run):
 
     out, rep = lora_run
     tok = AutoTokenizer.from_pretrained(out / "adapter")
-    blocks = build_blocks(read_documents("shakespeare"), tok, SEQ_LEN, EVAL_BLOCKS, SEED).eval
+    blocks = build_blocks(read_documents("shakespeare", DOCUMENTS), tok, SEQ_LEN, EVAL_BLOCKS, SEED).eval
     base = AutoModelForCausalLM.from_pretrained(resolve_model(ModelConfig()).hf_dir, dtype=torch.bfloat16).eval()
     base_loss = _held_out_loss(base, blocks)
     # the adapters in the training dtype, as trained (PEFT would upcast them to fp32)
@@ -80,12 +80,17 @@ def test_adapter_and_merged_model_load_back_as_the_trained_model(lora_run):
     adapter_loss = _held_out_loss(with_adapter, blocks)
     assert abs(adapter_loss - after) < 2e-3, (adapter_loss, after, before)
     merged_loss = _held_out_loss(merged, blocks)
-    assert abs(merged_loss - after) < 1e-2, (merged_loss, after, before)  # merged weights rounded to bf16
+    # W + (alpha / rank) * B @ A rounded to bf16 (as PEFT's merge_and_unload in bf16): measured 0.010-0.013 off
+    assert abs(merged_loss - after) < 3e-2, (merged_loss, after, before)
     with torch.no_grad():
         ids = blocks.input_ids[:2]
         lp = torch.log_softmax(with_adapter(input_ids=ids).logits.float(), -1)
         lm = torch.log_softmax(merged(input_ids=ids).logits.float(), -1)
     # bf16: W + (alpha / rank) * B @ A rounded to bf16 moves each merged weight by up to half a bf16 step,
     # about as much as one step's adapter update here, so the merged model's log-probabilities differ
-    # from the adapter's by bf16 noise (measured 0.10 on average; the held-out loss above agrees to 1e-2)
+    # from the adapter's by bf16 noise (measured 0.10 on average)
     assert (lp - lm).abs().mean() < 0.15
+    # the merged weights themselves: PEFT's merge in fp32 of the bf16 base and adapter, rounded once
+    reference = PeftModel.from_pretrained(base.float(), out / "adapter").merge_and_unload().state_dict()
+    for name, tensor in merged.state_dict().items():
+        torch.testing.assert_close(tensor.float(), reference[name], rtol=2**-8, atol=1e-7, msg=name)
