@@ -18,7 +18,7 @@ default would crash on the model at hand. Two stock failures are avoided:
 - "Not enough buffers 0 for swapping K" (DeepSpeed #3062): ``offload_param.buffer_count`` (default
   5) must cover the parameters a module fetches at once plus the prefetched ones; with frozen parameters
   (LoRA) stock's NVMe prefetch and its reuse distance keep buffers they never release, so the baseline
-  runs with both off (:func:`_derive_stock_frozen_params`).
+  runs with both off, memascend without the reuse distance (:func:`_derive_frozen_params`).
 """
 
 from __future__ import annotations
@@ -194,41 +194,43 @@ def render_ds_config(cfg: RunConfig, shape: ModelShape, world_size: int, swap_di
     derived: list[Derived] = []
     if _get_path(z, "offload_param.device") == "nvme":
         derived += _derive_param_buffers(z, shape, world_size)
+        derived += _derive_frozen_params(z, shape, stock=cfg.engine == "baseline")
         if cfg.engine == "baseline":
             derived += _derive_stock_max_in_cpu(z, shape, world_size)
-            derived += _derive_stock_frozen_params(z, shape)
     return ds, derived
 
 
-def _derive_stock_frozen_params(z: dict, shape: ModelShape) -> list[Derived]:
-    """Stock only, with frozen parameters (LoRA): ``stage3_prefetch_bucket_size`` and
-    ``stage3_max_reuse_distance`` 0 where the user left them out.
+def _derive_frozen_params(z: dict, shape: ModelShape, *, stock: bool) -> list[Derived]:
+    """With frozen parameters (LoRA): ``stage3_max_reuse_distance`` 0 for both engines and, for stock,
+    ``stage3_prefetch_bucket_size`` 0, where the user left them out.
 
     With frozen base weights stock 0.19.8 runs out of parameter swap buffers in its second or third
     step ("Not enough buffers 0 for swapping 1", ``partitioned_param_swapper.swap_in``): once its
-    module trace is complete, (1) the NVMe prefetch
+    module trace is complete, (1) a parameter used again within ``stage3_max_reuse_distance``
+    elements (default 1e9: all of a small model) is not released after its module's forward
+    (``__params_to_release``): the frozen layers whose weights the backward pass uses again, and a
+    tied embedding, stay gathered, each partition holding a swap buffer; (2) the NVMe prefetch
     (``PartitionedParameterCoordinator.__prefetch_nvme_param_partitions``) swaps in partitions ahead
-    along the trace that the step then does not gather in that order, and (2) a parameter used
-    again within ``stage3_max_reuse_distance`` elements (default 1e9: all of a small model) is not
-    released after its module's forward (``__params_to_release``): the frozen layers whose weights
-    the backward pass uses again, and a tied embedding, stay gathered; each such partition holds a
-    swap buffer until all ``buffer_count`` are taken. Measured on the CPU: either setting alone still
-    fails, both together run. Neither changes the math (they only decide when partitions are read
-    and released); memascend's engine keeps its own (its pool grows instead of failing).
+    along the trace that the step then does not gather in that order. Measured on the CPU: either
+    setting alone still fails, both together run. memascend's pool does not fail but grows by the same
+    partitions (SmolLM2, rank 16 on every linear layer: 216 MB locked instead of 61 MB), so both
+    engines release after use; memascend keeps its prefetch (its pool releases what it reads ahead).
+    Neither setting changes the math (they decide when partitions are read and released).
     """
     if shape.trainable_numels is None:
         return []
+    settings = [("stage3_max_reuse_distance", ds_defaults.MAX_REUSE_DISTANCE_NUMEL,
+                 "partitions reused within the distance stay gathered, holding their swap buffers")]
+    if stock:
+        settings.append(("stage3_prefetch_bucket_size", ds_defaults.PREFETCH_BUCKET_NUMEL,
+                         "its NVMe prefetch swaps in partitions the step then does not gather"))
     out = []
-    for key, stock, why in (
-            ("stage3_prefetch_bucket_size", ds_defaults.PREFETCH_BUCKET_NUMEL,
-             "its NVMe prefetch swaps in partitions the step then does not gather"),
-            ("stage3_max_reuse_distance", ds_defaults.MAX_REUSE_DISTANCE_NUMEL,
-             "partitions reused within the distance stay gathered, holding their swap buffers")):
+    for key, default, why in settings:
         if key not in z:
             z[key] = 0
-            out.append(Derived(f"zero_optimization.{key}", 0, stock,
-                               f"frozen parameters (LoRA): {why} (stock would fail in step 2 or 3: "
-                               "'Not enough buffers 0 for swapping 1')"))
+            out.append(Derived(f"zero_optimization.{key}", 0, default,
+                               f"frozen parameters (LoRA): {why} (stock fails in step 2 or 3: 'Not enough "
+                               "buffers 0 for swapping 1')"))
     return out
 
 

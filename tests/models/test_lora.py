@@ -98,13 +98,15 @@ def _shape(frozen: bool) -> ModelShape:
                       trainable_numels=(64,) if frozen else None)
 
 
-@pytest.mark.parametrize("engine,frozen,off", [("baseline", True, True), ("baseline", False, False),
-                                               ("memascend", True, False)])
-def test_stock_runs_frozen_parameters_without_prefetch_and_reuse(engine, frozen, off):
+@pytest.mark.parametrize("engine,frozen,prefetch_off,reuse_off", [
+    ("baseline", True, True, True), ("baseline", False, False, False), ("memascend", True, False, True),
+    ("memascend", False, False, False)])
+def test_frozen_parameters_run_without_reuse_distance_and_stock_without_prefetch(engine, frozen, prefetch_off,
+                                                                                  reuse_off):
     cfg = build_run_config({}, {"engine": engine})
     ds, derived = render_ds_config(cfg, _shape(frozen), 1, "/swap")
     keys = {d.key for d in derived}
-    for key in ("stage3_prefetch_bucket_size", "stage3_max_reuse_distance"):
+    for key, off in (("stage3_prefetch_bucket_size", prefetch_off), ("stage3_max_reuse_distance", reuse_off)):
         assert ds["zero_optimization"].get(key) == (0 if off else None)
         assert (f"zero_optimization.{key}" in keys) == off
 
