@@ -219,7 +219,7 @@ def test_to_dict_keeps_the_report_keys_and_round_trips(tmp_path):
     ds.write_text('{"memascend": {"enable_param_pool": false}}')
     cfg = build_run_config({}, {"deepspeed_config": str(ds), "offload": {"nvme_path": str(tmp_path / "a.store")}})
     d = cfg.to_dict()
-    assert set(d) == {"model", "data", "train", "offload", "output_dir", "engine", "deepspeed_config"}
+    assert set(d) == {"model", "data", "train", "offload", "lora", "output_dir", "engine", "deepspeed_config"}
     assert set(d["offload"]) == {"param", "optimizer", "nvme_path", "nvme_overwrite", "enable_crc"}
     assert d["offload"]["nvme_path"] == str(tmp_path / "a.store")
     assert build_run_config(d, {}) == cfg

@@ -1,7 +1,7 @@
 """A run's configuration, in one package.
 
 - :mod:`~memascend.config.schema`: :class:`RunConfig` and its frozen sections (model, data, train,
-  offload), each field with its docstring, its checks and, where it has one, its CLI flag
+  offload, lora), each field with its docstring, its checks and, where it has one, its CLI flag
   (:mod:`~memascend.config.flags`); :mod:`~memascend.config.presets` and
   :mod:`~memascend.config.families`: the from-scratch models; :mod:`~memascend.config.settings`:
   :class:`MemAscendSettings`, what the DeepSpeed seam applies.
@@ -29,6 +29,7 @@ from memascend.config.schema import (
     MAX_STEPS,
     STORE_FILE_SUFFIX,
     DataConfig,
+    LoraConfig,
     ModelConfig,
     OffloadConfig,
     RunConfig,
@@ -50,6 +51,7 @@ __all__ = [
     "STORE_FILE_SUFFIX",
     "DataConfig",
     "FromScratchConfig",
+    "LoraConfig",
     "MemAscendSettings",
     "ModelConfig",
     "OffloadConfig",

@@ -40,6 +40,7 @@ DS_DEFAULTS: Mapping[str, DsDefault] = MappingProxyType({
     "zero_optimization.reduce_bucket_size": DsDefault(500_000_000, f"{_ZERO}.reduce_bucket_size"),
     "zero_optimization.stage3_max_live_parameters": DsDefault(1_000_000_000, f"{_ZERO}.max_live_parameters"),
     "zero_optimization.stage3_max_reuse_distance": DsDefault(1_000_000_000, f"{_ZERO}.max_reuse_distance"),
+    "zero_optimization.stage3_prefetch_bucket_size": DsDefault(50_000_000, f"{_ZERO}.prefetch_bucket_size"),
     # parameter and optimizer offload (counts; elements)
     "zero_optimization.offload_param.buffer_count": DsDefault(5, f"{_OFFLOAD}:DeepSpeedZeroOffloadParamConfig.buffer_count"),
     "zero_optimization.offload_param.buffer_size": DsDefault(100_000_000,
@@ -86,6 +87,8 @@ MAX_LIVE_PARAMETERS_NUMEL = ds_default("zero_optimization.stage3_max_live_parame
 """``zero_optimization.stage3_max_live_parameters`` (elements)."""
 MAX_REUSE_DISTANCE_NUMEL = ds_default("zero_optimization.stage3_max_reuse_distance")
 """``zero_optimization.stage3_max_reuse_distance`` (elements)."""
+PREFETCH_BUCKET_NUMEL = ds_default("zero_optimization.stage3_prefetch_bucket_size")
+"""``zero_optimization.stage3_prefetch_bucket_size`` (elements; 0 turns stage 3's prefetch off)."""
 PARAM_BUFFER_COUNT = ds_default("zero_optimization.offload_param.buffer_count")
 """``offload_param.buffer_count``: the parameter swapper's locked buffers."""
 PARAM_BUFFER_SIZE_NUMEL = ds_default("zero_optimization.offload_param.buffer_size")

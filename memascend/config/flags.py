@@ -26,13 +26,14 @@ size such as ``4GiB`` (bytes); ``dir`` / ``file``: a path that must not be a fil
 ``switch``: ``--x/--no-x`` (not given: the file's value or the default); ``on``: ``--x`` sets the field
 true; ``off``: ``--no-x`` sets the field false."""
 
-GROUPS: tuple[str, ...] = ("model", "data", "training", "optimizer", "offload", "raw store", "engine",
+GROUPS: tuple[str, ...] = ("model", "data", "training", "optimizer", "lora", "offload", "raw store", "engine",
                            "host memory budget", "checkpoints", "run", "output", "config files")
 """The option groups, in ``--help`` order. Where a new flag goes: the model's source in ``model``, the
 data's reading in ``data``, what shapes memory (batch, precision) in ``training``, optimizer settings in
-``optimizer``, evaluation and run behaviour in ``run``, what a run writes and prints in ``output``."""
+``optimizer``, LoRA adapters in ``lora``, evaluation and run behaviour in ``run``, what a run writes
+and prints in ``output``."""
 
-RUN_SHAPE_GROUPS: tuple[str, ...] = ("model", "data", "training", "offload", "engine", "config files")
+RUN_SHAPE_GROUPS: tuple[str, ...] = ("model", "data", "training", "lora", "offload", "engine", "config files")
 """The groups that decide a run's memory, NVMe space and locked bytes: what ``plan`` and ``doctor`` take
 (besides ``finetune``, which takes every group)."""
 

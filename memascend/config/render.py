@@ -16,7 +16,9 @@ default would crash on the model at hand. Two stock failures are avoided:
 - "More elements N than buffer size" (DeepSpeed #3506): every parameter swap buffer must hold the
   largest parameter partition (``offload_param.buffer_size``, in elements, default 1e8).
 - "Not enough buffers 0 for swapping K" (DeepSpeed #3062): ``offload_param.buffer_count`` (default
-  5) must cover the parameters a module fetches at once plus the prefetched ones.
+  5) must cover the parameters a module fetches at once plus the prefetched ones; with frozen parameters
+  (LoRA) stock's NVMe prefetch and its reuse distance keep buffers they never release, so the baseline
+  runs with both off, memascend without the reuse distance (:func:`_derive_frozen_params`).
 """
 
 from __future__ import annotations
@@ -61,13 +63,26 @@ class ModelShape:
     Attributes:
         total_numel: all parameters (tied weights once).
         param_numels: element count of every parameter, in module registration order.
-        module_param_counts: per module, its direct (non-recursive) trainable parameters that
-            ZeRO-3 fetches together.
+        module_param_counts: per module, its direct (non-recursive) parameters that ZeRO-3
+            fetches together.
+        trainable_numels: element count of every parameter the optimizer holds, in registration
+            order (``None``: every parameter; with LoRA, the adapters only).
     """
 
     total_numel: int
     param_numels: tuple[int, ...]
     module_param_counts: tuple[int, ...]
+    trainable_numels: tuple[int, ...] | None = None
+
+    @property
+    def optimizer_numels(self) -> tuple[int, ...]:
+        """Element counts of the parameters the optimizer holds (every parameter but frozen ones)."""
+        return self.param_numels if self.trainable_numels is None else self.trainable_numels
+
+    @property
+    def trainable_numel(self) -> int:
+        """Elements the optimizer holds (fp32 master, Adam moments, gradients): all but frozen ones."""
+        return self.total_numel if self.trainable_numels is None else sum(self.trainable_numels)
 
     @property
     def largest_numel(self) -> int:
@@ -86,19 +101,23 @@ class Derived:
 
 def model_shape(model) -> ModelShape:
     """Shape summary of an (ideally meta-device) ``torch.nn.Module``: parameters in registration
-    order, tied weights once; per module its direct trainable parameters."""
+    order, tied weights once; per module its direct parameters (frozen ones too: ZeRO-3 fetches them
+    alike); the trainable ones apart when some are frozen (LoRA)."""
     seen: set[int] = set()
-    numels = []
+    numels, trainable = [], []
     for p in model.parameters():
         if id(p) not in seen:
             seen.add(id(p))
             numels.append(p.numel())
+            if p.requires_grad:
+                trainable.append(p.numel())
     counts = []
     for mod in model.modules():
-        direct = [p for p in mod.parameters(recurse=False) if p.requires_grad]
+        direct = list(mod.parameters(recurse=False))
         if direct:
             counts.append(len(direct))
-    return ModelShape(total_numel=sum(numels), param_numels=tuple(numels), module_param_counts=tuple(counts))
+    return ModelShape(total_numel=sum(numels), param_numels=tuple(numels), module_param_counts=tuple(counts),
+                      trainable_numels=None if len(trainable) == len(numels) else tuple(trainable))
 
 
 
@@ -175,9 +194,44 @@ def render_ds_config(cfg: RunConfig, shape: ModelShape, world_size: int, swap_di
     derived: list[Derived] = []
     if _get_path(z, "offload_param.device") == "nvme":
         derived += _derive_param_buffers(z, shape, world_size)
+        derived += _derive_frozen_params(z, shape, stock=cfg.engine == "baseline")
         if cfg.engine == "baseline":
             derived += _derive_stock_max_in_cpu(z, shape, world_size)
     return ds, derived
+
+
+def _derive_frozen_params(z: dict, shape: ModelShape, *, stock: bool) -> list[Derived]:
+    """With frozen parameters (LoRA): ``stage3_max_reuse_distance`` 0 for both engines and, for stock,
+    ``stage3_prefetch_bucket_size`` 0, where the user left them out.
+
+    With frozen base weights stock 0.19.8 runs out of parameter swap buffers in its second or third
+    step ("Not enough buffers 0 for swapping 1", ``partitioned_param_swapper.swap_in``): once its
+    module trace is complete, (1) a parameter used again within ``stage3_max_reuse_distance``
+    elements (default 1e9: all of a small model) is not released after its module's forward
+    (``__params_to_release``): the frozen layers whose weights the backward pass uses again, and a
+    tied embedding, stay gathered, each partition holding a swap buffer; (2) the NVMe prefetch
+    (``PartitionedParameterCoordinator.__prefetch_nvme_param_partitions``) swaps in partitions ahead
+    along the trace that the step then does not gather in that order. Measured on the CPU: either
+    setting alone still fails, both together run. memascend's pool does not fail but grows by the same
+    partitions (SmolLM2, rank 16 on every linear layer: 216 MB locked instead of 61 MB), so both
+    engines release after use; memascend keeps its prefetch (its pool releases what it reads ahead).
+    Neither setting changes the math (they decide when partitions are read and released).
+    """
+    if shape.trainable_numels is None:
+        return []
+    settings = [("stage3_max_reuse_distance", ds_defaults.MAX_REUSE_DISTANCE_NUMEL,
+                 "partitions reused within the distance stay gathered, holding their swap buffers")]
+    if stock:
+        settings.append(("stage3_prefetch_bucket_size", ds_defaults.PREFETCH_BUCKET_NUMEL,
+                         "its NVMe prefetch swaps in partitions the step then does not gather"))
+    out = []
+    for key, default, why in settings:
+        if key not in z:
+            z[key] = 0
+            out.append(Derived(f"zero_optimization.{key}", 0, default,
+                               f"frozen parameters (LoRA): {why} (stock fails in step 2 or 3: 'Not enough "
+                               "buffers 0 for swapping 1')"))
+    return out
 
 
 def per_rank_param_numel(param_numels: Iterable[int], world_size: int) -> int:
@@ -256,7 +310,8 @@ NVME_SPACE_MARGIN = 1.10
 """Factor on :func:`nvme_swap_bytes` for the space a run requires before it starts."""
 
 
-def nvme_swap_bytes(total_numel: int, param_bytes: int, param_on_nvme: bool, optimizer_on_nvme: bool) -> int:
+def nvme_swap_bytes(total_numel: int, param_bytes: int, param_on_nvme: bool, optimizer_on_nvme: bool,
+                    trainable_numel: int | None = None) -> int:
     """Bytes a run writes to its swap target, all ranks together (the prediction, no margin).
 
     Args:
@@ -264,16 +319,20 @@ def nvme_swap_bytes(total_numel: int, param_bytes: int, param_on_nvme: bool, opt
         param_bytes: bytes per element of the training dtype (2 for bf16/fp16, 4 for fp32).
         param_on_nvme: whether ``offload_param`` goes to NVMe (the 16-bit parameters).
         optimizer_on_nvme: whether ``offload_optimizer`` goes to NVMe
-            (:data:`OPTIMIZER_NVME_BYTES_PER_PARAM` per parameter).
+            (:data:`OPTIMIZER_NVME_BYTES_PER_PARAM` per parameter the optimizer holds).
+        trainable_numel: parameters the optimizer holds (``None``: all; with LoRA, the adapters).
     """
-    per = (param_bytes if param_on_nvme else 0) + (OPTIMIZER_NVME_BYTES_PER_PARAM if optimizer_on_nvme else 0)
-    return total_numel * per
+    opt_numel = total_numel if trainable_numel is None else trainable_numel
+    return total_numel * (param_bytes if param_on_nvme else 0) + \
+        opt_numel * (OPTIMIZER_NVME_BYTES_PER_PARAM if optimizer_on_nvme else 0)
 
 
-def nvme_space_bytes(total_numel: int, param_bytes: int, param_on_nvme: bool, optimizer_on_nvme: bool) -> int:
+def nvme_space_bytes(total_numel: int, param_bytes: int, param_on_nvme: bool, optimizer_on_nvme: bool,
+                     trainable_numel: int | None = None) -> int:
     """NVMe space a run requires, all ranks together: :func:`nvme_swap_bytes` times
     :data:`NVME_SPACE_MARGIN` (an upper estimate; same arguments)."""
-    return int(nvme_swap_bytes(total_numel, param_bytes, param_on_nvme, optimizer_on_nvme) * NVME_SPACE_MARGIN)
+    return int(nvme_swap_bytes(total_numel, param_bytes, param_on_nvme, optimizer_on_nvme, trainable_numel)
+               * NVME_SPACE_MARGIN)
 
 
 def upfront_locked_bytes(ds_cfg: dict, dtype: str, largest_param_numel: int, world_size: int, engine: str) -> int:
@@ -382,7 +441,7 @@ def resolve(cfg: RunConfig, shape: ModelShape, world_size: int, swap_dir: str | 
         settings = applied_settings(cfg.memascend)
     off = cfg.offload
     nvme = nvme_space_bytes(shape.total_numel, DTYPE_BYTES[cfg.train.dtype], off.param == "nvme",
-                            off.optimizer == "nvme")
+                            off.optimizer == "nvme", shape.trainable_numel)
     return ResolvedRun(
         ds_config=ds_cfg,
         derived=tuple(derived),

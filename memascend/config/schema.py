@@ -7,7 +7,7 @@ by hand in two places. Variants are made with :func:`dataclasses.replace`. The u
 :class:`~memascend.config.settings.MemAscendSettings`, once, when the :class:`RunConfig` is built; the swap
 target (``--nvme-path``) is classified once, when the :class:`OffloadConfig` is built.
 
-TOML/YAML layout (``--config FILE``): sections ``[model]``, ``[data]``, ``[train]``, ``[offload]`` and
+TOML/YAML layout (``--config FILE``): sections ``[model]``, ``[data]``, ``[train]``, ``[offload]``, ``[lora]`` and
 top-level ``output_dir``, ``engine``, ``deepspeed_config`` whose keys are the field names below.
 CLI flags override the file.
 """
@@ -278,6 +278,69 @@ class TrainConfig:
             raise UserError(f"--keep-checkpoints must be >= 1, got {self.keep_checkpoints}")
 
 
+def target_module_names(value: str) -> tuple[str, ...]:
+    """``--lora-target-modules q_proj,v_proj`` as a tuple of module names (order kept, blanks dropped)."""
+    return tuple(name.strip() for name in value.split(",") if name.strip())
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """LoRA adapters (PEFT) instead of a full fine-tune: the base model's weights stay frozen (still
+    partitioned and swapped by ZeRO-3) and only the adapters are trained."""
+
+    rank: int | None = field(default=None, metadata=cli("lora", 0, "--lora-rank", help=
+        "Train LoRA adapters of this rank (PEFT) on the frozen model instead of every weight; the output "
+        "folder holds the adapter [default: off, a full fine-tune]"))
+    """Rank ``r`` of every adapter (``None``: no LoRA, every weight is trained). At least 1 and at most
+    the smaller side of every targeted layer."""
+    alpha: float | None = field(default=None, metadata=cli("lora", 1, "--lora-alpha", help=
+        "LoRA scaling numerator: the update is (alpha / rank) * B @ A [default: 2 x --lora-rank]"))
+    """Scaling numerator ``lora_alpha`` (the adapter's update is scaled by ``alpha / rank``); ``None``:
+    twice the rank."""
+    dropout: float = field(default=0.0, metadata=cli("lora", 2, "--lora-dropout", help=
+        "Dropout on the adapters' input, 0 <= P < 1 [default: 0]"))
+    """Dropout probability on the adapters' input (``lora_dropout``), 0 <= P < 1."""
+    target_modules: tuple[str, ...] = field(default=(), metadata=cli(
+        "lora", 3, "--lora-target-modules", metavar="NAME,...", parse=target_module_names, help=
+        "Modules that get adapters, by name or name suffix (q_proj,v_proj), or all-linear (every linear "
+        "layer but the output head) [default: PEFT's choice for the architecture, q_proj,v_proj for "
+        "Llama]"))
+    """Names (or name suffixes) of the modules that get adapters, or ``("all-linear",)``; empty: PEFT's
+    default for the architecture (``q_proj``, ``v_proj`` for Llama-style models)."""
+    merge: bool = field(default=False, metadata=cli("lora", 4, "--merge-lora", kind="on", help=
+        "Also write the model with the adapters merged into its weights (OUTPUT/model) beside the adapter "
+        "(OUTPUT/adapter)"))
+    """Also write the merged model (the adapters folded into the base weights) as ``output_dir/model``."""
+
+    def __post_init__(self) -> None:
+        if self.rank is None:
+            for name in ("alpha", "target_modules"):
+                if getattr(self, name):
+                    raise UserError(f"{flag_name('lora', name)} ([lora] {name}) needs --lora-rank")
+            if self.dropout or self.merge:
+                name = "dropout" if self.dropout else "merge"
+                raise UserError(f"{flag_name('lora', name)} ([lora] {name}) needs --lora-rank")
+            return
+        if self.rank < 1:
+            raise UserError(f"--lora-rank ([lora] rank) must be at least 1, got {self.rank}")
+        if self.alpha is not None and self.alpha <= 0:
+            raise UserError(f"--lora-alpha ([lora] alpha) must be positive, got {self.alpha:g}")
+        if not 0 <= self.dropout < 1:
+            raise UserError(f"--lora-dropout ([lora] dropout) must be in [0, 1), got {self.dropout:g}")
+        if "all-linear" in self.target_modules and len(self.target_modules) > 1:
+            raise UserError("--lora-target-modules: all-linear cannot be combined with module names")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the run trains LoRA adapters rather than every weight."""
+        return self.rank is not None
+
+    @property
+    def lora_alpha(self) -> float:
+        """``alpha``, or twice the rank when not given (only with a rank)."""
+        return float(self.alpha) if self.alpha is not None else 2.0 * float(self.rank or 0)
+
+
 STORE_FILE_SUFFIX = ".store"
 """``--nvme-path`` files with this suffix are raw stores (:mod:`memascend.train.store_target`)."""
 
@@ -382,6 +445,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     output_dir: str = field(default="runs/latest", metadata=cli("output", 0, "--output", "output_dir", help=
         "Output folder (model, report.json, steps.jsonl, memory timeline); one that holds anything is "
         "refused unless --overwrite-output or --resume [default: a new runs/<YYYYmmdd-HHMMSS>-<model> "
@@ -437,7 +501,8 @@ class RunConfig:
         return out
 
 
-SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "offload": OffloadConfig}
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "offload": OffloadConfig,
+            "lora": LoraConfig}
 """The sections of a :class:`RunConfig` (and of a ``--config`` file), by name."""
 
 

@@ -19,7 +19,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from memascend.config import FromScratchConfig, ModelConfig, families
+from memascend.config import FromScratchConfig, LoraConfig, ModelConfig, families
 from memascend.errors import UserError
 from memascend.models import hub
 
@@ -269,7 +269,8 @@ llama_config = from_scratch_config
 """The former name of :func:`from_scratch_config` (from-scratch models were Llamas only)."""
 
 
-def build_model(src: ModelSource, cfg: ModelConfig, ds_config: dict, seed: int, *, layerwise: bool = False):
+def build_model(src: ModelSource, cfg: ModelConfig, ds_config: dict, seed: int, *, layerwise: bool = False,
+                lora: LoraConfig | None = None):
     """Build the model with its parameters partitioned by ZeRO-3 at construction.
 
     The model is created inside ``deepspeed.zero.Init(config_dict_or_path=ds_config)`` without an
@@ -282,6 +283,9 @@ def build_model(src: ModelSource, cfg: ModelConfig, ds_config: dict, seed: int, 
     holds about one layer of the checkpoint instead of all of it), and a from-scratch model is built
     in the training dtype (its largest module held once, not in fp32 and again cast). ``False``
     (``--engine baseline``): as ``transformers`` does it (every shard read first; modules made in fp32).
+
+    ``lora`` with a rank: the partitioned model wrapped with LoRA adapters
+    (:func:`memascend.models.lora.apply_lora`, torch seeded with ``seed`` first), its base weights frozen.
 
     Returns:
         (model, hf_ds_config): keep ``hf_ds_config`` alive until ``deepspeed.initialize`` returns.
@@ -309,4 +313,8 @@ def build_model(src: ModelSource, cfg: ModelConfig, ds_config: dict, seed: int, 
         except (OSError, ValueError, SafetensorError) as exc:
             raise UserError(f"cannot load model weights from {src.origin}: {str(exc).splitlines()[0]}") from None
     model.config.use_cache = False
+    if lora is not None and lora.enabled:
+        from memascend.models.lora import apply_lora
+
+        model = apply_lora(model, lora, origin=src.origin, seed=seed)
     return model, hf_ds

@@ -193,10 +193,11 @@ def _add_forward_backward(add, dims: ModelDims, cfg: RunConfig, e: int, w: int, 
     what = "fp32 logits at the start of backward" if saved_kept else \
         "activations (saved tensors, fp32 logits at the start of backward)"
     add(what, transient, False, src, "backward")
-    held = "held to the tied embedding's" if dims.tied_embeddings else "untied lm_head"
-    add(f"vocabulary projection weight gradient ({held})", dims.vocab_size * dims.hidden_size * e,
-        False, "autograd, lm_head backward", "backward")
-    if dims.tied_embeddings:
+    if dims.trainable_numels is None:  # a frozen vocabulary projection (LoRA) has no weight gradient
+        held = "held to the tied embedding's" if dims.tied_embeddings else "untied lm_head"
+        add(f"vocabulary projection weight gradient ({held})", dims.vocab_size * dims.hidden_size * e,
+            False, "autograd, lm_head backward", "backward")
+    if dims.tied_embeddings and dims.trainable_numels is None:
         # The backward ends at the embedding: embedding_dense_backward's zero-filled vocab x hidden
         # gradient and autograd's (out-of-place) sum of it with lm_head's, three vocabulary-sized
         # tensors at once, when the activations above are already freed (torch.profiler:
@@ -242,7 +243,9 @@ def _add_host_baseline(add, cfg: RunConfig, dims: ModelDims, ma: bool, settings,
 
 def _add_param_offload(add, cfg: RunConfig, dims: ModelDims, z: dict, e: int, w: int, part: int, sub: int,
                        ma: bool, settings) -> None:
-    """The parameter side of ``offload_param``: swap slab or pool, the DRAM copy, the write-back buffer."""
+    """The parameter side of ``offload_param``: swap slab or pool, the DRAM copy, the write-back buffer
+    (``part``: elements per rank of the parameters the optimizer holds, whose flat copy and write-back
+    stage 3 keeps)."""
     op = z.get("offload_param", {})
     if op.get("device") == "nvme":
         max_in_cpu = int(op.get("max_in_cpu", ds_defaults.MAX_IN_CPU_NUMEL))
@@ -257,9 +260,10 @@ def _add_param_offload(add, cfg: RunConfig, dims: ModelDims, z: dict, e: int, w:
             slots = sum(_aligned(n, e) for n in parts[:budget])
             if isinstance(settings.param_pool_bytes, int):  # the prefetch stops at the byte budget
                 slots = min(slots, max(_aligned(parts[0], e), settings.param_pool_bytes // e))
+            # Stage 3 keeps DRAM copies of trainable partitions only: frozen ones (LoRA) live in the pool.
             live = live_window_partitions(dims, w, cfg.train.activation_checkpointing,
                                           int(z.get("stage3_max_reuse_distance", ds_defaults.MAX_LIVE_PARAMETERS_NUMEL)),
-                                          max_in_cpu, e)
+                                          max_in_cpu if dims.trainable_numels is None else 0, e)
             live_slots = sum(_aligned(n, e) for n in live)
             if live_slots > slots:
                 add(f"param pool ({len(live)} partitions kept live by the reuse distance)", live_slots * e, True,
@@ -272,7 +276,7 @@ def _add_param_offload(add, cfg: RunConfig, dims: ModelDims, z: dict, e: int, w:
             wb_numel = sub if ma and settings.enable_param_pool else min(dims.total_numel, sub * w)
             add("param write-back buffer", _aligned(wb_numel, e) * e, True, "reserve_partitioned_swap_space")
     elif op.get("device") == "cpu":
-        add("params in CPU memory", part * e, False, "offload_param device cpu")
+        add("params in CPU memory", math.ceil(dims.total_numel / w) * e, False, "offload_param device cpu")
 
 
 def _add_gradients(add, cfg: RunConfig, dims: ModelDims, z: dict, e: int, w: int, part: int,
@@ -284,8 +288,10 @@ def _add_gradients(add, cfg: RunConfig, dims: ModelDims, z: dict, e: int, w: int
     # ``min(bucket, total_numel)`` elements' pages are ever written (report.json
     # ``memory_breakdown.gradient_buffers.reduce_buckets.resident_at_end_bytes``).
     bucket_numel = int(z.get("reduce_bucket_size", ds_defaults.REDUCE_BUCKET_NUMEL))
-    add(f"reduce bucket ({min(bucket_numel, dims.total_numel):,} of {bucket_numel:,} elements touched)",
-        min(bucket_numel, dims.total_numel) * e, False, "DeepSpeedZeroOptimizer_Stage3 ipg_buckets (reduce_bucket_size)")
+    # frozen parameters (LoRA) have no gradient
+    grads_numel = dims.total_numel if dims.trainable_numels is None else sum(dims.trainable_numels)
+    add(f"reduce bucket ({min(bucket_numel, grads_numel):,} of {bucket_numel:,} elements touched)",
+        min(bucket_numel, grads_numel) * e, False, "DeepSpeedZeroOptimizer_Stage3 ipg_buckets (reduce_bucket_size)")
     if release_grads == "stream":
         # grad_stream: no whole-partition buffer; the reduced bucket's partitions go to the swapper's
         # pinned buffers as they are (converted by its copy), and accumulating, the fp32 regions
@@ -359,8 +365,11 @@ def plan_engine(cfg: RunConfig, dims: ModelDims, run: ResolvedRun, world_size: i
     w = world_size
     z = run.ds_config.get("zero_optimization", {})
     op, oo = z.get("offload_param", {}), z.get("offload_optimizer", {})
-    part = math.ceil(dims.total_numel / w)
-    sub = _sub_group_numel(run.ds_config, dims.param_numels, w, part)
+    # What the optimizer holds (fp32 master, Adam moments, gradient partitions): frozen parameters not.
+    opt_numels = dims.optimizer_numels
+    opt_numel = dims.total_numel if dims.trainable_numels is None else sum(dims.trainable_numels)
+    opt_part = math.ceil(opt_numel / w)
+    sub = _sub_group_numel(run.ds_config, opt_numels, w, opt_part)
     comps: list[Component] = []
 
     def add(name: str, per_rank_bytes: float, locked: bool, source: str, phase: str = "resident") -> None:
@@ -371,19 +380,20 @@ def plan_engine(cfg: RunConfig, dims: ModelDims, run: ResolvedRun, world_size: i
     # gradient bucket) hands freed memory back; stock's glibc heap keeps it (GLIBC_MMAP_THRESHOLD_MAX_BYTES).
     trimmed = ma and settings.enable_malloc_policy
     _add_host_baseline(add, cfg, dims, ma, settings, trimmed)
-    _add_param_offload(add, cfg, dims, z, e, w, part, sub, ma, settings)
-    _add_gradients(add, cfg, dims, z, e, w, part, release_grads)
-    _add_optimizer(add, z, part, sub, ma, settings, chunk_window)
+    _add_param_offload(add, cfg, dims, z, e, w, opt_part, sub, ma, settings)
+    _add_gradients(add, cfg, dims, z, e, w, opt_part, release_grads)
+    _add_optimizer(add, z, opt_part, sub, ma, settings, chunk_window)
     if oo.get("device") == "nvme" and getattr(settings, "fix_unaligned_gradient_io", False) \
             and _step_chunk_numel(z, sub, ma, settings) is None:  # chunked: read through its own slab
-        slab = _bounce_slab_numel(_sub_groups(run.ds_config, dims.param_numels, w),
+        slab = _bounce_slab_numel(_sub_groups(run.ds_config, opt_numels, w),
                                   _swap_align_bytes(cfg.offload.nvme_path))
         add("gradient bounce slab (unaligned fragments)", slab * _FP32, True,
             "aligned_io.read_fragments (fix_unaligned_gradient_io)", "step")
     _add_forward_backward(add, dims, cfg, e, w, trimmed)
     if ma and getattr(settings, "enable_host_block_cache", False):
         comps.extend(_host_block_cache_in_step(comps))
-    nvme = nvme_swap_bytes(dims.total_numel, e, op.get("device") == "nvme", oo.get("device") == "nvme")
+    nvme = nvme_swap_bytes(dims.total_numel, e, op.get("device") == "nvme", oo.get("device") == "nvme",
+                           opt_numel)
     return EnginePlan(cfg.engine, tuple(sorted(comps, key=lambda c: -c.bytes)), nvme,
                       run.nvme_bytes_per_rank, run.upfront_locked_bytes)
 
@@ -415,7 +425,7 @@ def plan_run(cfg: RunConfig, world_size: int = 1, dims: ModelDims | None = None,
     if memascend_settings is not None:
         cfg = dataclasses.replace(cfg, memascend=MemAscendSettings.from_mapping(memascend_settings))
     dims = dims or model_dims(cfg)
-    shape = ModelShape(dims.total_numel, dims.param_numels, dims.module_param_counts)
+    shape = ModelShape(dims.total_numel, dims.param_numels, dims.module_param_counts, dims.trainable_numels)
     plans = {}
     for engine in ("baseline", "memascend"):
         engine_cfg = dataclasses.replace(cfg, engine=engine)

@@ -31,6 +31,9 @@ class ModelDims:
             is assumed: the embedding, then the layers).
         projection_index: index in ``param_numels`` of the vocabulary projection's weight (the
             embedding where tied; ``None``: not known, the last parameter where untied).
+        trainable_numels: the parameters the optimizer holds, in registration order (``None``: every
+            parameter; with LoRA the adapters, which ``param_numels`` holds too, among the frozen base
+            weights).
     """
 
     total_numel: int
@@ -47,6 +50,12 @@ class ModelDims:
     layer_param_count: int | None = None
     projection_index: int | None = None
     extra: dict = field(default_factory=dict)
+    trainable_numels: tuple[int, ...] | None = None
+
+    @property
+    def optimizer_numels(self) -> tuple[int, ...]:
+        """Element counts of the parameters the optimizer holds (frozen ones left out)."""
+        return self.param_numels if self.trainable_numels is None else self.trainable_numels
 
 
 def model_dims(cfg: RunConfig) -> ModelDims:
@@ -67,6 +76,10 @@ def model_dims(cfg: RunConfig) -> ModelDims:
         hf_cfg = AutoConfig.from_pretrained(resolve_model(cfg.model).hf_dir)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(hf_cfg)
+    if cfg.lora.enabled:  # adapters among the base weights, which are frozen
+        from memascend.models.lora import apply_lora
+
+        meta = apply_lora(meta, cfg.lora, origin=cfg.model.name_or_path).get_base_model()
     shape = model_shape(meta)
     out, inp = meta.get_output_embeddings(), meta.get_input_embeddings()
     tied = out is None or inp is None or out.weight is inp.weight
@@ -76,7 +89,7 @@ def model_dims(cfg: RunConfig) -> ModelDims:
     return ModelDims(shape.total_numel, shape.param_numels, shape.module_param_counts, h,
                      hf_cfg.num_hidden_layers, heads, hf_cfg.vocab_size,
                      getattr(hf_cfg, "intermediate_size", None), kv_heads * head_dim, tied,
-                     **_layer_layout(meta, out))
+                     **_layer_layout(meta, out), trainable_numels=shape.trainable_numels)
 
 
 def _layer_layout(meta, out) -> dict:

@@ -117,6 +117,9 @@ class BenchConfig:
         deepspeed_settings: ``(dotted key, value)`` pairs of DeepSpeed's own config given to BOTH
             engines (e.g. ``("zero_optimization.sub_group_size", 100_000_000)``: stock tuned the way
             DeepSpeed's docs advise for a host that cannot hold its defaults); empty: none.
+        lora: ``(rank, target modules)``: both engines train LoRA adapters of this rank on these
+            modules (``--lora-rank``, ``--lora-target-modules``), the base weights frozen; ``None``: a
+            full fine-tune.
         reference_settings: ``None``: the pair's reference run (the ``baseline`` slot of every
             table and check) is stock DeepSpeed (``--engine baseline``). Else ``(name, value)`` pairs
             of ``MemAscendSettings``: the reference is ``--engine memascend`` with them, i.e.
@@ -146,6 +149,7 @@ class BenchConfig:
     memascend_settings: tuple[tuple[str, object], ...] = ()
     deepspeed_settings: tuple[tuple[str, object], ...] = ()
     reference_settings: tuple[tuple[str, object], ...] | None = None
+    lora: tuple[int, str] | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 3:
@@ -212,6 +216,7 @@ class BenchConfig:
         args += ["--from-scratch", self.from_scratch] if self.from_scratch else ["--model", self.model]
         args += ["--activation-checkpointing"] if self.activation_checkpointing else []
         args += ["--deterministic"] if self.deterministic else []
+        args += ["--lora-rank", str(self.lora[0]), "--lora-target-modules", self.lora[1]] if self.lora else []
         if self.nproc > 1 and self.nnodes == 1:
             args += ["--nproc", str(self.nproc)]
         ds_json = self.deepspeed_json_path(engine, output_dir)
@@ -503,8 +508,20 @@ def _speed() -> Matrix:
     )
 
 
+def _lora() -> Matrix:
+    # The default job's shape (cpu-full's smollm2-shakespeare-bf16-256x4) with LoRA adapters on every
+    # linear layer, the common case in LLaMA-Factory, TRL and axolotl; one more step for the medians.
+    configs = (BenchConfig(name="lora", steps=5, thresholds=SMOLLM2_THRESHOLDS, lora=(16, "all-linear")),)
+    return Matrix(
+        name="lora",
+        description="LoRA: SmolLM2-135M bf16 4 x 256, rank-16 adapters on every linear layer, base weights frozen "
+                    "on NVMe, against stock with the same adapters; ~8 min on a 2-core CPU",
+        configs=configs,
+    )
+
+
 MATRICES: dict[str, Matrix] = {m.name: m for m in (_smoke(), _cpu_full(), _gpu(), _scaling(), _ablation(),
-                                                   _chunking(), _speed())}
+                                                   _chunking(), _speed(), _lora())}
 """Every named matrix, by name."""
 
 

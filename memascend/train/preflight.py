@@ -57,7 +57,8 @@ def meta_shape(src, cfg):
     (no memory, no weights read).
 
     Raises:
-        UserError: transformers has no causal LM for the model's config.
+        UserError: transformers has no causal LM for the model's config; LoRA settings the model refuses
+            (:func:`memascend.models.lora.apply_lora`).
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -73,6 +74,10 @@ def meta_shape(src, cfg):
             f"model {src.origin}: no causal-LM model can be built from its config.json "
             f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
         ) from None
+    if cfg.lora.enabled:  # the adapters' targets and rank checked here, before anything heavy
+        from memascend.models.lora import apply_lora
+
+        meta = apply_lora(meta, cfg.lora, origin=src.origin)
     return model_shape(meta)
 
 

@@ -224,7 +224,7 @@ class FinetuneRecipe:
         train, info = self.cfg.train, self.info
         periodic_on = train.checkpoint_every is not None or train.checkpoint_every_minutes is not None
         if train.resume is not None or train.save_checkpoint is not None or periodic_on:
-            self.layout = ckpt.meta_param_layout(self.src, self.cfg.model)
+            self.layout = ckpt.meta_param_layout(self.src, self.cfg.model, self.cfg.lora)
         ckpt.check_shared_folders(train, self.out_dir, info, self.run_id)  # several hosts: one folder
         if train.resume is None:
             return
@@ -298,7 +298,8 @@ class FinetuneRecipe:
         check_memlock_for_run(self.resolved.upfront_locked_bytes)
         ds_cfg = self.resolved.ds_config
         self.sampler.phase("build")  # the model built or loaded (report: memory.phase_peak_rss_bytes.build)
-        model, hf_ds = build_model(self.src, cfg.model, ds_cfg, cfg.train.seed, layerwise=cfg.engine == "memascend")
+        model, hf_ds = build_model(self.src, cfg.model, ds_cfg, cfg.train.seed, layerwise=cfg.engine == "memascend",
+                                   lora=cfg.lora)
         self.sampler.phase("initialize")
         self.phases.line(f"model {'built' if cfg.model.from_scratch else 'loaded'} "
                          f"({console.format_params(self.shape.total_numel)} params, {cfg.train.dtype})")
@@ -306,7 +307,7 @@ class FinetuneRecipe:
             model.gradient_checkpointing_enable()
         with console.quiet_prints(cfg.train.verbose):  # an op loaded from the build cache prints that it was built
             self.engine, _opt, _, _ = deepspeed.initialize(
-                model=model, model_parameters=model.parameters(), config=ds_cfg,
+                model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_cfg,
                 lr_scheduler=schedule.scheduler_factory(cfg.train, self.steps))
         del hf_ds
         self._meter_swap_io()
@@ -528,22 +529,15 @@ class FinetuneRecipe:
         self.sampler.phase("done")
 
     def _save_model(self) -> None:
-        """The fine-tuned model and tokenizer as an HF folder ``OUTPUT/model`` (collective gather,
-        rank 0 writes)."""
-        from memascend.integrations.deepspeed.engine_state import consolidated_16bit_state_dict
+        """The fine-tuned model (:func:`memascend.train.model_save.save_model`; collective gather, rank
+        0 writes)."""
+        from memascend.train.model_save import save_model
 
         t_save = time.monotonic()
-        state_dict = consolidated_16bit_state_dict(self.engine)
-        if self.is_rank0:
-            self.model_dir = self.out_dir / "model"
-            model_to_save = self.engine.module
-            with contextlib.suppress(AttributeError):
-                model_to_save.config.use_cache = True
-            with output_errors(self.out_dir, "the model"):
-                model_to_save.save_pretrained(self.model_dir, state_dict=state_dict, safe_serialization=True)
-                self.tokenizer.save_pretrained(self.model_dir)
-            self.phases.line(f"model saved: {self.model_dir} ({time.monotonic() - t_save:.1f}s)")
-        del state_dict
+        saved = save_model(self.engine, self.out_dir, self.tokenizer, self.cfg.lora, is_rank0=self.is_rank0)
+        if saved is not None:
+            self.model_dir, what = saved
+            self.phases.line(f"{what} ({time.monotonic() - t_save:.1f}s)")
 
     # ---- report and cleanup ---------------------------------------------------------------------
 

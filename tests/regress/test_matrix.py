@@ -11,7 +11,7 @@ from memascend.regress.matrix import MATRICES, BenchConfig, Matrix, get_matrix
 
 
 def test_named_matrices_exist_and_smoke_is_smollm2_one_and_two_ranks():
-    assert set(MATRICES) == {"smoke", "cpu-full", "gpu", "scaling", "ablation", "chunking", "speed"}
+    assert set(MATRICES) == {"smoke", "cpu-full", "gpu", "scaling", "ablation", "chunking", "speed", "lora"}
     smoke = get_matrix("smoke")
     assert {c.data for c in smoke.configs} == {"shakespeare", "chitchat"}
     assert {c.nproc for c in smoke.configs} == {1, 2}
@@ -210,3 +210,13 @@ def test_gpu_llama_0_1b_row_still_runs_the_h100_golden_command():
         out = recorded[recorded.index("--output") + 1]
         swap = recorded[recorded.index("--nvme-path") + 1]
         assert recorded[4:] == row.finetune_args(engine=engine, output_dir=out, nvme_path=swap)
+
+
+def test_the_lora_row_gives_both_engines_the_same_adapters():
+    (cfg,) = get_matrix("lora").configs
+    args = {e: cfg.finetune_args(engine=e, output_dir="o", nvme_path="n") for e in ("baseline", "memascend")}
+    for engine_args in args.values():
+        i = engine_args.index("--lora-rank")
+        assert engine_args[i:i + 4] == ["--lora-rank", "16", "--lora-target-modules", "all-linear"]
+    assert [a for a in args["baseline"] if a != "baseline"] == [a for a in args["memascend"] if a != "memascend"]
+    assert cfg.thresholds.max_peak_rss_ratio == 0.40 and cfg.thresholds.max_peak_locked_ratio == 0.25

@@ -75,10 +75,11 @@ def param_layout(module: Any) -> dict[str, list[int]]:
     return out
 
 
-def meta_param_layout(src: Any, model_cfg: Any) -> dict[str, list[int]]:
+def meta_param_layout(src: Any, model_cfg: Any, lora: Any = None) -> dict[str, list[int]]:
     """:func:`param_layout` of the run's model built on the meta device (no memory, no weights
     read), as :func:`memascend.train.preflight.meta_shape` builds it: what a checkpoint records and
-    resume compares."""
+    resume compares. ``lora`` (a :class:`~memascend.config.LoraConfig` with a rank): the model with
+    its adapters, whose names and shapes the layout then holds too."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -87,6 +88,10 @@ def meta_param_layout(src: Any, model_cfg: Any) -> dict[str, list[int]]:
     hf_cfg = from_scratch_config(model_cfg.from_scratch) if model_cfg.from_scratch else AutoConfig.from_pretrained(src.hf_dir)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(hf_cfg)
+    if lora is not None and lora.enabled:
+        from memascend.models.lora import apply_lora
+
+        meta = apply_lora(meta, lora, origin=src.origin)
     return param_layout(meta)
 
 
