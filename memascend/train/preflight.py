@@ -1,7 +1,8 @@
 """Checks made before DeepSpeed allocates anything, so a host that cannot run the job gets one clear
 line instead of a crash deep inside an op (DeepSpeed's aio op segfaults when ``mlock`` fails): the
 training dtype, ``--output``, the model's meta-device shape, the memlock limit, the kernel's AIO
-syscalls, stock's pinned parameter elements.
+syscalls, stock's pinned parameter elements, DeepSpeed's ops built for another accelerator with no
+compiler to rebuild them.
 
 What they check comes from the resolver (:func:`memascend.config.render.resolve`): the rendered DeepSpeed
 config and ``ResolvedRun.upfront_locked_bytes`` (:func:`~memascend.config.render.upfront_locked_bytes`)."""
@@ -17,8 +18,32 @@ from memascend.errors import UserError
 from memascend.host.memlock import check_memlock
 from memascend.host.result import HostPaths, Status
 
-__all__ = ["check_aio_for_swap_folder", "check_dtype_supported", "check_memlock_for_run", "check_output_dir",
+__all__ = ["check_aio_for_swap_folder", "check_deepspeed_ops_loadable", "check_dtype_supported", "check_memlock_for_run", "check_output_dir",
            "check_stock_param_dram", "meta_shape"]
+
+
+def check_deepspeed_ops_loadable() -> None:
+    """Stops a run whose DeepSpeed ops cannot load: the wheel's ops were prebuilt for another accelerator
+    (:func:`~memascend.integrations.deepspeed.op_report.prebuilt_for_other_accelerator`: the CUDA image
+    on a host where no GPU is visible) and no C++ compiler (``$CXX``, else ``c++``) is here for
+    DeepSpeed's JIT build of them for the accelerator in use. Call before the process group (the CPU
+    accelerator's collectives load an op).
+
+    Raises:
+        UserError: the ops were built for another accelerator and nothing can rebuild them.
+    """
+    import shutil
+
+    from memascend.integrations.deepspeed.op_report import prebuilt_for_other_accelerator
+
+    mismatch = prebuilt_for_other_accelerator()
+    if mismatch is None or shutil.which(os.environ.get("CXX") or "c++"):
+        return
+    built_for, running_on = mismatch
+    raise UserError(
+        f"DeepSpeed's ops here were built for the {built_for} accelerator, but DeepSpeed runs on {running_on} "
+        f"(no {built_for.upper()} device visible) and there is no C++ compiler to build them for it; give the "
+        f"container the GPUs (docker run --gpus all ...) or use the CPU image (memascend:cpu)")
 
 
 def check_dtype_supported(dtype: str, device_type: str) -> None:

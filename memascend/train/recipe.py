@@ -46,6 +46,7 @@ from memascend.train.dist import all_gather, all_reduce_sum, broadcast
 from memascend.train.evaluation import check_finite_loss
 from memascend.train.evaluation import evaluate as evaluate_held_out
 from memascend.train.preflight import (
+    check_deepspeed_ops_loadable,
     check_dtype_supported,
     check_memlock_for_run,
     check_output_dir,
@@ -160,6 +161,7 @@ class FinetuneRecipe:
         self._check_run_options()
         self.sampler.phase("load")
         self._load_inputs()
+        check_deepspeed_ops_loadable()
         with console.quiet_prints(self.cfg.train.verbose):  # DeepSpeed's "shm_comm_op built successfully"
             dist_setup.init_process_group()
         check_dtype_supported(self.cfg.train.dtype, self.info.device_type)

@@ -3,7 +3,8 @@ NVIDIA's nvcc wheels) and checks what it carries (opt-in: -m image).
 
 The ops must be compiled with CUDA (memascend's overflow check with its ``.cu`` kernel for the listed
 architectures, DeepSpeed's fused Adam), the runtime stage must hold no compiler (nvcc included), and
-the CPU smoke (a 2-step fine-tune on the built-in model) must still run in it on this GPU-less host."""
+the image's own smoke (every op imports without a compiler or a driver) passes on this GPU-less host,
+where a fine-tune stops with one line (DeepSpeed would have to JIT-build its ops for the CPU)."""
 
 from __future__ import annotations
 
@@ -84,15 +85,13 @@ def test_cuda_image_ops_carry_cuda_and_no_compiler(cuda_container):
     assert _run(cuda_container, "sh", "-c", "command -v g++ gcc cc c++ nvcc").stdout.strip() == ""
 
 
-def test_cuda_image_runs_the_cpu_smoke(cuda_container):
-    """The built-in model and corpus for 2 steps on this GPU-less host: DeepSpeed falls back to its CPU
-    accelerator, and every op still loads prebuilt (no JIT build). Root with CAP_IPC_LOCK stands in
-    for `--ulimit memlock=-1`, as in the CPU image's test."""
-    run = _run(cuda_container, *_FINETUNE, timeout=1800, user="0:0")
-    log = run.stdout + run.stderr
-    assert run.returncode == 0, log[-8000:]
-    assert not [m for m in _JIT_MARKERS if m in log], log[-8000:]
-    report = json.loads(_run(cuda_container, "cat", "/tmp/run/report.json").stdout)
-    assert report["num_steps"] == 2 and report["skipped_steps"] == 0
-    assert 1.0 < report["eval"]["loss_after"] < 8.0
-    assert report["nvme"]["write_bytes"] > 0 and report["nvme"]["read_bytes"] > 0
+def test_cuda_image_without_a_gpu_stops_with_one_line(cuda_container):
+    """On a host without a GPU, DeepSpeed falls back to its CPU accelerator and would JIT-build every op
+    (it loads prebuilt ops only on the accelerator they were built for), which the image cannot: no
+    compiler. The run stops before anything heavy with one line naming the fix, not a ninja traceback.
+    (The CPU image's tests run the fine-tune smoke; this image's ops need a GPU.)"""
+    run = _run(cuda_container, *_FINETUNE, timeout=900, user="0:0")
+    errors = [ln for ln in run.stderr.splitlines() if ln.startswith("memascend: error:")]
+    assert run.returncode == 2 and len(errors) == 1, run.stderr[-4000:]
+    assert "built for the cuda accelerator" in errors[0] and "--gpus all" in errors[0], errors
+    assert "Traceback" not in run.stderr and not [m for m in _JIT_MARKERS if m in run.stdout + run.stderr]

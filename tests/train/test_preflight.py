@@ -62,3 +62,47 @@ def test_finetune_refuses_before_deepspeed_crashes(tmp_path, engine):
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("memascend: error:")]
     assert len(errors) == 1 and "memlock limit too low" in errors[0] and "Traceback" not in proc.stderr
     assert not any((tmp_path / "swap").iterdir())
+
+
+@pytest.fixture
+def ops_built_for_cuda(monkeypatch):
+    """This DeepSpeed as if its wheel held async_io prebuilt for CUDA (the CUDA image's), on this GPU-less host."""
+    import deepspeed.git_version_info as gvi
+
+    monkeypatch.setattr(gvi, "accelerator_name", "cuda")
+    monkeypatch.setitem(gvi.installed_ops, "async_io", True)
+
+
+def test_ops_built_for_another_accelerator_without_a_compiler_stop_the_run(ops_built_for_cuda, monkeypatch,
+                                                                           tmp_path):
+    from memascend.integrations.deepspeed.op_report import prebuilt_for_other_accelerator
+    from memascend.train.preflight import check_deepspeed_ops_loadable
+
+    assert prebuilt_for_other_accelerator() == ("cuda", "cpu")
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no c++ anywhere
+    with pytest.raises(UserError, match=r"built for the cuda accelerator, but DeepSpeed runs on cpu .* --gpus all"):
+        check_deepspeed_ops_loadable()
+    monkeypatch.setenv("CXX", sys.executable)  # a "compiler" is found: DeepSpeed can JIT-build them
+    check_deepspeed_ops_loadable()
+
+
+def test_ops_for_this_accelerator_pass_without_a_compiler(monkeypatch, tmp_path):
+    import deepspeed.git_version_info as gvi
+
+    from memascend.integrations.deepspeed.op_report import deepspeed_ops, prebuilt_for_other_accelerator
+    from memascend.train.preflight import check_deepspeed_ops_loadable
+
+    monkeypatch.setattr(gvi, "accelerator_name", "cpu")
+    monkeypatch.setitem(gvi.installed_ops, "async_io", True)
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert prebuilt_for_other_accelerator() is None
+    check_deepspeed_ops_loadable()
+    assert next(op for op in deepspeed_ops() if op.name == "async_io").installed
+
+
+def test_doctor_does_not_count_ops_built_for_another_accelerator_as_prebuilt(ops_built_for_cuda):
+    from memascend.integrations.deepspeed.op_report import deepspeed_ops
+
+    assert not next(op for op in deepspeed_ops() if op.name == "async_io").installed

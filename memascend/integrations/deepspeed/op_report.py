@@ -22,7 +22,7 @@ class DeepSpeedOp:
     Attributes:
         name: DeepSpeed's op name (``async_io``).
         compatible: whether it can be built here (``OpBuilder.is_compatible``).
-        installed: prebuilt into the DeepSpeed wheel (``DS_BUILD_OPS``).
+        installed: prebuilt into the DeepSpeed wheel (``DS_BUILD_OPS``) for the accelerator in use.
         cached: JIT-built already, under ``$TORCH_EXTENSIONS_DIR``.
         used_by_run: whether a memascend run loads it (:data:`RUN_OPS`).
     """
@@ -32,6 +32,25 @@ class DeepSpeedOp:
     installed: bool
     cached: bool
     used_by_run: bool
+
+
+def prebuilt_for_other_accelerator() -> tuple[str, str] | None:
+    """``(built_for, running_on)`` when the DeepSpeed wheel's prebuilt ops were compiled for another
+    accelerator than the one DeepSpeed picked here (the CUDA image on a host without a GPU: DeepSpeed
+    falls back to its CPU accelerator), else None. DeepSpeed 0.19.8 loads a prebuilt op only when
+    ``git_version_info.accelerator_name`` is the current accelerator's name (``OpBuilder.load``) and
+    JIT-builds it otherwise.
+
+    Raises:
+        ImportError: DeepSpeed is not importable.
+    """
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import accelerator_name, installed_ops
+
+    running_on = get_accelerator()._name
+    if accelerator_name == running_on or not any(installed_ops.get(name) for name in RUN_OPS):
+        return None
+    return accelerator_name, running_on
 
 
 def deepspeed_ops() -> list[DeepSpeedOp]:
@@ -55,6 +74,9 @@ def deepspeed_ops() -> list[DeepSpeedOp]:
         from deepspeed.git_version_info import installed_ops
         from deepspeed.ops.op_builder.all_ops import ALL_OPS
 
+        # Ops prebuilt for another accelerator are not loaded here: DeepSpeed JIT-builds them.
+        usable_prebuilt = prebuilt_for_other_accelerator() is None
+
         out = []
         for name, builder in sorted(ALL_OPS.items()):
             if builder is None or name == "deepspeed_not_implemented":
@@ -64,5 +86,6 @@ def deepspeed_ops() -> list[DeepSpeedOp]:
             except Exception:  # noqa: BLE001 - a builder that cannot even check is not compatible
                 compatible = False
             cached = any((jit_root / name).glob(f"{name}*.so"))
-            out.append(DeepSpeedOp(name, compatible, bool(installed_ops.get(name)), cached, name in RUN_OPS))
+            out.append(DeepSpeedOp(name, compatible, usable_prebuilt and bool(installed_ops.get(name)), cached,
+                                   name in RUN_OPS))
     return out
