@@ -3,10 +3,11 @@
 #   images/build.sh [--local-base] VARIANT [TAG]
 # VARIANT is cpu or cuda (build arguments from images/VARIANT/build.env); TAG defaults to
 # memascend:VARIANT. With a running Docker engine it uses `docker build`; otherwise buildah
-# (chroot isolation). --local-base (cpu only) builds on a Debian bookworm base made here with
+# (chroot isolation). --local-base builds on a Debian bookworm base made here with
 # debootstrap and imported as localhost/debian:bookworm-slim with podman, for hosts without a
-# registry, and always builds with buildah (docker cannot see podman's images); a local wheelhouse in
-# $PIP_FIND_LINKS (default /opt/wheels when present) is mounted into the build.
+# registry (both variants: the CUDA one takes torch and nvcc from PyPI's wheels), and always builds
+# with buildah (docker cannot see podman's images); for the CPU variant a local wheelhouse in
+# $PIP_FIND_LINKS (default /opt/wheels when present, holding torch==2.13.0+cpu) is mounted into the build.
 # The tools are checked before anything is built: a missing one stops it with one line and exit 2.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +24,6 @@ need() {
 for tool in find sort xargs sha256sum cut; do need "$tool" "coreutils/findutils"; done
 docker_engine=0
 if ((local_base)); then
-  [[ $variant == cpu ]] || { echo "build.sh: --local-base only makes a Debian base (cpu variant)" >&2; exit 2; }
   need podman "--local-base keeps its base image in podman's storage: apt-get install podman"
   need buildah "--local-base builds with buildah: apt-get install buildah"
   if ! podman image exists localhost/debian:bookworm-slim 2>/dev/null; then
@@ -71,7 +71,7 @@ if ((local_base)); then
     args[PIP_CERT]=/etc/ssl/host-ca.crt
   fi
   wheels=${PIP_FIND_LINKS:-/opt/wheels}
-  if [[ -d $wheels ]]; then
+  if [[ $variant == cpu && -d $wheels ]]; then
     # The wheelhouse holds torch==2.13.0+cpu: take it from there instead of the CPU index.
     extra+=(--volume "$wheels:$wheels:ro")
     args[PIP_FIND_LINKS]=$wheels
@@ -81,8 +81,8 @@ fi
 
 # Content hashes (see the Dockerfile): buildah does not key its cache on bind-mounted files.
 sha_of() { find "$@" -type f ! -name '*.pyc' ! -name '*.so' ! -path '*/__pycache__/*' -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16; }
-args[PYTHON_SCRIPTS_SHA]=$(sha_of images/scripts/install-python.sh)
-args[SOURCE_SHA]=$(sha_of images/scripts/build-ops.sh memascend csrc pyproject.toml)
+args[PYTHON_SCRIPTS_SHA]=$(sha_of images/scripts/install-python.sh images/scripts/cuda-home.sh images/$variant/build.env)
+args[SOURCE_SHA]=$(sha_of images/scripts/build-ops.sh images/scripts/cuda-home.sh memascend csrc pyproject.toml)
 args[SMOKE_SHA]=$(sha_of images/scripts/smoke.sh)
 
 build_args=()

@@ -33,7 +33,18 @@ fi
 read -r -a ds_flags <<<"${DS_BUILD_FLAGS:-}"
 # DeepSpeed 0.19.8's setup drops the async_io op's -laio when torch has no CUDA (the .so then
 # fails to import with "undefined symbol: io_submit"); --no-as-needed makes the link record it.
-env "${ds_flags[@]}" LDFLAGS="-Wl,--no-as-needed -laio ${LDFLAGS:-}" "${pip[@]}" --no-build-isolation "deepspeed==0.19.8"
+ds_ldflags="-Wl,--no-as-needed -laio"
+if [[ -n ${CUDA_HOME:-} ]]; then
+  # With CUDA, async_io links -lcuda: the driver, which no wheel ships (a GPU host's driver brings
+  # it). The op calls no driver function, so an empty link-time stub with the driver's soname is
+  # enough, and --as-needed leaves it out of the op's NEEDED list: the op loads on hosts without a
+  # driver too (the CPU fallback of the same image).
+  stubs=$(mktemp -d)
+  gcc -shared -x c /dev/null -Wl,-soname,libcuda.so.1 -o "$stubs/libcuda.so"
+  ds_ldflags="-Wl,--as-needed -L$stubs"
+fi
+env "${ds_flags[@]}" LDFLAGS="$ds_ldflags ${LDFLAGS:-}" "${pip[@]}" --no-build-isolation "deepspeed==0.19.8"
+[[ -z ${stubs:-} ]] || rm -rf "$stubs"
 # Fail here, not in the runtime stage, if the aio op does not load prebuilt (on the CPU
 # accelerator it resolves symbols from the pin_memory op: DS_BUILD_PIN_MEMORY=1 is needed too).
 if [[ ${DS_BUILD_FLAGS:-} == *DS_BUILD_AIO=1* ]]; then
