@@ -71,6 +71,7 @@ from memascend.config.render import (
     resolve,
 )
 from memascend.config.settings import MemAscendSettings
+from memascend.config.sizing import AUTO_CHUNK_NUMEL
 from memascend.plan.calibration import (
     CORPUS_BYTES_PER_TOKEN,
     FRAMEWORK_RSS_BYTES,
@@ -455,6 +456,8 @@ def plan_for_report(report: dict) -> EnginePlan:
     # with them only for memascend's own reports.
     settings = report.get("memascend_settings") if report["engine"] == "memascend" else None
     settings = settings and {"optimizer_chunk_numel": None, **settings}  # before it: whole sub-groups
+    if settings and settings["optimizer_chunk_numel"] == "auto":  # resolved from the model since: the fixed chunk
+        settings = {**settings, "optimizer_chunk_numel": AUTO_CHUNK_NUMEL}
     if settings is not None:  # reports from before param_pool_bytes ran with a count-bounded pool
         settings = {"param_pool_bytes": None, **settings}
         settings = {"enable_grad_streaming": False, **settings}  # from before it: the gradient buffer
