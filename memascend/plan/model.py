@@ -180,7 +180,8 @@ def _add_forward_backward(add, dims: ModelDims, cfg: RunConfig, e: int, w: int, 
     as resident; the larger ones (mmapped) and everything under memascend's malloc policy are
     backward-phase transients.
     """
-    act = activation_parts(dims, cfg.train.micro_batch, cfg.data.seq_len, e, cfg.train.activation_checkpointing)
+    act = activation_parts(dims, cfg.train.micro_batch, cfg.data.seq_len, e, cfg.train.activation_checkpointing,
+                           cfg.train.loss_chunk_tokens)
     heap = 0 if trimmed else GLIBC_MMAP_THRESHOLD_MAX_BYTES
     src = "autograd saved tensors (activation_parts)"
     saved_kept = act.largest_saved_tensor < heap
