@@ -13,8 +13,10 @@ time. At most ``chunk_tokens x vocab`` logits exist at once, in forward and in b
 ZeRO-3: ``lm_head`` is called as a module once per chunk (and once more per chunk in the backward's
 recompute), so DeepSpeed 0.19.8's module hooks fetch and release its weight around every call as they
 do around any module called several times in a step (``partitioned_param_coordinator`` records each
-call in its trace); a tied weight (the input embedding's) is one parameter, fetched by whichever module
-runs. The weight's gradient reaches the parameter through autograd as in the unchunked loss (one
+call in its module trace; the number of chunks depends only on micro-batch x sequence length, so the
+trace is the same every step and stays valid). A fetch during the backward's recompute is attributed
+to the backward submodule running (``ds_recompute_parameters``) and released when it finishes. A tied
+weight (the input embedding's) is one parameter, fetched by whichever module runs. The weight's gradient reaches the parameter through autograd as in the unchunked loss (one
 ``AccumulateGrad`` per parameter, the chunks' contributions summed before it runs), so DeepSpeed's
 gradient hooks see one gradient per backward.
 
