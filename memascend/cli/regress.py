@@ -14,7 +14,7 @@ from memascend.regress.matrix import MATRICES
 @click.command("regress")
 @click.option("--matrix", "matrix_name", type=click.Choice(list(MATRICES)), default="smoke",
               show_default=True, help="Named matrix of configurations (memascend/regress/matrix.py); `scaling` is the "
-              "largest-model search and needs --memory-cap")
+              "largest-model search, `context` the longest-sequence search; both need --memory-cap")
 @click.option("--output", "output_dir", default="runs/regress", show_default=True,
               help="Folder for results.json, results.md, PNG plots and each run's output and log")
 @click.option("--only", "only", default=None, help="Run only configs whose name matches this shell pattern (several: comma-separated)")
@@ -66,6 +66,8 @@ def regress(matrix_name, output_dir, only, memory_cap, update_golden, baselines_
     the largest model each engine trained under the cap is reported side by side (printed, and in
     results.md / results.json "largest_under_cap"). Where both engines fit, losses must be
     bit-identical and memascend must not use more memory than stock, nor take 2x its step time.
+    --matrix context --memory-cap 8GiB searches the same way over the sequence length: llama-0.1b,
+    1 x 1K-32K tokens, activation checkpointing, the loss in chunks of 256 tokens on both engines.
 
     \b
     Exit status: 0 no regression (every run completed, or was stopped by the cap as above);

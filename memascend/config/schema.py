@@ -187,6 +187,13 @@ class TrainConfig:
         "training", 5, "--activation-checkpointing/--no-activation-checkpointing", kind="switch", help=
         "Recompute activations in backward [default: off]"))
     """Recompute activations in the backward pass (Hugging Face gradient checkpointing)."""
+    loss_chunk_tokens: int | None = field(default=None, metadata=cli("training", 7, "--loss-chunk-tokens", help=
+        "Compute the loss this many tokens at a time, in the forward and the backward, instead of the "
+        "whole micro-batch's logits (tokens x vocabulary x 4 bytes) at once; the loss differs from the "
+        "unchunked one by the order of its fp32 sums (~1e-6 relative) [default: off]"))
+    """Tokens per chunk of the chunked causal-LM loss (:mod:`memascend.train.chunked_loss`): at most
+    ``loss_chunk_tokens x vocab_size`` logits exist at once, in the forward and in the backward.
+    ``None``: the model's own loss over the whole micro-batch's logits."""
     deterministic: bool = field(default=False, metadata=cli(
         "training", 6, "--deterministic/--no-deterministic", kind="switch", help=
         "Deterministic kernels (torch.use_deterministic_algorithms, cuBLAS workspace, cuDNN): on a GPU "
@@ -274,6 +281,8 @@ class TrainConfig:
             raise UserError(f"--checkpoint-every must be >= 1 step, got {self.checkpoint_every}")
         if self.checkpoint_every_minutes is not None and self.checkpoint_every_minutes <= 0:
             raise UserError(f"--checkpoint-every-minutes must be positive, got {self.checkpoint_every_minutes}")
+        if self.loss_chunk_tokens is not None and self.loss_chunk_tokens < 1:
+            raise UserError(f"--loss-chunk-tokens must be >= 1 token, got {self.loss_chunk_tokens}")
         if self.keep_checkpoints < 1:
             raise UserError(f"--keep-checkpoints must be >= 1, got {self.keep_checkpoints}")
 

@@ -151,8 +151,9 @@ class MemAscendSettings:
             moments and gradient read at the chunk's file offsets into four chunk-sized locked
             buffers instead of four of the largest sub-group; losses stay bit-identical (Adam is
             elementwise). A multiple of 1024 (direct-I/O and SIMD alignment). ``"auto"``:
-            :data:`memascend.config.sizing.AUTO_CHUNK_NUMEL` (8 Mi elements,
-            32 MiB of fp32). ``None``: stock's whole-sub-group step. With ``enable_optimizer_pool``
+            sized from the model (:func:`memascend.config.sizing.auto_chunk_numel`: a power of two
+            of at most a sixteenth of the rank's parameter partitions, 1 Mi to 8 Mi elements, 4 to
+            32 MiB of fp32; 8 Mi where the model is not known). ``None``: stock's whole-sub-group step. With ``enable_optimizer_pool``
             the gradient swap-out and the initial fp32 write-out also go through one window of a
             chunk (:mod:`memascend.integrations.deepspeed.chunked_swap_out`) instead of two buffers
             of the largest sub-group.

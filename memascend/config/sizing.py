@@ -33,19 +33,59 @@ PARAM_DRAM_AUTO_MAX_BYTES = 1024**3
 copy is kept; above it every partition lives on NVMe only (``max_in_cpu`` 0)."""
 
 AUTO_CHUNK_NUMEL = 8 << 20
-"""``optimizer_chunk_numel="auto"``: 8 Mi elements, 32 MiB of fp32 per tensor and request, 128 MiB
-for the step's four buffers (master weights, two moments, gradient). An NVMe drive reaches its
-sequential bandwidth with requests of a few MiB, so larger chunks buy no I/O speed, while the step's
-locked memory stays the same whatever the model (a 49152 x 2048 embedding alone is 100.7 M elements:
-12 chunks)."""
+"""The largest ``optimizer_chunk_numel="auto"`` chunk, and the one taken where the model is not
+known (:func:`resolve_chunk_numel`): 8 Mi elements, 32 MiB of fp32 per tensor and request. An NVMe
+drive reaches its sequential bandwidth with requests of a few MiB, so larger chunks buy no I/O
+speed, while the step's locked memory stays bounded whatever the model (a 49152 x 2048 embedding
+alone is 100.7 M elements: 12 chunks)."""
+
+AUTO_CHUNK_MIN_NUMEL = 1 << 20
+"""The smallest ``optimizer_chunk_numel="auto"`` chunk: 1 Mi elements, 4 MiB of fp32 per request
+(still a request size at which a drive streams)."""
+
+AUTO_CHUNK_MODEL_DIVISOR = 16
+"""``optimizer_chunk_numel="auto"`` sized from the model: at most one sixteenth of the rank's
+parameter partitions. The chunked step holds up to nine chunks of fp32 at once (two buffer sets of
+master weights, two moments and a gradient slab, plus the chunk gradient:
+:func:`memascend.integrations.deepspeed.chunk_plan.chunk_buffers_numel`), 36 bytes per chunk
+element: at a sixteenth that is at most 2.25 bytes per parameter of the rank, about its 16-bit
+weights, so the step's locked memory shrinks with a small model (or a partition split over ranks)
+instead of staying at the 8 Mi-element chunk's ~0.28 GiB."""
 
 
 def resolve_chunk_numel(value: int | str | None) -> int | None:
-    """Elements per chunk for a setting value: ``"auto"`` -> :data:`AUTO_CHUNK_NUMEL`, an integer
-    as given, ``None`` -> ``None`` (no chunking)."""
+    """Elements per chunk for a setting value: ``"auto"`` -> :data:`AUTO_CHUNK_NUMEL` (the model
+    unknown; :func:`prepare_ds_config` resolves ``"auto"`` from the model with
+    :func:`auto_chunk_numel`), an integer as given, ``None`` -> ``None`` (no chunking)."""
     if value == "auto":
         return AUTO_CHUNK_NUMEL
     return None if value is None else int(value)
+
+
+def auto_chunk_numel(param_numels: Iterable[int], world_size: int = 1) -> int:
+    """``optimizer_chunk_numel="auto"`` for a model: the largest power of two of elements that is at
+    most :data:`AUTO_CHUNK_MODEL_DIVISOR`-th of one rank's parameter partitions
+    (``ceil(numel / world_size)`` each), clamped to [:data:`AUTO_CHUNK_MIN_NUMEL`,
+    :data:`AUTO_CHUNK_NUMEL`].
+
+    A power of two is a multiple of the chunk alignment (1024 elements) and of every smaller power,
+    so the sub-group candidates of :func:`auto_chunked_sub_group_numel` (the chunk halved) stay
+    aligned. Any chunk gives bit-identical losses (Adam is elementwise): the size trades locked
+    memory against the number of I/O requests only.
+
+    Args:
+        param_numels: elements of every parameter (tied weights once).
+        world_size: ranks that partition each parameter.
+
+    Returns:
+        Elements per chunk, a power of two in [1 Mi, 8 Mi].
+    """
+    rank_numel = sum(math.ceil(int(n) / max(1, world_size)) for n in param_numels)
+    limit = min(AUTO_CHUNK_NUMEL, rank_numel // AUTO_CHUNK_MODEL_DIVISOR)
+    chunk = AUTO_CHUNK_MIN_NUMEL
+    while chunk * 2 <= limit:
+        chunk *= 2
+    return chunk
 
 
 def stock_sub_groups(params: Sequence[Any], sub_group_numel: int | None,
@@ -289,6 +329,9 @@ def prepare_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings,
                       world_size: int = 1) -> tuple[dict[str, Any], MemAscendSettings]:
     """Resolve ``settings`` against the model and return (DeepSpeed config, settings to apply).
 
+    * ``optimizer_chunk_numel="auto"`` becomes :func:`auto_chunk_numel` when the optimizer state
+      is swapped to NVMe and ``param_numels`` are given (else it stays ``"auto"``:
+      :data:`AUTO_CHUNK_NUMEL`);
     * ``optimizer_sub_group_numel="auto"`` becomes :func:`auto_sub_group_numel` (with a chunked
       step, ``optimizer_chunk_numel`` set: :func:`auto_chunked_sub_group_numel`) when the optimizer
       state is swapped to NVMe and ``param_numels`` are given (else the config's size is kept);
@@ -314,9 +357,13 @@ def prepare_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings,
     zero = ds_config.get("zero_optimization", {}) or {}
     stock_sub_group = int(zero.get("sub_group_size", ds_defaults.SUB_GROUP_NUMEL))
     optimizer_on_nvme = (zero.get("offload_optimizer") or {}).get("device") == "nvme"
+    param_numels = None if param_numels is None else [int(n) for n in param_numels]
+    chunk_setting = settings.optimizer_chunk_numel
+    if chunk_setting == "auto" and optimizer_on_nvme and param_numels is not None:
+        chunk_setting = auto_chunk_numel(param_numels, world_size)
     sub_group = settings.optimizer_sub_group_numel
     if sub_group == "auto":
-        chunk = resolve_chunk_numel(settings.optimizer_chunk_numel)
+        chunk = resolve_chunk_numel(chunk_setting)
         if not optimizer_on_nvme or param_numels is None:
             sub_group = None
         elif chunk is not None:
@@ -335,7 +382,7 @@ def prepare_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings,
     if norm_sub_group is None and sub_group is not None and sub_group != stock_sub_group:
         norm_sub_group = stock_sub_group
     pool = _resolve_param_pool_bytes(ds_config, settings, dram, param_numels, world_size)
-    resolved = dataclasses.replace(settings, optimizer_sub_group_numel=sub_group,
+    resolved = dataclasses.replace(settings, optimizer_chunk_numel=chunk_setting, optimizer_sub_group_numel=sub_group,
                                    grad_norm_sub_group_numel=norm_sub_group, reduce_bucket_numel=bucket,
                                    param_dram_numel=dram, param_pool_bytes=pool)
     return rewrite_ds_config(ds_config, resolved), resolved

@@ -71,6 +71,7 @@ from memascend.config.render import (
     resolve,
 )
 from memascend.config.settings import MemAscendSettings
+from memascend.config.sizing import AUTO_CHUNK_NUMEL
 from memascend.plan.calibration import (
     CORPUS_BYTES_PER_TOKEN,
     FRAMEWORK_RSS_BYTES,
@@ -179,7 +180,8 @@ def _add_forward_backward(add, dims: ModelDims, cfg: RunConfig, e: int, w: int, 
     as resident; the larger ones (mmapped) and everything under memascend's malloc policy are
     backward-phase transients.
     """
-    act = activation_parts(dims, cfg.train.micro_batch, cfg.data.seq_len, e, cfg.train.activation_checkpointing)
+    act = activation_parts(dims, cfg.train.micro_batch, cfg.data.seq_len, e, cfg.train.activation_checkpointing,
+                           cfg.train.loss_chunk_tokens)
     heap = 0 if trimmed else GLIBC_MMAP_THRESHOLD_MAX_BYTES
     src = "autograd saved tensors (activation_parts)"
     saved_kept = act.largest_saved_tensor < heap
@@ -465,6 +467,8 @@ def plan_for_report(report: dict) -> EnginePlan:
     # with them only for memascend's own reports.
     settings = report.get("memascend_settings") if report["engine"] == "memascend" else None
     settings = settings and {"optimizer_chunk_numel": None, **settings}  # before it: whole sub-groups
+    if settings and settings["optimizer_chunk_numel"] == "auto":  # resolved from the model since: the fixed chunk
+        settings = {**settings, "optimizer_chunk_numel": AUTO_CHUNK_NUMEL}
     if settings is not None:  # reports from before param_pool_bytes ran with a count-bounded pool
         settings = {"param_pool_bytes": None, **settings}
         settings = {"enable_grad_streaming": False, **settings}  # from before it: the gradient buffer

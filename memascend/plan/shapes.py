@@ -188,7 +188,7 @@ class Activations:
 
 
 def activation_parts(dims: ModelDims, micro_batch: int, seq_len: int, dtype_bytes: int,
-                     checkpointing: bool) -> Activations:
+                     checkpointing: bool, loss_chunk_tokens: int | None = None) -> Activations:
     """Activation memory of one micro-batch of a Hugging Face Llama-style model (bytes, per rank).
 
     Counted per token (``T = micro_batch * seq_len``; ``e`` = ``dtype_bytes``; ``h`` hidden, ``kv``
@@ -202,7 +202,9 @@ def activation_parts(dims: ModelDims, micro_batch: int, seq_len: int, dtype_byte
     * with activation checkpointing instead ``e*h`` per layer (the layer input), and one layer's
       full set while it is recomputed during backward (after the logits are freed);
     * the final norm, ``2*e*h + 4*h``;
-    * the logits: :data:`LOGITS_FP32_TENSORS` fp32 ``T x V`` tensors at the start of backward.
+    * the logits: :data:`LOGITS_FP32_TENSORS` fp32 ``T x V`` tensors at the start of backward; with
+      ``loss_chunk_tokens`` (:mod:`memascend.train.chunked_loss`) the same for one chunk of
+      ``min(T, loss_chunk_tokens)`` tokens, recomputed during backward.
 
     Measured with ``torch.profiler`` (``profile_memory``, peak of live CPU tensor bytes, weight
     gradients dropped as stage 3 does) on transformers 5.23 / torch 2.13: the per-layer term to
@@ -220,7 +222,7 @@ def activation_parts(dims: ModelDims, micro_batch: int, seq_len: int, dtype_byte
     per_layer = e * h if checkpointing else full_layer
     saved = t * (dims.num_layers * per_layer + norm)
     recompute = t * full_layer if checkpointing else 0
-    logits_tensor = t * dims.vocab_size * _FP32
+    logits_tensor = (min(t, loss_chunk_tokens) if loss_chunk_tokens else t) * dims.vocab_size * _FP32
     return Activations(saved, LOGITS_FP32_TENSORS * logits_tensor, recompute, t * max(e * i, 4 * h),
                        logits_tensor)
 

@@ -120,6 +120,9 @@ class BenchConfig:
         lora: ``(rank, target modules)``: both engines train LoRA adapters of this rank on these
             modules (``--lora-rank``, ``--lora-target-modules``), the base weights frozen; ``None``: a
             full fine-tune.
+        loss_chunk_tokens: ``--loss-chunk-tokens`` for BOTH engines (the chunked loss,
+            :mod:`memascend.train.chunked_loss`: same numbers in both, so losses stay comparable bit
+            for bit); ``None``: the model's own loss.
         reference_settings: ``None``: the pair's reference run (the ``baseline`` slot of every
             table and check) is stock DeepSpeed (``--engine baseline``). Else ``(name, value)`` pairs
             of ``MemAscendSettings``: the reference is ``--engine memascend`` with them, i.e.
@@ -150,6 +153,7 @@ class BenchConfig:
     deepspeed_settings: tuple[tuple[str, object], ...] = ()
     reference_settings: tuple[tuple[str, object], ...] | None = None
     lora: tuple[int, str] | None = None
+    loss_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 3:
@@ -217,6 +221,7 @@ class BenchConfig:
         args += ["--activation-checkpointing"] if self.activation_checkpointing else []
         args += ["--deterministic"] if self.deterministic else []
         args += ["--lora-rank", str(self.lora[0]), "--lora-target-modules", self.lora[1]] if self.lora else []
+        args += ["--loss-chunk-tokens", str(self.loss_chunk_tokens)] if self.loss_chunk_tokens else []
         if self.nproc > 1 and self.nnodes == 1:
             args += ["--nproc", str(self.nproc)]
         ds_json = self.deepspeed_json_path(engine, output_dir)
@@ -520,8 +525,39 @@ def _lora() -> Matrix:
     )
 
 
+CONTEXT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
+"""Tokens per sequence of the ``context`` search, ascending."""
+
+CONTEXT_MODEL = "hidden=576,layers=24,heads=9,kv_heads=3,max_positions=32768"
+"""The ``llama-0.1b`` preset's shape (113 M parameters, 49,152-token vocabulary) with room for the
+longest search length (the preset's 8,192 positions; the default rotary embedding does not depend on
+the position count, so the numbers at shorter lengths are the preset's)."""
+
+CONTEXT_LOSS_CHUNK_TOKENS = 256
+"""``--loss-chunk-tokens`` of both engines in the ``context`` search: at most 256 x 49,152 logits at
+once (~0.2 GB with their fp32 copies and gradient) instead of ``seq_len`` x 49,152."""
+
+
+def _context() -> Matrix:
+    # One sequence per micro-batch, activation checkpointing, the chunked loss on both engines: the
+    # length is the only thing that grows; each engine stops at its first OOM kill.
+    configs = tuple(BenchConfig(name=f"llama-0.1b-bf16-{seq}x1", from_scratch=CONTEXT_MODEL, seq_len=seq, micro_batch=1,
+                                steps=3, activation_checkpointing=True, loss_chunk_tokens=CONTEXT_LOSS_CHUNK_TOKENS,
+                                thresholds=SCALING_SEARCH_THRESHOLDS)
+                    for seq in CONTEXT_LENGTHS)
+    return Matrix(
+        name="context",
+        description="longest sequence each engine trains for 3 steps under --memory-cap: from-scratch llama-0.1b, "
+                    "bf16, 1 x 1K-32K tokens, activation checkpointing, the loss in chunks of 256 tokens on both "
+                    "engines, ascending, each engine stopping at its first OOM kill; the long rows take many "
+                    "minutes a step on a 2-core CPU (attention grows with the square of the length)",
+        configs=configs,
+        capped_search=True,
+    )
+
+
 MATRICES: dict[str, Matrix] = {m.name: m for m in (_smoke(), _cpu_full(), _gpu(), _scaling(), _ablation(),
-                                                   _chunking(), _speed(), _lora())}
+                                                   _chunking(), _speed(), _lora(), _context())}
 """Every named matrix, by name."""
 
 

@@ -38,7 +38,7 @@ from memascend.integrations.deepspeed.io_meter import METER, SwapIOTotals
 from memascend.telemetry import MemorySampler, read_proc_io
 from memascend.telemetry.tensorboard import check_tensorboard
 from memascend.train import checkpoints as ckpt
-from memascend.train import console, determinism, resume_schedule, schedule
+from memascend.train import chunked_loss, console, determinism, resume_schedule, schedule
 from memascend.train import dist as dist_setup
 from memascend.train import report as report_mod
 from memascend.train.cleanup import Cleanup
@@ -307,6 +307,8 @@ class FinetuneRecipe:
                          f"({console.format_params(self.shape.total_numel)} params, {cfg.train.dtype})")
         if cfg.train.activation_checkpointing:
             model.gradient_checkpointing_enable()
+        if cfg.train.loss_chunk_tokens:
+            chunked_loss.install(model, cfg.train.loss_chunk_tokens)
         with console.quiet_prints(cfg.train.verbose):  # an op loaded from the build cache prints that it was built
             self.engine, _opt, _, _ = deepspeed.initialize(
                 model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_cfg,

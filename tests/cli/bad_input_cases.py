@@ -97,6 +97,8 @@ CASES: tuple[Case, ...] = (
          "--steps must be at most 10,000,000, got 100,000,000,000"),
     Case("warmup-negative", "negative warm-up", "finetune", ("--warmup-steps", "-1"),
          "--warmup-steps ([train] warmup_steps) must be >= 0, got -1"),
+    Case("loss-chunk-tokens-zero", "no tokens per loss chunk", "finetune", ("--loss-chunk-tokens", "0"),
+         "--loss-chunk-tokens must be >= 1 token, got 0"),
     Case("max-grad-norm-negative", "negative gradient clip", "finetune", ("--max-grad-norm", "-1"),
          "--max-grad-norm ([train] gradient_clipping) must be >= 0, got -1.0"),
     Case("lr-scheduler-unknown", "unknown --lr-scheduler", "finetune", ("--lr-scheduler", "exponential"),

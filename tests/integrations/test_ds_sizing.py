@@ -138,3 +138,28 @@ def test_chunked_sub_groups_do_not_balloon_behind_an_untied_lm_head():
     assert min(sum(g) for g in groups) * 4 >= MIN_SWAPPABLE_BYTES  # every sub-group swapped
     # Nothing to gain: the unchunked size is kept (a tiny model, one sub-group).
     assert auto_chunked_sub_group_numel([64_000, 4096], 8 << 20, 2) == auto_sub_group_numel([64_000, 4096], 2)
+
+
+def test_auto_chunk_scales_with_the_rank_partition():
+    """The chunked step's chunk is a power of two of at most a sixteenth of the rank's partitions,
+    between 1 Mi and 8 Mi elements: a 16 M model steps in 1 Mi chunks (36 MiB of chunk buffers, not
+    the 8 Mi chunk's 288 MiB), SmolLM2-135M keeps 8 Mi on one rank and halves to 4 Mi on two."""
+    from memascend.config.sizing import AUTO_CHUNK_MIN_NUMEL, AUTO_CHUNK_NUMEL, auto_chunk_numel
+
+    mi = 1 << 20
+    assert auto_chunk_numel([16_004_608]) == mi == AUTO_CHUNK_MIN_NUMEL
+    assert auto_chunk_numel([134_515_008]) == 8 * mi == AUTO_CHUNK_NUMEL
+    assert auto_chunk_numel([134_515_008], world_size=2) == 4 * mi
+    assert auto_chunk_numel([10**10]) == AUTO_CHUNK_NUMEL
+    assert auto_chunk_numel([1000]) == AUTO_CHUNK_MIN_NUMEL
+    assert auto_chunk_numel([16 * 3 * mi]) == 2 * mi  # 3 Mi: the power of two below
+    numels = [16_004_608 - 12_582_912, 12_582_912]
+    _, resolved = prepare_ds_config(_nvme_config(), MemAscendSettings(), param_numels=numels)
+    assert resolved.optimizer_chunk_numel == mi
+    _, unknown = prepare_ds_config(_nvme_config(), MemAscendSettings())
+    assert unknown.optimizer_chunk_numel == "auto"  # the model unknown: the 8 Mi chunk where it is used
+    cpu = {**_nvme_config(), "zero_optimization": {**_nvme_config()["zero_optimization"],
+                                                   "offload_optimizer": {"device": "cpu"}}}
+    assert prepare_ds_config(cpu, MemAscendSettings(), param_numels=numels)[1].optimizer_chunk_numel == "auto"
+    given = MemAscendSettings(optimizer_chunk_numel=4 * mi)
+    assert prepare_ds_config(_nvme_config(), given, param_numels=numels)[1].optimizer_chunk_numel == 4 * mi

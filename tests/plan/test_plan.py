@@ -277,6 +277,24 @@ def test_activations_grow_with_tokens_not_with_the_square_of_the_sequence():
         assert activation_parts(_smollm2_dims(), 1, 8192, 2, ckpt).total == 2 * long.total
 
 
+def test_the_chunked_loss_holds_one_chunk_of_logits():
+    """--loss-chunk-tokens: the logits term is one chunk's, whatever the sequence; the layers' terms
+    are unchanged; a chunk longer than the micro-batch is the micro-batch."""
+    from memascend.config import build_run_config
+    from memascend.plan import activation_parts, plan_run
+
+    full = activation_parts(_smollm2_dims(), 1, 8192, 2, True)
+    chunked = activation_parts(_smollm2_dims(), 1, 8192, 2, True, loss_chunk_tokens=256)
+    assert (chunked.saved, chunked.recompute) == (full.saved, full.recompute)
+    assert chunked.logits * 32 == full.logits
+    assert activation_parts(_smollm2_dims(), 1, 128, 2, True, 256) == activation_parts(_smollm2_dims(), 1, 128, 2, True)
+    plans = [plan_run(build_run_config({}, {"data": {"seq_len": 4096}, "train": {"micro_batch": 1,
+                                                                                 "loss_chunk_tokens": n}}))
+             for n in (None, 256)]
+    for engine in ("baseline", "memascend"):
+        assert plans[1][engine].peak_rss_bytes < plans[0][engine].peak_rss_bytes - (1 << 30)
+
+
 def test_per_rank_costs_are_duplicated_and_gathered_parameters_appear_on_two_ranks():
     from memascend.config import build_run_config
     from memascend.plan import plan_run

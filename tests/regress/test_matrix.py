@@ -11,7 +11,8 @@ from memascend.regress.matrix import MATRICES, BenchConfig, Matrix, get_matrix
 
 
 def test_named_matrices_exist_and_smoke_is_smollm2_one_and_two_ranks():
-    assert set(MATRICES) == {"smoke", "cpu-full", "gpu", "scaling", "ablation", "chunking", "speed", "lora"}
+    assert set(MATRICES) == {"smoke", "cpu-full", "gpu", "scaling", "ablation", "chunking", "speed", "lora",
+                             "context"}
     smoke = get_matrix("smoke")
     assert {c.data for c in smoke.configs} == {"shakespeare", "chitchat"}
     assert {c.nproc for c in smoke.configs} == {1, 2}
@@ -83,6 +84,27 @@ def test_scaling_search_is_cpu_fulls_llama_series_in_ascending_size():
         assert c.thresholds.bitwise_losses and c.thresholds.max_peak_rss_ratio == 1.0
     with pytest.raises(ValueError, match="ascending"):
         Matrix(name="x", description="", configs=tuple(reversed(scaling.configs)), capped_search=True)
+
+
+def test_context_search_grows_only_the_sequence_with_the_chunked_loss_on_both_engines():
+    from memascend.config import FROM_SCRATCH_PRESETS, parse_from_scratch
+
+    context = get_matrix("context")
+    assert context.capped_search
+    assert [c.seq_len for c in context.configs] == [1024, 2048, 4096, 8192, 16384, 32768]
+    model = parse_from_scratch(context.configs[0].from_scratch)
+    preset = FROM_SCRATCH_PRESETS["llama-0.1b"]
+    assert model.param_numel == preset.param_numel and model.max_position_embeddings >= 32768
+    assert (model.hidden_size, model.num_layers, model.kv_heads) == (preset.hidden_size, preset.num_layers,
+                                                                     preset.kv_heads)
+    for c in context.configs:
+        base, ma = (c.finetune_args(engine=e, output_dir="o", nvme_path="s") for e in ("baseline", "memascend"))
+        assert base[base.index("--loss-chunk-tokens") + 1] == ma[ma.index("--loss-chunk-tokens") + 1] == "256"
+        assert [a for a in base if a != "baseline"] == [a for a in ma if a != "memascend"]
+        assert (c.micro_batch, c.dtype) == (1, "bf16") and "--activation-checkpointing" in ma
+        assert c.thresholds.bitwise_losses
+    assert "--loss-chunk-tokens" not in get_matrix("smoke").configs[0].finetune_args(engine="memascend",
+                                                                                      output_dir="o", nvme_path="s")
 
 
 def test_ablation_passes_settings_to_the_memascend_run_only(tmp_path):
