@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,7 +142,11 @@ def doctor(
         click.echo(f"memascend doctor: the run of {run_name(run.cfg)} ({run.cfg.engine}) needs "
                    f"{format_bytes(doctor_options.lock_bytes)} locked and {format_bytes(doctor_options.nvme_bytes)} "
                    "on NVMe")
-    results = run_checks(doctor_options)
+    if as_json:
+        with _stdout_to_stderr():  # the JSON alone on stdout, whatever a library logs while checking
+            results = run_checks(doctor_options)
+    else:
+        results = run_checks(doctor_options)
     code = exit_code(results)
     if as_json:
         click.echo(json.dumps({"ok": code == 0, "checks": [r.to_dict() for r in results]}, indent=2))
@@ -155,6 +161,24 @@ def doctor(
 
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """File descriptor 1 (and ``sys.stdout``) pointed at stderr for the block: DeepSpeed's loggers
+    hold the stdout stream they found at import (its accelerator detection warns there), so only a
+    descriptor-level redirect keeps ``doctor --json``'s stdout parseable."""
+    sys.stdout.flush()
+    saved_fd = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved_fd, 1)
+        os.close(saved_fd)
+
+
 @dataclass(frozen=True)
 class _Run:
     cfg: RunConfig
@@ -164,7 +188,8 @@ class _Run:
 def _run_to_check(run_flags: dict) -> _Run | None:
     """The run finetune's flags describe, or ``None`` when none but ``--nvme-path`` was given (the
     built-in run's numbers then, :func:`memascend.host.doctor.builtin_run`)."""
-    given = [k for k, v in run_flags.items() if v is not None and k != "nvme_path"]
+    # Not given: None, or False for an on/off flag (click's is_flag default).
+    given = [k for k, v in run_flags.items() if v is not None and v is not False and k != "nvme_path"]
     if not given:
         return None
     cfg = options.run_config_from_flags(run_flags)

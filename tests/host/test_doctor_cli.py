@@ -101,3 +101,33 @@ def test_doctor_lists_deepspeed_s_ops(fake_host):
         row = rows[f"deepspeed op {name}"]
         assert (row["status"] == "pass") == (op.installed or op.cached)
         assert row["required"] == (name in RUN_OPS and (op.installed or op.cached or not op.compatible))
+
+
+_NOISY_DOCTOR = """
+import logging, os, sys
+import memascend.cli.doctor as cli_doctor
+real_run_checks = cli_doctor.run_checks
+stdout_logger = logging.getLogger("bound-to-stdout")
+stdout_logger.addHandler(logging.StreamHandler(sys.stdout))  # as DeepSpeed's loggers are, at import
+def noisy(options):
+    print("a library's print")
+    stdout_logger.warning("[WARNING] Setting accelerator to CPU.")
+    os.write(1, b"a C extension's write to fd 1\\n")
+    return real_run_checks(options)
+cli_doctor.run_checks = noisy
+sys.argv = ["memascend", "doctor", "--no-gpu", "--json"]
+import runpy
+runpy.run_module("memascend", run_name="__main__")
+"""
+
+
+def test_doctor_json_keeps_stdout_for_the_json_whatever_libraries_print():
+    import json
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _NOISY_DOCTOR], capture_output=True, text=True, timeout=300)
+    report = json.loads(run.stdout)  # nothing but the JSON
+    assert report["checks"] and run.returncode in (0, 1)
+    for noise in ("a library's print", "Setting accelerator to CPU", "a C extension's write to fd 1"):
+        assert noise in run.stderr and noise not in run.stdout
