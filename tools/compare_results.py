@@ -43,6 +43,12 @@ def main(argv: list[str]) -> int:
         print("usage: python3 -m tools.compare_results NEW_RESULTS_JSON OLD_RESULTS_JSON", file=sys.stderr)
         return 2
     new, old = (json.loads(Path(p).read_text()) for p in argv)
+    for path, data in zip(argv, (new, old)):
+        if not isinstance(data.get("configs"), list):
+            # A golden file (baselines/<profile>/<matrix>.json) keys its configs by name and keeps no losses.
+            print(f"compare_results: error: {path} is not a regress results.json (a golden file?); compare the "
+                  "runs' results.json files, e.g. baselines/cpu-2c-24g/smoke/results.json", file=sys.stderr)
+            return 2
     lines, same = compare(new, old)
     print("\n".join(lines))
     return 0 if same else 1

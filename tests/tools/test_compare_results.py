@@ -25,3 +25,12 @@ def test_equal_losses_pass_and_one_ulp_fails(tmp_path):
     (tmp_path / "b.json").write_text(json.dumps(old))
     assert main([str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 1
     assert main([str(tmp_path / "b.json"), str(tmp_path / "b.json")]) == 0
+
+
+def test_a_golden_file_is_refused_with_one_line(tmp_path, capsys):
+    (tmp_path / "results.json").write_text(json.dumps(_results(1.25)))
+    golden = tmp_path / "smoke.json"
+    golden.write_text(json.dumps({"matrix": "smoke", "configs": {"row": {"baseline": {}}}}))
+    assert main([str(tmp_path / "results.json"), str(golden)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("compare_results: error:") and "smoke.json" in err[0]
