@@ -26,10 +26,10 @@ def _project() -> dict:
 
 def test_core_dependencies_are_ranges_and_the_cli_extra_pins_them():
     core = {d.split("=")[0].split("<")[0].split(">")[0]: d for d in _project()["dependencies"]}
-    for name in ("transformers", "accelerate", "datasets"):
+    for name in ("transformers", "accelerate", "datasets", "peft"):
         assert ">=" in core[name] and "<" in core[name], core[name]
     cli = {d.split("==")[0]: d.split("==")[1] for d in _project()["optional-dependencies"]["cli"]}
-    assert set(cli) == {"transformers", "accelerate", "datasets"}
+    assert set(cli) == {"transformers", "accelerate", "datasets", "peft"}
     from packaging.specifiers import SpecifierSet
 
     for name, version in cli.items():

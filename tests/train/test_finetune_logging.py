@@ -87,7 +87,7 @@ def test_phase_lines_and_no_deepspeed_chatter(run):
     proc, out = run
     phases = [m.group(1) for m in map(PHASE_LINE.match, proc.stderr.splitlines()) if m]
     want = ["memascend finetune: from-scratch Llama", "data read: ", "model built (3.3M params, bf16)",
-            "DeepSpeed initialized (ZeRO-3", "held-out loss before training: ",
+            "swap target: read ", "DeepSpeed initialized (ZeRO-3", "held-out loss before training: ",
             *(f"held-out loss after step {n}: " for n in range(1, STEPS + 1)), "checkpoint saved: "]
     assert len(phases) == len(want), phases
     for line, start in zip(phases, want):

@@ -99,7 +99,8 @@ def test_no_scheduler_section_in_the_rendered_deepspeed_config():
     from memascend.config import build_run_config
     from memascend.config.render import render_ds_config
 
-    shape = SimpleNamespace(total_numel=10, param_numels=(10,), module_param_counts=(1,), largest_numel=10)
+    shape = SimpleNamespace(total_numel=10, param_numels=(10,), module_param_counts=(1,), largest_numel=10,
+                            trainable_numels=None)
     cfg = build_run_config({}, {"train": {"warmup_steps": 5, "lr_scheduler": "cosine"}})
     ds, _ = render_ds_config(cfg, shape, 1)
     assert "scheduler" not in ds
