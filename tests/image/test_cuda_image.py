@@ -10,15 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 
-from tests.image.test_image_build import _FINETUNE, _JIT_MARKERS, _run
+from tests.image.test_image_build import _FINETUNE, _JIT_MARKERS, _run, ensure_image, working_container
 
-REPO = Path(__file__).resolve().parents[2]
 TAG = os.environ.get("MEMASCEND_TEST_CUDA_IMAGE", "localhost/memascend:cuda")
 
 pytestmark = [pytest.mark.image, pytest.mark.slow, pytest.mark.root]
@@ -28,27 +24,10 @@ pytestmark = [pytest.mark.image, pytest.mark.slow, pytest.mark.root]
 def cuda_container(request):
     """A working container of the CUDA image (built unless it exists), with the seccomp profile that
     lets DeepSpeed's aio wait for completions; removed afterwards."""
-    if "image" not in (request.config.getoption("markexpr") or "") and not os.environ.get("MEMASCEND_IMAGE_TESTS"):
-        pytest.skip("opt-in: builds the CUDA image for ~60 min on 2 cores; run with -m image")
-    if os.geteuid() != 0:
-        pytest.skip("buildah with chroot isolation needs root here")
-    for tool in ("buildah", "podman", "debootstrap"):
-        if shutil.which(tool) is None:
-            pytest.skip(f"needs {tool} (apt-get install buildah podman debootstrap)")
-    if subprocess.run(["podman", "image", "exists", TAG]).returncode != 0 or os.environ.get(
-        "MEMASCEND_REBUILD_IMAGE"
-    ):
-        build = subprocess.run([str(REPO / "images" / "build.sh"), "--local-base", "cuda", TAG], cwd=REPO,
-                               capture_output=True, text=True)
-        log = build.stdout + build.stderr
-        assert build.returncode == 0, log[-6000:]
-        assert "build-ops: memascend overflow_check WITH_CUDA, deepspeed fused_adam prebuilt" in log, log[-6000:]
-    name = subprocess.run(["buildah", "from", "--security-opt", "seccomp=unconfined", TAG],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    try:
+    ensure_image(request, "cuda", TAG, "build-ops: memascend overflow_check WITH_CUDA, deepspeed fused_adam prebuilt",
+                 30)
+    with working_container(TAG, "--security-opt", "seccomp=unconfined") as name:
         yield name
-    finally:
-        subprocess.run(["buildah", "rm", name], capture_output=True)
 
 
 _CUDA_FACTS = r"""

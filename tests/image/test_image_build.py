@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -16,44 +17,52 @@ TAG = os.environ.get("MEMASCEND_TEST_IMAGE", "localhost/memascend:cpu")
 pytestmark = [pytest.mark.image, pytest.mark.slow, pytest.mark.root]
 
 
-@pytest.fixture(scope="module")
-def container(request):
-    """A working container of the built image (built unless it exists; removed afterwards)."""
+def ensure_image(request, variant: str, tag: str, build_marker: str, build_minutes: int) -> None:
+    """Skip unless opted in and buildah/podman/debootstrap run here as root; build ``tag`` from the
+    ``variant`` (``images/build.sh --local-base``) unless it exists or MEMASCEND_REBUILD_IMAGE is set,
+    and require ``build_marker`` in the build's log."""
     if "image" not in (request.config.getoption("markexpr") or "") and not os.environ.get("MEMASCEND_IMAGE_TESTS"):
-        pytest.skip("opt-in: builds the image for ~15 min; run with -m image (or MEMASCEND_IMAGE_TESTS=1)")
+        pytest.skip(f"opt-in: builds the {variant} image for ~{build_minutes} min; run with -m image "
+                    "(or MEMASCEND_IMAGE_TESTS=1)")
     if os.geteuid() != 0:
         pytest.skip("buildah with chroot isolation needs root here")
     for tool in ("buildah", "podman", "debootstrap"):
         if shutil.which(tool) is None:
             pytest.skip(f"needs {tool} (apt-get install buildah podman debootstrap)")
-    if subprocess.run(["podman", "image", "exists", TAG]).returncode != 0 or os.environ.get(
+    if subprocess.run(["podman", "image", "exists", tag]).returncode != 0 or os.environ.get(
         "MEMASCEND_REBUILD_IMAGE"
     ):
-        build = subprocess.run(
-            [str(REPO / "images" / "build.sh"), "--local-base", "cpu", TAG],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-        )
+        build = subprocess.run([str(REPO / "images" / "build.sh"), "--local-base", variant, tag], cwd=REPO,
+                               capture_output=True, text=True)
         assert build.returncode == 0, build.stdout[-6000:] + build.stderr[-6000:]
-        assert "smoke: deepspeed async_io and cpu_adam load without a compiler" in build.stdout + build.stderr
-    name = subprocess.run(["buildah", "from", TAG], capture_output=True, text=True, check=True).stdout.strip()
+        assert build_marker in build.stdout + build.stderr, build.stdout[-6000:] + build.stderr[-6000:]
+
+
+@contextlib.contextmanager
+def working_container(tag: str, *from_args: str):
+    """A working container of ``tag`` (``buildah from`` with ``from_args``), removed afterwards."""
+    name = subprocess.run(["buildah", "from", *from_args, tag], capture_output=True, text=True,
+                          check=True).stdout.strip()
     try:
         yield name
     finally:
         subprocess.run(["buildah", "rm", name], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def container(request):
+    """A working container of the built image (built unless it exists; removed afterwards)."""
+    ensure_image(request, "cpu", TAG, "smoke: deepspeed async_io and cpu_adam load without a compiler", 15)
+    with working_container(TAG) as name:
+        yield name
 
 
 @pytest.fixture(scope="module")
 def aio_container(container):
     """The image with a seccomp profile that lets DeepSpeed's aio wait for completions
     (``io_pgetevents``): the stand-in for ``docker run --security-opt seccomp=...``."""
-    name = subprocess.run(["buildah", "from", "--security-opt", "seccomp=unconfined", TAG],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    try:
+    with working_container(TAG, "--security-opt", "seccomp=unconfined") as name:
         yield name
-    finally:
-        subprocess.run(["buildah", "rm", name], capture_output=True)
 
 
 def _run(container: str, *cmd: str, timeout: int = 600, user: str | None = None) -> subprocess.CompletedProcess[str]:
