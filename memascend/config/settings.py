@@ -157,6 +157,15 @@ class MemAscendSettings:
             the gradient swap-out and the initial fp32 write-out also go through one window of a
             chunk (:mod:`memascend.integrations.deepspeed.chunked_swap_out`) instead of two buffers
             of the largest sub-group.
+        optimizer_dram_numel: elements of a rank's fp32 optimizer partition kept in DRAM instead of
+            on the NVMe swap target (``offload_optimizer.device: nvme`` only): whole sub-groups, from
+            the first, while their running total of elements stays within this number. A kept
+            sub-group's master weights, Adam moments and fp32 gradient live in host memory for the
+            whole run (16 bytes per element, unlocked), and its optimizer step reads and writes
+            nothing on the swap target (stage 3's ``_swappable_optimizer_subgroup`` answers false for
+            it, the path stock takes for a sub-group below the swapper's ``min_aio_bytes``).
+            Checkpoints and exact resume include it. ``None`` or 0: every sub-group is swapped
+            (stock's behaviour). What the model computes does not depend on it.
         enable_chunk_prefetch: read-ahead and write-behind in the chunked optimizer step (on a swap
             folder, whose aio handle does the I/O on its own threads): two sets of chunk buffers, the
             next chunk's master weights, moments and gradient are read while Adam steps the current
@@ -204,6 +213,7 @@ class MemAscendSettings:
     enable_grad_streaming: bool = True
     optimizer_chunk_numel: int | Literal["auto"] | None = "auto"
     enable_chunk_prefetch: bool = True
+    optimizer_dram_numel: int | None = None
     fix_unaligned_gradient_io: bool = True
     fix_exact_resume: bool = True
 
@@ -244,6 +254,9 @@ class MemAscendSettings:
                                                       or chunk < 1024 or chunk % 1024):
             raise UserError('memascend setting optimizer_chunk_numel must be a multiple of 1024 (elements) or "auto", '
                             f"got {chunk!r}")
+        opt_dram = self.optimizer_dram_numel
+        if opt_dram is not None and (isinstance(opt_dram, bool) or not isinstance(opt_dram, int) or opt_dram < 0):
+            raise UserError(f"memascend setting optimizer_dram_numel must be an integer >= 0 (elements), got {opt_dram!r}")
         dram = self.param_dram_numel
         if dram is not None and dram != "auto" and (isinstance(dram, bool) or not isinstance(dram, int) or dram < 0):
             raise UserError(f'memascend setting param_dram_numel must be an integer >= 0 or "auto", got {dram!r}')
@@ -254,7 +267,7 @@ class MemAscendSettings:
         given, the correctness fixes (``fix_*``) on."""
         off = {f.name: False for f in dataclasses.fields(cls) if f.name.startswith("enable_")}
         return cls(**off, optimizer_sub_group_numel=None, reduce_bucket_numel=None, param_dram_numel=None,
-                   param_pool_bytes=None, optimizer_chunk_numel=None)
+                   param_pool_bytes=None, optimizer_chunk_numel=None, optimizer_dram_numel=None)
 
     @classmethod
     def from_mapping(cls, section: Mapping[str, Any]) -> MemAscendSettings:
