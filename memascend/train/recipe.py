@@ -167,7 +167,7 @@ class FinetuneRecipe:
         check_dtype_supported(self.cfg.train.dtype, self.info.device_type)
         self.run_id = broadcast(make_run_id(), self.info.rank)
         self._check_resume()
-        ckpt.check_checkpoint_space(self.cfg.train, self.out_dir, self.shape.total_numel)
+        ckpt.check_checkpoint_space(self.cfg.train, self.out_dir, self.shape.total_numel, self.shape.trainable_numel)
         self._resolve()
         self.steps = self._total_steps()
         ckpt.check_tag_folders(self.cfg.train, self.out_dir, self.resume_ck.step if self.resume_ck else 0, self.steps)

@@ -341,6 +341,7 @@ def _model_section(cfg: RunConfig, shape) -> dict:
         **({"hub": origin} if origin is not None else {}),
         "from_scratch": cfg.model.from_scratch is not None,
         "param_numel": shape.total_numel,
+        "trainable_param_numel": shape.trainable_numel,  # all but frozen ones (a LoRA base)
         "largest_param_numel": shape.largest_numel,
     }
 

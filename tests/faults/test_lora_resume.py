@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from memascend.train.checkpoints import estimate_checkpoint_bytes
 from tests.conftest import run_cli
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
@@ -36,7 +37,12 @@ def _losses(rep: dict) -> dict[int, str]:
 
 def test_lora_resume_is_exact_and_refused_without_the_adapters(tmp_path):
     straight = _finetune(tmp_path, "straight", "--steps", "4")
-    _finetune(tmp_path, "first", "--steps", "2", "--save-checkpoint", str(tmp_path / "ck"))
+    first = _finetune(tmp_path, "first", "--steps", "2", "--save-checkpoint", str(tmp_path / "ck"))
+    # the space check reserves optimizer state for the adapters only, and the checkpoint fits in it
+    model = first["model"]
+    assert model["trainable_param_numel"] < model["param_numel"] // 10
+    written = sum(f.stat().st_size for f in (tmp_path / "ck").rglob("*") if f.is_file())
+    assert written <= estimate_checkpoint_bytes(model["param_numel"], "bf16", model["trainable_param_numel"])
     resumed = _finetune(tmp_path, "resumed", "--steps", "4", "--resume", str(tmp_path / "ck"))
     assert resumed["checkpoint"]["start_step"] == 2
     assert _losses(resumed) == {s: h for s, h in _losses(straight).items() if s > 2}

@@ -251,6 +251,25 @@ def test_estimate_checkpoint_bytes():
     # bf16 params + fp32 master + 2 fp32 moments = 14 bytes per parameter, 10 % margin, 64 MiB
     assert ckpt.estimate_checkpoint_bytes(1_000_000, "bf16") == int(14e6 * 1.1) + (64 << 20)
     assert ckpt.estimate_checkpoint_bytes(1_000_000, "fp32") == int(16e6 * 1.1) + (64 << 20)
+    assert ckpt.estimate_checkpoint_bytes(1_000_000, "bf16", 1_000_000) == ckpt.estimate_checkpoint_bytes(1_000_000, "bf16")
+
+
+def test_a_frozen_base_reserves_no_optimizer_state():
+    # LoRA: every parameter in bf16, optimizer state (12 bytes each) only for the 10,000 trained ones
+    assert ckpt.estimate_checkpoint_bytes(1_000_000, "bf16", 10_000) == int((2e6 + 12 * 10_000) * 1.1) + (64 << 20)
+
+
+def test_space_check_counts_only_the_trained_parameters(tmp_path, monkeypatch):
+    import shutil
+    from types import SimpleNamespace
+
+    free = ckpt.estimate_checkpoint_bytes(10**9, "bf16", 10**6) + 1
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=free, used=0, free=free))
+    train = SimpleNamespace(save_checkpoint=str(tmp_path / "ck"), checkpoint_every=None, checkpoint_every_minutes=None,
+                            dtype="bf16")
+    ckpt.check_checkpoint_space(train, tmp_path, 10**9, 10**6)  # fits: a LoRA run's checkpoint
+    with pytest.raises(UserError, match="needs about"):
+        ckpt.check_checkpoint_space(train, tmp_path, 10**9)  # the same model fully trained does not
 
 
 def test_target_inside_a_file_refused(tmp_path):

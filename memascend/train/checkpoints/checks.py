@@ -25,18 +25,26 @@ SPACE_MARGIN = 1.10
 SPACE_FIXED_BYTES = 64 << 20
 
 
-def estimate_checkpoint_bytes(total_numel: int, dtype: str) -> int:
-    """Upper estimate of one checkpoint's bytes for ``total_numel`` parameters trained in ``dtype``
-    with AdamW: the parameters in the training dtype plus the fp32 master and two fp32 moments
-    (:data:`OPTIMIZER_BYTES_PER_PARAM`), times :data:`SPACE_MARGIN`, plus :data:`SPACE_FIXED_BYTES`.
+def estimate_checkpoint_bytes(total_numel: int, dtype: str, trainable_numel: int | None = None) -> int:
+    """Upper estimate of one checkpoint's bytes for ``total_numel`` parameters in ``dtype`` of which
+    ``trainable_numel`` are trained with AdamW: every parameter in the training dtype (ZeRO-3's
+    partitions, frozen ones included) plus the fp32 master and two fp32 moments of the trained ones
+    (:data:`OPTIMIZER_BYTES_PER_PARAM`; a frozen LoRA base has no optimizer state), times
+    :data:`SPACE_MARGIN`, plus :data:`SPACE_FIXED_BYTES`.
+
+    Args:
+        total_numel: parameters of the model, adapters included (elements).
+        dtype: the training dtype (``bf16``, ``fp16``, ``fp32``).
+        trainable_numel: parameters the optimizer holds (elements); ``None``: all of them.
 
     Raises:
         UserError: unknown dtype.
     """
     if dtype not in DTYPE_BYTES:
         raise UserError(f"unknown dtype {dtype!r} (bf16, fp16 or fp32)")
-    per = DTYPE_BYTES[dtype] + OPTIMIZER_BYTES_PER_PARAM
-    return int(total_numel * per * SPACE_MARGIN) + SPACE_FIXED_BYTES
+    trained = total_numel if trainable_numel is None else trainable_numel
+    need = total_numel * DTYPE_BYTES[dtype] + trained * OPTIMIZER_BYTES_PER_PARAM
+    return int(need * SPACE_MARGIN) + SPACE_FIXED_BYTES
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -76,17 +84,18 @@ def check_checkpoint_target(path: str | os.PathLike, need_bytes: int, what: str)
         )
 
 
-def check_checkpoint_space(train_cfg: Any, output_dir: str | os.PathLike, total_numel: int) -> None:
+def check_checkpoint_space(train_cfg: Any, output_dir: str | os.PathLike, total_numel: int,
+                           trainable_numel: int | None = None) -> None:
     """Refuse, before the first step, checkpoint folders the run could not write: ``--save-checkpoint``
     and (with periodic checkpoints) ``<output>/checkpoints``, each needing
     :func:`estimate_checkpoint_bytes` per checkpoint it will hold at once (periodic: up to
     ``keep + 1`` while a new one is written, less the complete ones already there; folders on one
-    filesystem add up).
+    filesystem add up). ``total_numel`` and ``trainable_numel``: as for :func:`estimate_checkpoint_bytes`.
 
     Raises:
         UserError: see :func:`check_checkpoint_target`.
     """
-    one = estimate_checkpoint_bytes(total_numel, train_cfg.dtype)
+    one = estimate_checkpoint_bytes(total_numel, train_cfg.dtype, trainable_numel)
     wants: list[tuple[Path, int, str]] = []
     if train_cfg.save_checkpoint is not None:
         wants.append((Path(train_cfg.save_checkpoint), one, "--save-checkpoint"))
