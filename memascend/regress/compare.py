@@ -173,7 +173,20 @@ def compare_pair(cfg: BenchConfig, base: RunMetrics, mine: RunMetrics) -> list[C
                      f"median step {mine.median_step_s:.2f} / {base.median_step_s:.2f} s = {st:.3f} "
                      f"(limit {th.max_step_time_ratio:.2f} + {th.step_time_noise:.2f} noise allowance)"
                      + _faults_detail(base, mine)))
+    if th.max_swap_bytes_ratio is not None:
+        out.append(_swap_bytes_check(base, mine, th.max_swap_bytes_ratio))
     return out
+
+
+def _swap_bytes_check(base: RunMetrics, mine: RunMetrics, limit: float) -> Check:
+    """``swap_bytes_ratio``: median swap bytes per step, memascend / baseline, at most ``limit``
+    (fails where a report has no ``swap_io``)."""
+    b, m = base.swap_bytes_per_step, mine.swap_bytes_per_step
+    if b is None or m is None:
+        return Check("swap_bytes_ratio", False, None, limit, "swap bytes per step: a report has no swap_io")
+    ratio = m / b if b else (0.0 if m == 0 else float("inf"))
+    return Check("swap_bytes_ratio", ratio <= limit, ratio, limit,
+                 f"swap bytes per step {m / 2**20:.0f} / {b / 2**20:.0f} MiB = {ratio:.3f} (limit {limit:.2f})")
 
 
 def _faults_detail(base: RunMetrics, mine: RunMetrics) -> str:

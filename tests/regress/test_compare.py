@@ -219,3 +219,19 @@ def test_simulated_nodes_compare_memory_per_node_and_say_so():
     assert one_node.check("peak_rss_ratio").measured == pytest.approx(0.4, rel=1e-6)
     assert "per node" not in one_node.check("peak_rss_ratio").detail
     assert "memory_per_node" not in golden_entry(one_node.baseline, one_node.memascend)
+
+
+def test_swap_bytes_ratio_is_checked_only_where_a_limit_is_set():
+    base = make_report(rss_gib=6.4, locked_gib=2.9, step_s=10.0, losses=LOSSES)
+    mine = make_report(rss_gib=6.0, locked_gib=0.6, step_s=5.0, losses=LOSSES)
+    base["swap_io"] = {"median_step": {"read_bytes": 600 << 20, "write_bytes": 400 << 20}}
+    cfg = BenchConfig(name="x", thresholds=Thresholds(max_peak_rss_ratio=1.0, max_swap_bytes_ratio=0.30))
+    mine["swap_io"] = {"median_step": {"read_bytes": 200 << 20, "write_bytes": 100 << 20}}  # 0.30
+    res = evaluate(cfg, base, mine, golden=None, tol=TOL)
+    assert res.ok and res.check("swap_bytes_ratio").measured == pytest.approx(0.30)
+    mine["swap_io"] = {"median_step": {"read_bytes": 200 << 20, "write_bytes": 110 << 20}}  # 0.31
+    assert _failed(evaluate(cfg, base, mine, golden=None, tol=TOL)) == {"swap_bytes_ratio"}
+    del mine["swap_io"]  # not measured: a failure, not a pass
+    assert _failed(evaluate(cfg, base, mine, golden=None, tol=TOL)) == {"swap_bytes_ratio"}
+    unlimited = BenchConfig(name="x", thresholds=Thresholds(max_peak_rss_ratio=1.0))
+    assert evaluate(unlimited, base, mine, golden=None, tol=TOL).check("swap_bytes_ratio") is None

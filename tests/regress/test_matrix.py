@@ -153,9 +153,10 @@ def test_chunking_runs_memascend_in_both_slots_the_reference_unchunked(tmp_path)
 
 def test_speed_pairs_stock_with_the_speed_targets():
     """Matrix ``speed``: same-run pairs against stock (no reference settings) with the default job,
-    an untied family, two ranks and llama-1b; step time <= 0.80x and RSS <= 0.40x with no noise
-    allowance."""
-    from memascend.regress.matrix import get_matrix
+    an untied family, two ranks and llama-1b; at the default budget step time <= 0.80x and RSS <=
+    0.40x with no noise allowance; with stock's peak RSS as the budget step time <= 0.60x and swap
+    bytes <= 0.30x; llama-1b's 4 GiB budget reported."""
+    from memascend.regress.matrix import STOCK_DEFAULT_JOB_PEAK_RSS, get_matrix
 
     m = get_matrix("speed")
     by_name = {c.name: c for c in m.configs}
@@ -163,10 +164,19 @@ def test_speed_pairs_stock_with_the_speed_targets():
     assert by_name["mistral-0.07b-bf16-256x2-speed"].from_scratch == "mistral-0.07b"
     assert by_name["smollm2-bf16-256x4-r2-speed"].nproc == 2
     for cfg in m.configs:
-        assert cfg.reference_settings is None and cfg.memascend_settings == ()
+        assert cfg.reference_settings is None
         th = cfg.thresholds
-        assert (th.max_step_time_ratio, th.step_time_noise, th.max_peak_rss_ratio) == (0.80, 0.0, 0.40)
         assert th.bitwise_losses
+        budget = dict(cfg.memascend_settings).get("host_memory_budget")
+        if budget is None:
+            assert cfg.memascend_settings == ()
+            assert (th.max_step_time_ratio, th.step_time_noise, th.max_peak_rss_ratio) == (0.80, 0.0, 0.40)
+        elif cfg.from_scratch == "llama-1b":
+            assert budget == "4GiB" and th.max_peak_rss_ratio == 1.0
+        else:
+            assert budget == (STOCK_DEFAULT_JOB_PEAK_RSS if cfg.nproc == 1 else "12GiB")
+            assert (th.max_step_time_ratio, th.step_time_noise, th.max_swap_bytes_ratio) == (0.60, 0.0, 0.30)
+            assert by_name[cfg.name.replace("-budget", "")].memascend_settings == ()  # its default-budget twin
 
 
 def test_deepspeed_settings_go_to_both_engines(tmp_path):
