@@ -86,18 +86,47 @@ def release_empty(max_bytes: int | None = None) -> int:
     return int(op.host_block_cache_release_empty() if max_bytes is None else op.host_block_cache_release_empty(max(0, int(max_bytes))))
 
 
-def make_room(locked_bytes: int) -> int:
+def process_rss_and_peak_bytes(status_path: str = "/proc/self/status") -> tuple[int, int] | None:
+    """This process's resident set and its high-water mark (``VmRSS``, ``VmHWM`` of
+    ``/proc/self/status``), bytes; ``None`` where the file or the fields are missing."""
+    fields: dict[str, int] = {}
+    try:
+        with open(status_path, encoding="ascii", errors="replace") as status:
+            for line in status:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    name, value = line.split(":", 1)
+                    fields[name] = int(value.split()[0]) * 1024  # kB
+    except (OSError, ValueError):
+        return None
+    return (fields["VmRSS"], fields["VmHWM"]) if len(fields) == 2 else None
+
+
+def make_room(locked_bytes: int, *, within_peak: bool = True) -> int:
     """Before locking ``locked_bytes`` of buffers that do not come from the cache (the aio handle's
-    or the pinned arena's): unmap idle cache regions (:func:`release_empty`) worth at least that
-    many bytes, so the buffers take those pages instead of adding to them. Does nothing (returns 0)
-    when the cache is not torch's allocator.
+    or the pinned arena's): unmap idle cache regions (:func:`release_empty`) so the buffers take
+    those pages instead of adding to the process's peak.
+
+    With ``within_peak`` only what would raise the process's resident high-water mark is given back:
+    ``VmRSS + locked_bytes - VmHWM`` bytes (:func:`process_rss_and_peak_bytes`), none while the
+    buffers fit under the peak an earlier phase already reached. The cache then keeps its pages for
+    the next forward, which would otherwise fault (and zero, and with transparent hugepages compact)
+    them in again every step, and the peak stays what it was: a step that sets the peak releases
+    exactly as much as without ``within_peak``. Without it (or where ``/proc/self/status`` cannot be
+    read), ``locked_bytes`` are given back. Does nothing (returns 0) when the cache is not torch's
+    allocator.
 
     Returns:
         Bytes given back to the OS.
     """
     if locked_bytes <= 0 or not installed():
         return 0
-    return release_empty(locked_bytes)
+    need = locked_bytes
+    if within_peak:
+        usage = process_rss_and_peak_bytes()
+        if usage is not None:
+            rss_bytes, peak_bytes = usage
+            need = min(locked_bytes, max(0, rss_bytes + locked_bytes - peak_bytes))
+    return release_empty(need) if need > 0 else 0
 
 
 def stats() -> dict[str, Any] | None:

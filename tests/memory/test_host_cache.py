@@ -130,14 +130,44 @@ def test_make_room_unmaps_idle_regions_for_locked_buffers_only_while_installed(c
     blocks = [torch.empty(80 * MiB, dtype=torch.uint8) for _ in range(2)]  # one region each
     del blocks
     before = cache.stats()["reserved_bytes"]
-    released = cache.make_room(1)
+    released = cache.make_room(1, within_peak=False)
     assert released >= 80 * MiB and cache.stats()["reserved_bytes"] == before - released
-    assert cache.make_room(0) == 0
+    assert cache.make_room(0, within_peak=False) == 0
     block = torch.empty(80 * MiB, dtype=torch.uint8)
     del block
     cache.uninstall()
     try:
-        assert cache.make_room(1 << 30) == 0  # not torch's allocator: the cache is left alone
+        assert cache.make_room(1 << 30, within_peak=False) == 0  # not torch's allocator: the cache is left alone
         assert cache.stats()["free_bytes"] >= 80 * MiB
     finally:
         cache.install(THRESHOLD_BYTES)
+
+
+def test_make_room_within_the_peak_gives_back_only_what_would_raise_it(cache, monkeypatch):
+    cache.release_empty()  # only this test's regions are idle
+    blocks = [torch.empty(80 * MiB, dtype=torch.uint8) for _ in range(2)]  # two idle regions
+    del blocks
+    reserved = cache.stats()["reserved_bytes"]
+    # the buffers fit under the peak an earlier phase reached: the cache keeps its pages
+    monkeypatch.setattr(cache, "process_rss_and_peak_bytes", lambda: (1 << 30, (1 << 30) + 100 * MiB))
+    assert cache.make_room(100 * MiB) == 0 and cache.stats()["reserved_bytes"] == reserved
+    # 60 MiB of them would raise it: at least that much is unmapped (whole regions), not all 160 MiB
+    monkeypatch.setattr(cache, "process_rss_and_peak_bytes", lambda: (1 << 30, (1 << 30) + 40 * MiB))
+    released = cache.make_room(100 * MiB)
+    assert 60 * MiB <= released < 160 * MiB and cache.stats()["reserved_bytes"] == reserved - released
+    # unreadable /proc: all of locked_bytes, as without within_peak
+    monkeypatch.setattr(cache, "process_rss_and_peak_bytes", lambda: None)
+    assert cache.make_room(1) >= 80 * MiB
+
+
+def test_process_rss_and_peak_bytes_reads_proc_status(tmp_path):
+    from memascend.memory.host_cache import process_rss_and_peak_bytes
+
+    rss, peak = process_rss_and_peak_bytes()
+    assert 0 < rss <= peak
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nVmHWM:\t  2048 kB\nVmRSS:\t  1024 kB\n")
+    assert process_rss_and_peak_bytes(str(status)) == (1024 * 1024, 2048 * 1024)
+    status.write_text("Name:\tpython\n")
+    assert process_rss_and_peak_bytes(str(status)) is None
+    assert process_rss_and_peak_bytes(str(tmp_path / "missing")) is None

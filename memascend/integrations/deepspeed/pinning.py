@@ -52,9 +52,11 @@ def arena_if_accepted_by(aio_handle: Any, arena: Any | None) -> Any | None:
 
 def make_room(settings: Any, locked_bytes: int) -> None:
     """Before locking ``locked_bytes`` of swap buffers (the aio handle's or the arena's, never the
-    host block cache's): with ``settings.enable_host_block_cache``, have the cache unmap as many
-    idle bytes first (:func:`memascend.memory.host_cache.make_room`), so the buffers take those
-    pages instead of adding to them. Used by the on-demand optimizer buffers and the chunked step."""
+    host block cache's): with ``settings.enable_host_block_cache``, have the cache unmap the idle
+    bytes that locking them would otherwise add to the process's peak resident memory
+    (:func:`memascend.memory.host_cache.make_room`), so the buffers take those pages instead of
+    raising the peak, while pages the peak already paid for stay with the cache for the next forward.
+    Used by the on-demand optimizer buffers and the chunked step."""
     if settings.enable_host_block_cache:
         from memascend.memory import host_cache
 
