@@ -57,6 +57,35 @@ def test_replacement_decides_once_and_defers_to_stock_for_the_rest():
     assert method.__wrapped__ is stock
 
 
+class _OnDemandManager:
+    """What fit_swap_buffers reads of memascend's on-demand swap buffer manager."""
+
+    def __init__(self, num_elems):
+        self.num_elems, self.all_buffers, self.window_buffers = num_elems, [], []
+
+    def allocate_window(self, num_elems, count):  # marks the on-demand manager
+        raise AssertionError("not called")
+
+
+def test_swap_buffers_sized_for_the_largest_swapped_sub_group():
+    def opt_with(manager, numels=(4096, 1000, 3000)):
+        swapper = types.SimpleNamespace(largest_numel=4096, swap_buffer_manager=manager,
+                                        _io_aligned_numel=lambda n: -(-n // 512) * 512)
+        return types.SimpleNamespace(optimizer_swapper=swapper, fp16_partitioned_groups_flat_numel=list(numels))
+
+    opt = opt_with(_OnDemandManager(4096))
+    assert optimizer_dram.fit_swap_buffers(opt, frozenset({0})) == 3072
+    assert opt.optimizer_swapper.largest_numel == opt.optimizer_swapper.swap_buffer_manager.num_elems == 3072
+    for kept in (frozenset(), frozenset({0, 1, 2}), frozenset({1})):  # nothing kept, all kept, largest swapped
+        opt = opt_with(_OnDemandManager(4096))
+        assert optimizer_dram.fit_swap_buffers(opt, kept) == 0 and opt.optimizer_swapper.largest_numel == 4096
+    busy = _OnDemandManager(4096)
+    busy.all_buffers.append(torch.empty(4096))  # already handed out: left as it is
+    stock = types.SimpleNamespace(num_elems=4096, all_buffers=[])  # stock's manager locked its buffers
+    assert optimizer_dram.fit_swap_buffers(opt_with(busy), frozenset({0})) == 0
+    assert optimizer_dram.fit_swap_buffers(opt_with(stock), frozenset({0})) == 0
+
+
 def _stage3_method():
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as S3
 

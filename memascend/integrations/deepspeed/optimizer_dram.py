@@ -17,8 +17,9 @@ the first sub-groups whose running total of elements (``fp16_partitioned_groups_
 rank's partition) stays within ``optimizer_dram_numel`` (:func:`kept_sub_groups`). The set is
 decided once per optimizer, at the first call, which stock makes in ``_create_fp32_partitions``
 before any fp32 partition exists, and stored on the optimizer (:data:`KEPT_ATTR`), so every later
-answer is the same. Every rank decides from its own partition sizes (ZeRO-3 pads each parameter's
-partition to the same size on every rank, so the ranks agree).
+answer is the same; the optimizer swapper's buffers are then sized for the largest sub-group still
+swapped (:func:`fit_swap_buffers`). Every rank decides from its own partition sizes (ZeRO-3 pads
+each parameter's partition to the same size on every rank, so the ranks agree).
 
 The rest of memascend's seam follows from the same answer: the chunked step (:mod:`.chunked_step`)
 and the chunk-window swap-out (:mod:`.chunked_swap_out`) only touch swapped sub-groups, gradient
@@ -86,7 +87,37 @@ def _decide(optimizer: Any, dram_numel: int) -> frozenset[int]:
         numels = optimizer.fp16_partitioned_groups_flat_numel
         kept = frozenset(kept_sub_groups(numels, dram_numel)) if optimizer.swap_optimizer else frozenset()
         optimizer.__dict__[KEPT_ATTR] = kept
+        fit_swap_buffers(optimizer, kept)
     return kept
+
+
+def fit_swap_buffers(optimizer: Any, kept: frozenset[int]) -> int:
+    """Size the optimizer swapper's buffers for the largest sub-group it still swaps.
+
+    DeepSpeed sizes them (``OptimizerSwapper.largest_numel``, the buffer manager's ``num_elems``) for
+    the largest sub-group of all, kept ones included. Only memascend's on-demand manager
+    (:class:`~.optimizer_swapper.OnDemandSwapBufferManager`) with no buffer allocated yet is resized
+    (stock's manager locked its buffers when it was built); with every sub-group kept nothing is
+    changed (nothing asks for a buffer).
+
+    Returns:
+        The new buffer size (elements, I/O-aligned), or 0 where nothing was changed.
+    """
+    swapper = getattr(optimizer, "optimizer_swapper", None)
+    manager = getattr(swapper, "swap_buffer_manager", None)
+    if not kept or manager is None or not hasattr(manager, "allocate_window"):
+        return 0
+    if manager.all_buffers or manager.window_buffers:
+        return 0
+    swapped = [int(n) for i, n in enumerate(optimizer.fp16_partitioned_groups_flat_numel) if i not in kept]
+    if not swapped:
+        return 0
+    aligned = int(swapper._io_aligned_numel(max(swapped)))
+    if not 0 < aligned < manager.num_elems:
+        return 0
+    swapper.largest_numel = aligned
+    manager.num_elems = aligned
+    return aligned
 
 
 def make_swappable_optimizer_subgroup(original: Callable[[Any, int], bool],
