@@ -46,6 +46,7 @@ def _seam_objects():
         "stage3.partition_grads": (S3, "partition_grads"),
         "stage3._setup_for_real_optimizer": (S3, "_setup_for_real_optimizer"),
         "stage3._finalize_offload_gradient_accumulation": (S3, "_finalize_offload_gradient_accumulation"),
+        "stage3._swappable_optimizer_subgroup": (S3, "_swappable_optimizer_subgroup"),  # optimizer_dram_numel
         "engine.forward": (DeepSpeedEngine, "forward"),
         "PartitionedOptimizerSwapper._swap_in_pinned_gradients": (PartitionedOptimizerSwapper,
                                                                   "_swap_in_pinned_gradients"),
@@ -66,7 +67,7 @@ def _snapshot():
 
 
 INIT = "deepspeed.initialize"
-ALL_ON = ma_ds.MemAscendSettings(grad_norm_sub_group_numel=10**9)
+ALL_ON = ma_ds.MemAscendSettings(grad_norm_sub_group_numel=10**9, optimizer_dram_numel=1)
 
 
 def test_revert_restores_identical_objects():

@@ -94,6 +94,21 @@ def test_resume_bit_identical_with_sub_groups_kept_in_dram(tmp_path, straight):
     assert len(lines) == 1 and "other parameter groups or sub-groups" in lines[0], proc.stderr[-3000:]
 
 
+def test_resume_bit_identical_with_optimizer_state_kept_in_dram(tmp_path, straight):
+    """optimizer_dram_numel above the model: every sub-group's fp32 master and moments stay in DRAM,
+    nothing is swapped in the backward or the optimizer step, and the checkpoint carries the state
+    (in the ZeRO file) so the resumed run is the uninterrupted one bit for bit."""
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"memascend": {"optimizer_dram_numel": 10**9}}))
+    _check_resume_exact(tmp_path, straight, "memascend", "swap", "bf16", 1, "--deepspeed-config", str(ds))
+    for name in ("first", "resumed"):
+        rep = json.loads((tmp_path / name / "report.json").read_text())
+        dram = rep["memory_breakdown"]["optimizer_dram"]
+        assert dram["kept_sub_groups"] == list(range(len(dram["sub_group_numels"]))) and dram["swapped_numel"] == 0
+        assert all(s["phase_io"][p][k] == 0 for s in rep["steps"] for p in ("backward_s", "optimizer_step_s")
+                   for k in ("read_bytes", "write_bytes"))
+
+
 @pytest.mark.distributed
 def test_resume_bit_identical_two_ranks(tmp_path, straight):
     _check_resume_exact(tmp_path, straight, "memascend", "swap", "bf16", 2)

@@ -75,6 +75,9 @@ What each flag patches (DeepSpeed 0.19.8 names):
 * ``optimizer_chunk_numel`` (set) with ``enable_optimizer_pool``:
   ``PartitionedOptimizerSwapper.swap_out_gradients`` and ``.initialize_parameters`` write through a
   chunk-sized window instead of buffers of the largest sub-group (:mod:`.chunked_swap_out`).
+* ``optimizer_dram_numel`` (above 0): ``DeepSpeedZeroOptimizer_Stage3._swappable_optimizer_subgroup``
+  answers false for the first sub-groups that fit in it, which then stay in DRAM and move nothing on
+  the swap target (:mod:`.optimizer_dram`).
 * ``fix_unaligned_gradient_io`` (a correctness fix, on for both engines):
   ``PartitionedOptimizerSwapper._swap_in_pinned_gradients`` and
   ``OptimizerSwapper._writeback_gradients`` (:mod:`.aligned_io`).
@@ -417,6 +420,12 @@ def _on_resolved(resolved: MemAscendSettings) -> None:
             _patch_grad_norm(resolved)
 
 
+def _patch_optimizer_dram(settings: MemAscendSettings) -> None:
+    from memascend.integrations.deepspeed import optimizer_dram
+
+    optimizer_dram.patch(_registry, settings.optimizer_dram_numel)
+
+
 def _patch_chunked_step(settings: MemAscendSettings) -> None:
     from memascend.integrations.deepspeed import chunked_step
 
@@ -454,6 +463,7 @@ _FLAG_GROUPS: tuple[tuple[Callable[[MemAscendSettings], bool], Callable[[MemAsce
     (lambda s: s.fix_unaligned_gradient_io, _patch_aligned_io),
     (lambda s: s.fix_exact_resume, _patch_exact_resume),
     (lambda s: s.enable_fused_overflow_check, _patch_fused_overflow),
+    (lambda s: bool(s.optimizer_dram_numel), _patch_optimizer_dram),
     (lambda s: s.optimizer_chunk_numel is not None, _patch_chunked_step),
     (lambda s: s.optimizer_chunk_numel is not None and s.enable_optimizer_pool, _patch_chunked_swap_out),
     (lambda s: any(getattr(s, key) is not None for key in MODEL_SIZED_SETTINGS), _patch_initialize),

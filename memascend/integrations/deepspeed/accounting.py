@@ -155,13 +155,15 @@ def memory_breakdown(engine: Any, summary: Mapping[str, Any], samples: Sequence[
         mapped against ``peak_in_use_bytes`` live, the difference being its fragmentation);
         ``unattributed_bytes``: peak RSS minus runtime, the locked
         bytes at the peak sample (the whole locked peak without samples), resident stage-3
-        buffers and the step transient. The stage-3 buffers are measured at the end of the run,
-        so that rest is an estimate (a buffer released at the end and refaulted by the step is
-        in the transient instead).
+        buffers, the optimizer state in DRAM and the step transient. The stage-3 buffers are
+        measured at the end of the run, so that rest is an estimate (a buffer released at the end
+        and refaulted by the step is in the transient instead).
     """
+    from memascend.integrations.deepspeed.optimizer_dram import dram_report
     from memascend.memory.host_allocator import malloc_stats
 
     optimizer = getattr(engine, "optimizer", None)
+    optimizer_dram = dram_report(optimizer)
     swap = swap_buffer_breakdown(engine)
     grad_flat = _buffer_bytes([getattr(optimizer, "grad_partitions_flat_buffer", None)])
     buckets = _buffer_bytes([getattr(b, "buffer", None)
@@ -173,6 +175,7 @@ def memory_breakdown(engine: Any, summary: Mapping[str, Any], samples: Sequence[
     swap_locked = swap["param_swap_buffers_bytes"] + swap["param_writeback_buffer_bytes"] \
         + swap["optimizer_swap_buffers_bytes"]
     resident = sum(b["resident_at_end_bytes"] for b in (grad_flat, buckets, param_dram))
+    resident += optimizer_dram["dram_bytes"] if optimizer_dram is not None else 0
     peak = int(summary.get("peak_rss_bytes", 0))
     at_peak = peak_sample(samples)
     locked_at_peak = at_peak["locked_bytes"] if at_peak is not None else swap_locked
@@ -183,6 +186,7 @@ def memory_breakdown(engine: Any, summary: Mapping[str, Any], samples: Sequence[
                    "param_pool_classes": param_pool_classes(engine)},
         "gradient_buffers": {"grad_partitions_flat": grad_flat, "reduce_buckets": buckets},
         "param_dram_copy": param_dram,
+        "optimizer_dram": optimizer_dram,
         "runtime_after_load_bytes": runtime,
         "step_transient_bytes": transient,
         "malloc": malloc_stats(),

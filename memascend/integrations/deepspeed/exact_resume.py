@@ -93,7 +93,7 @@ def restore_optimizer_state(engine: Any, load_dir: str | os.PathLike, tag: str) 
 
     Raises:
         UserError: the file's state does not fit this optimizer (data-parallel world size,
-            parameter groups, sub-groups).
+            parameter groups, sub-groups, which sub-groups are in DRAM).
         FileNotFoundError: this rank's optimizer state file is missing.
     """
     import torch
@@ -122,6 +122,7 @@ def restore_optimizer_state(engine: Any, load_dir: str | os.PathLike, tag: str) 
                         "this run's ZeRO-3 optimizer (another model or --deepspeed-config sub_group_size)")
 
     if swapped:
+        _check_placement(zero_opt, sd[FP32_FLAT_GROUPS], path)
         zero_opt.loss_scaler = sd[LOSS_SCALER]
         zero_opt.dynamic_loss_scale = sd["dynamic_loss_scale"]
         zero_opt.overflow = sd["overflow"]
@@ -138,6 +139,28 @@ def restore_optimizer_state(engine: Any, load_dir: str | os.PathLike, tag: str) 
                 _restore_sub_group(zero_opt, sub_group_id, saved_state, sd[FP32_FLAT_GROUPS][sub_group_id])
     _replay_cpu_adam_steps(base, step)
     return step
+
+
+def _check_placement(zero_opt: Any, saved_fp32: Any, path: Any) -> None:
+    """Refuse a checkpoint whose sub-groups were placed otherwise (DRAM or swap target) than this run's.
+
+    A sub-group in DRAM saves its fp32 master in ``fp32_flat_groups``; a swapped one saves an empty
+    tensor there and its state in the swap files. With another ``optimizer_dram_numel`` the two runs
+    disagree on where the state is, and restoring it would read the wrong place.
+
+    Raises:
+        UserError: naming the sub-groups the checkpoint kept in DRAM and those this run keeps.
+    """
+    saved = [i for i, t in enumerate(saved_fp32) if t.numel() > 0]
+    here = [i for i in range(len(saved_fp32)) if not zero_opt._swappable_optimizer_subgroup(i)]
+    if saved != here:
+        raise UserError(f"checkpoint {path}: its optimizer state has sub-groups {_ids(saved)} in DRAM, this run keeps "
+                        f"{_ids(here)} there; resume with the optimizer_dram_numel (or --host-memory-budget) it was "
+                        "saved with")
+
+
+def _ids(sub_groups: list[int]) -> str:
+    return "[" + ", ".join(map(str, sub_groups)) + "]" if sub_groups else "none"
 
 
 def _as_int(value: Any) -> int:
