@@ -19,11 +19,12 @@ target per rank (:class:`Placement`):
   (master, moments, gradient: 16 bytes per element) and written (the same 16: the gradient in
   backward, the others after Adam) once per step; with gradient streaming and gradient accumulation,
   each later micro step reads its fp32 gradient back and writes the sum (4 + 4 bytes per element);
-* parameters: a partition on NVMe only is read at each use, forward, recompute (activation
-  checkpointing) and backward, except where stage 3 keeps it gathered until its next use (the reuse
-  window at the turn from forward to backward, :func:`~memascend.plan.shapes.live_window_partitions`),
-  every micro step; the optimizer step writes the updated 16-bit partitions of trainable parameters
-  once.
+* parameters: a partition on NVMe only is read at its use in forward and in backward (activation
+  checkpointing's recompute runs right before the backward of its layer, which finds it still
+  gathered), except where stage 3 keeps it gathered until its next use (the reuse window at the turn
+  from forward to backward, :func:`~memascend.plan.shapes.live_window_partitions`), every micro step;
+  the optimizer step writes the updated 16-bit partitions of trainable parameters once
+  (:func:`_param_reads`).
 
 Both engines are counted the same way; checked against the swap I/O meter's per-step bytes of
 recorded runs (``report.json`` ``swap_io.median_step``) by :func:`measured_step_bytes` and the tests.
@@ -147,17 +148,19 @@ def _param_reads(cfg: RunConfig, dims: ModelDims, z: dict, parts: list[int], nvm
     """Elements and partitions one micro step reads of the parameters on NVMe only (``nvme``).
 
     Where every such partition fits in the parameter pool's byte budget (``param_pool_bytes``) each is
-    read once and stays. Otherwise each pass (forward, recompute, backward) reads every one at each
-    use, the tied vocabulary projection twice (embedding and ``lm_head``), less the partitions stage 3
-    keeps gathered from forward to backward (:func:`~memascend.plan.shapes.live_window_partitions`;
-    the projection only where the reuse distance spans both its uses and a layer). Measured (swap I/O
-    meter, bf16, 4 x 256): SmolLM2 with ``max_in_cpu`` 0 and the auto pool reads 2 x (partitions +
-    embedding) per step, llama-tiny its embedding once.
+    read once and stays. Otherwise forward and backward each read every one at each use, the tied
+    vocabulary projection twice (embedding and ``lm_head``), less the partitions stage 3 keeps
+    gathered from forward to backward (:func:`~memascend.plan.shapes.live_window_partitions`; the
+    projection only where the reuse distance spans both its uses and a layer); with activation
+    checkpointing a layer's recompute runs right before its backward, which reuses what it gathered.
+    Measured (swap I/O meter, bf16, ``max_in_cpu`` 0, the auto pool): SmolLM2 4 x 256 reads
+    2 x (partitions + embedding) per step, llama-0.1b 1 x 256 with checkpointing 2.3 x, llama-tiny
+    its embedding once.
     """
     if pool_bytes is not None and sum(nvme) * e <= pool_bytes:
         return sum(nvme), len(nvme)
     ckpt = cfg.train.activation_checkpointing
-    uses = 3 if ckpt else 2
+    uses = 2  # forward, backward: a layer's recompute runs right before its backward, which finds it gathered
     reuse = int(z.get("stage3_max_reuse_distance", ds_defaults.MAX_REUSE_DISTANCE_NUMEL))
     window = live_window_partitions(dims, w, ckpt, reuse, dram, e)
     projection = dims.projection_index if dims.projection_index is not None else (
