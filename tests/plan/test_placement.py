@@ -158,3 +158,19 @@ def test_auto_is_a_setting_and_a_flag_resolved_before_planning(monkeypatch, tmp_
     ds = tmp_path / "ds.json"
     ds.write_text('{"memascend": {"host_memory_budget": "auto"}}')
     assert build_run_config({}, {"deepspeed_config": str(ds)}).memascend.host_memory_budget == "auto"
+
+
+def test_finetune_resolves_auto_once_and_hands_the_bytes_and_the_choice_on(monkeypatch, capsys):
+    from memascend.cli.finetune import _with_budget_choice
+
+    monkeypatch.setattr(host_fit, "auto_budget", lambda: host_fit.HostMemory(6 * GIB, "a fake host"))
+    cfg = build_run_config({}, {"model": {"from_scratch": "llama-tiny"}, "train": {"micro_batch": 1},
+                                "data": {"seq_len": 64}, "host_memory_budget": "auto"})
+    with pytest.raises(UserError, match="resolved by the process that starts the ranks"):
+        _with_budget_choice(cfg, None, say=False)  # a rank another launcher started
+    chosen = _with_budget_choice(cfg, None, say=True)
+    err = capsys.readouterr().err
+    assert "memascend: host memory budget auto: 6.00 GiB (a fake host)" in err
+    assert "memascend: host memory budget 6.00 GiB: param_dram_numel=" in err and "NVMe per step" in err
+    assert chosen.memascend.host_memory_budget == 6 * GIB
+    assert isinstance(chosen.memascend.optimizer_dram_numel, int) and isinstance(chosen.memascend.param_dram_numel, int)
