@@ -21,6 +21,10 @@ Unlocked:
     rank, of which the whole, unpartitioned gradients touch ``min(bucket, total_numel)`` (per rank,
     not divided by the rank count; stock's 5e8-element bucket in fp32 is 4 bytes/param);
   * the optimizer step's fp32 gradient of the largest sub-group (and stock's overflow check);
+  * optimizer sub-groups kept in DRAM (``optimizer_dram_numel``): fp32 master weights, two moments
+    and gradient, 16 bytes per element for the whole run; once every sub-group is kept, no optimizer
+    swap buffer is taken (:mod:`memascend.plan.placement` says which, and counts the NVMe bytes a
+    step reads and writes: :attr:`EnginePlan.placement`);
   * activations of one micro-batch (:func:`activation_parts`: the tensors autograd keeps, counted
     for a Hugging Face Llama with SDPA and measured, plus the three fp32 ``tokens x vocab`` tensors
     of the loss at the start of backward) and the vocabulary projection's weight gradient; with tied
