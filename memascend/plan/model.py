@@ -399,11 +399,14 @@ def plan_engine(cfg: RunConfig, dims: ModelDims, run: ResolvedRun, world_size: i
         add(f"optimizer sub-groups kept in DRAM ({placement.optimizer_kept_groups} of {placement.optimizer_groups}: "
             "fp32 master, 2 moments, gradient)", placement.optimizer_kept_bytes, False,
             "optimizer_dram_numel (never swapped)")
-    _add_optimizer(add, z, opt_part, sub, ma, settings, chunk_window, swapping)
+    swapped_groups = _sub_groups(run.ds_config, opt_numels, w)[placement.optimizer_kept_groups:]
+    opt_sub = sub
+    if swapping and placement.optimizer_kept_groups and ma and settings.enable_optimizer_pool:
+        opt_sub = max(sum(g) for g in swapped_groups)  # the on-demand buffers fit the largest one still swapped
+    _add_optimizer(add, z, opt_part, opt_sub, ma, settings, chunk_window, swapping)
     if swapping and getattr(settings, "fix_unaligned_gradient_io", False) \
-            and _step_chunk_numel(z, sub, ma, settings) is None:  # chunked: read through its own slab
-        slab = _bounce_slab_numel(_sub_groups(run.ds_config, opt_numels, w)[placement.optimizer_kept_groups:],
-                                  _swap_align_bytes(cfg.offload.nvme_path))
+            and _step_chunk_numel(z, opt_sub, ma, settings) is None:  # chunked: read through its own slab
+        slab = _bounce_slab_numel(swapped_groups, _swap_align_bytes(cfg.offload.nvme_path))
         add("gradient bounce slab (unaligned fragments)", slab * _FP32, True,
             "aligned_io.read_fragments (fix_unaligned_gradient_io)", "step")
     _add_forward_backward(add, dims, cfg, e, w, trimmed)
