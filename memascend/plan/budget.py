@@ -73,6 +73,15 @@ class Bandwidth:
         if not (self.read_bytes_per_s > 0 and self.write_bytes_per_s > 0):
             raise UserError(f"swap bandwidth must be positive, got {self.read_bytes_per_s} / {self.write_bytes_per_s}")
 
+    @classmethod
+    def from_report(cls, report: dict) -> Bandwidth | None:
+        """The bandwidth probe of a recorded run (``report.json`` ``swap_io.bandwidth``), ``None``
+        where it has none."""
+        probe = (report.get("swap_io") or {}).get("bandwidth")
+        if not probe:
+            return None
+        return cls(float(probe["read_bytes_per_s"]), float(probe["write_bytes_per_s"]))
+
 
 @dataclasses.dataclass(frozen=True)
 class Knob:

@@ -174,3 +174,17 @@ def test_finetune_resolves_auto_once_and_hands_the_bytes_and_the_choice_on(monke
     assert "memascend: host memory budget 6.00 GiB: param_dram_numel=" in err and "NVMe per step" in err
     assert chosen.memascend.host_memory_budget == 6 * GIB
     assert isinstance(chosen.memascend.optimizer_dram_numel, int) and isinstance(chosen.memascend.param_dram_numel, int)
+
+
+def test_a_measured_bandwidth_prices_the_same_bytes(llama_01b):
+    cfg, dims = llama_01b
+    report = json.loads(next(p for p in SWAP_IO if "param-dram-0" in p.name).read_text())
+    measured = budget_mod.Bandwidth.from_report(report)
+    assert measured is not None and measured.read_bytes_per_s == report["swap_io"]["bandwidth"]["read_bytes_per_s"]
+    assert budget_mod.Bandwidth.from_report({}) is None
+    slow = budget_mod.Bandwidth(measured.read_bytes_per_s / 4, measured.write_bytes_per_s / 4)
+    nominal = choose_for_budget(cfg, int(2.5 * GIB), dims=dims)
+    priced = choose_for_budget(cfg, int(2.5 * GIB), dims=dims, bandwidth=slow)
+    # a slower disk makes every byte dearer: the best choice costs more, and moves no more bytes
+    assert priced.step_cost_s > nominal.step_cost_s
+    assert priced.plan.placement.nvme_step_bytes <= nominal.plan.placement.nvme_step_bytes
