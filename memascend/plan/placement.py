@@ -147,33 +147,39 @@ def _param_reads(cfg: RunConfig, dims: ModelDims, z: dict, parts: list[int], nvm
                  e: int, w: int, pool_bytes: int | None) -> tuple[int, int]:
     """Elements and partitions one micro step reads of the parameters on NVMe only (``nvme``).
 
-    Where every such partition fits in the parameter pool's byte budget (``param_pool_bytes``) each is
-    read once and stays. Otherwise forward and backward each read every one at each use, the tied
-    vocabulary projection twice (embedding and ``lm_head``), less the partitions stage 3 keeps
-    gathered from forward to backward (:func:`~memascend.plan.shapes.live_window_partitions`; the
-    projection only where the reuse distance spans both its uses and a layer); with activation
-    checkpointing a layer's recompute runs right before its backward, which reuses what it gathered.
-    Measured (swap I/O meter, bf16, ``max_in_cpu`` 0, the auto pool): SmolLM2 4 x 256 reads
-    2 x (partitions + embedding) per step, llama-0.1b 1 x 256 with checkpointing 2.3 x, llama-tiny
-    its embedding once.
+    Stage 3 releases a gathered parameter unless the trace uses it again within
+    ``stage3_max_reuse_distance`` elements (``__params_to_release``); memascend's pool reads a
+    released partition again at its next use. So each partition is read in forward and again in
+    backward, except the last layers the reuse window keeps across the turn
+    (:func:`~memascend.plan.shapes.live_window_partitions`; with activation checkpointing a layer's
+    recompute runs right before its backward, which finds it still gathered). The vocabulary
+    projection has four uses where tied (embedding and ``lm_head`` in forward, ``lm_head`` and
+    embedding in backward; two where untied, ``lm_head``'s): it stays between the embedding's and
+    ``lm_head``'s use where the decoder layers' elements are under the reuse distance, and from
+    ``lm_head``'s forward to its backward only where the pool's byte budget holds every partition
+    on NVMe (else the backward's read-ahead takes its room). Measured (swap I/O meter, bf16, the auto
+    pool): SmolLM2 4 x 256 with ``max_in_cpu`` 0 reads its layers twice and the tied embedding four
+    times, with the first 92 M elements in DRAM its NVMe layers twice; llama-tiny its embedding once.
     """
-    if pool_bytes is not None and sum(nvme) * e <= pool_bytes:
-        return sum(nvme), len(nvme)
-    ckpt = cfg.train.activation_checkpointing
-    uses = 2  # forward, backward: a layer's recompute runs right before its backward, which finds it gathered
     reuse = int(z.get("stage3_max_reuse_distance", ds_defaults.MAX_REUSE_DISTANCE_NUMEL))
-    window = live_window_partitions(dims, w, ckpt, reuse, dram, e)
+    window = live_window_partitions(dims, w, cfg.train.activation_checkpointing, reuse, dram, e)
     projection = dims.projection_index if dims.projection_index is not None else (
         0 if dims.tied_embeddings else len(parts) - 1)
     proj = parts[projection]
     offsets = [0, *itertools.accumulate(parts)]
     proj_nvme = _swappable(proj, e) and (dims.trainable_numels is not None or offsets[projection] >= dram)
-    layer = sum(parts) // max(1, dims.num_layers)
-    if window and (not proj_nvme or 2 * dims.vocab_size * dims.hidden_size + layer >= reuse):
-        window = window[1:]  # the projection's two uses are further apart than the reuse distance
-    tied_extra = proj if dims.tied_embeddings and proj_nvme else 0
-    numel = uses * (sum(nvme) + tied_extra) - (uses - 1) * sum(window)
-    count = uses * (len(nvme) + bool(tied_extra)) - (uses - 1) * len(window)
+    layers = window[1:] if proj_nvme and window else window  # the window lists the projection first
+    vocab = dims.vocab_size * dims.hidden_size
+    layers_numel = dims.total_numel - vocab * (1 if dims.tied_embeddings else 2)
+    others = sum(nvme) - (proj if proj_nvme else 0)
+    numel = 2 * others - sum(layers)
+    count = 2 * (len(nvme) - proj_nvme) - len(layers)
+    if proj_nvme:
+        pool_holds_all = pool_bytes is not None and sum(nvme) * e <= pool_bytes
+        uses, kept = (4, 2 * (layers_numel < reuse)) if dims.tied_embeddings else (2, 0)
+        proj_reads = uses - kept - pool_holds_all
+        numel += proj_reads * proj
+        count += proj_reads
     return max(0, numel), max(0, count)
 
 

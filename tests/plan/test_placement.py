@@ -28,7 +28,10 @@ SWAP_IO = sorted((Path(__file__).parent / "data" / "swap-io").glob("*.json"))
 optimizer on NVMe (a swap folder): SmolLM2 4 x 256 stock and memascend (``memascend regress --matrix
 speed``), SmolLM2 with ``param_dram_numel`` 0, llama-0.1b 1 x 256 with activation checkpointing and
 ``param_dram_numel`` 0, llama-tiny 2 x 128 with ``param_dram_numel`` 0, mistral-0.07b (untied) 2 x 256,
-SmolLM2 on two ranks (``memascend finetune`` / the regress runner, 3-4 steps)."""
+SmolLM2 on two ranks (``memascend finetune`` / the regress runner, 3-4 steps), and SmolLM2 with its first 7
+of 13 optimizer sub-groups and 92 M parameter elements in DRAM (``optimizer_dram_numel`` 83182464,
+``param_dram_numel`` 92032704, the seam's implementation of the setting, 3 steps)."""
+KEPT = Path(__file__).parent / "data" / "swap-io" / "smollm2-bf16-256x4-optimizer-dram-7of13-memascend.json"
 TOLERANCE = 0.15
 
 
@@ -39,6 +42,17 @@ def test_planned_nvme_bytes_per_step_within_15_percent_of_the_meter(path):
     p = plan_for_report(report).placement
     assert abs(p.read_bytes - read_bytes) <= TOLERANCE * read_bytes, (p.read_bytes, read_bytes)
     assert abs(p.write_bytes - write_bytes) <= TOLERANCE * write_bytes, (p.write_bytes, write_bytes)
+
+
+def test_kept_optimizer_sub_groups_planned_within_15_percent_of_the_measured_peaks():
+    report = json.loads(KEPT.read_text())
+    plan = plan_for_report(report)
+    assert plan.placement.optimizer_kept_groups == len(report["memory_breakdown"]["optimizer_dram"]["kept_sub_groups"])
+    assert plan.placement.optimizer_kept_bytes == report["memory_breakdown"]["optimizer_dram"]["dram_bytes"]
+    mem = report["memory"]
+    for planned, measured in ((plan.peak_rss_bytes, mem["sum_rank_peak_rss_bytes"]),
+                              (plan.peak_locked_bytes, mem["sum_rank_peak_locked_bytes"])):
+        assert abs(planned - measured) <= TOLERANCE * measured, (planned, measured)
 
 
 def test_at_least_two_recorded_reports_move_parameters_and_optimizer_state():
