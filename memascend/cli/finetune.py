@@ -129,13 +129,23 @@ def _say(line: str) -> None:
 
 
 def _with_budget_choice(cfg: RunConfig, nproc: int | None, *, say: bool) -> RunConfig:
-    """``cfg`` with the knobs chosen for its host memory budget (:mod:`memascend.plan.budget`), chosen
-    up front, before anything is created (and printed when ``say``: the first process); the job the
-    first process starts gets them in the run's handover."""
+    """``cfg`` with the placement and knobs chosen for its host memory budget
+    (:mod:`memascend.plan.budget`), chosen up front, before anything is created (and printed when
+    ``say``: the first process); the job the first process starts gets them, and an ``"auto"``
+    budget resolved to bytes, in the run's handover.
+
+    Raises:
+        UserError: the budget fits nothing; ``"auto"`` in a rank another launcher started (each rank
+            would measure a different amount of free memory).
+    """
     import dataclasses
 
-    from memascend.plan.budget import choose_values_isolated
+    from memascend.plan.budget import choose_values_isolated, resolve_auto_budget
 
+    if cfg.memascend.host_memory_budget == "auto" and not say:
+        raise UserError("--host-memory-budget auto is resolved by the process that starts the ranks: run memascend "
+                        "finetune --nproc N instead of another launcher, or give the budget as a size, e.g. 8GiB")
+    cfg = resolve_auto_budget(cfg, _say if say else None)
     values, line = choose_values_isolated(cfg, nproc or int(os.environ.get("WORLD_SIZE", "1") or 1))
     if say:
         _say(line)

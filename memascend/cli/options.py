@@ -27,7 +27,7 @@ from typing import Any
 
 import click
 
-from memascend.cli.params import SIZE_BYTES
+from memascend.cli.params import SIZE_BYTES, SIZE_BYTES_OR_AUTO
 from memascend.config.flags import GROUPS as GROUP_TITLES
 from memascend.config.flags import RUN_SHAPE_GROUPS, CliFlag
 from memascend.config.schema import SECTIONS, RunConfig, cli_flags
@@ -57,6 +57,15 @@ def _annotation(flag: CliFlag) -> Any:
     raise LookupError(f"{flag.flag}: no field {flag.section}.{flag.field}")
 
 
+def _literal_values(hint: Any) -> tuple:
+    """The values of the ``Literal`` in an annotation (``int | Literal["auto"]`` -> ``("auto",)``)."""
+    if typing.get_origin(hint) is typing.Literal:
+        return typing.get_args(hint)
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return tuple(v for a in typing.get_args(hint) for v in _literal_values(a))
+    return ()
+
+
 def click_attrs(flag: CliFlag) -> dict[str, Any]:
     """click's ``option`` keyword arguments of ``flag``."""
     attrs: dict[str, Any] = {}
@@ -64,8 +73,9 @@ def click_attrs(flag: CliFlag) -> dict[str, Any]:
         attrs.update(is_flag=True, default=False)
     else:
         attrs["default"] = None
-    if flag.kind == "size":
-        attrs["type"] = SIZE_BYTES
+    if flag.kind == "size":  # a field that also takes "auto" (Literal["auto"] in its annotation) takes it here
+        auto = flag.field is not None and "auto" in _literal_values(_annotation(flag))
+        attrs["type"] = SIZE_BYTES_OR_AUTO if auto else SIZE_BYTES
     elif flag.kind == "dir":
         attrs["type"] = click.Path(file_okay=False)
     elif flag.kind == "file":

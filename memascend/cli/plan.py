@@ -76,7 +76,13 @@ def plan(nproc: int, as_json: bool, cap_gib: float | None, scaling: bool, **kw) 
                         ("lock needed / rank", base.preflight_locked_bytes_per_rank,
                          mine.preflight_locked_bytes_per_rank)):
         t.add_row(label, f"{b / GIB:.2f}", f"{m / GIB:.2f}", f"{m / b:.2f}" if b else "-")
+    if base.placement is not None and mine.placement is not None:
+        for label, key in (("NVMe read / step / rank", "read_bytes"), ("NVMe written / step / rank", "write_bytes")):
+            b, m = getattr(base.placement, key), getattr(mine.placement, key)
+            t.add_row(label, f"{b / GIB:.2f}", f"{m / GIB:.2f}", f"{m / b:.2f}" if b else "-")
     console.print(t)
+    if mine.placement is not None:
+        console.print(_placement_table(base, mine))
     for p in (base, mine):
         c = Table(title=f"{p.engine}: consumers, largest first", title_justify="left")
         for h in ("component", "GiB", "locked", "phase", "allocated by"):
@@ -93,6 +99,40 @@ def plan(nproc: int, as_json: bool, cap_gib: float | None, scaling: bool, **kw) 
 
 
 _SCALING_KEYS = ("peak_rss_bytes", "peak_locked_bytes", "nvme_bytes")
+
+
+def _placement_table(base, mine):
+    """Where each engine keeps one rank's swappable state (DRAM or NVMe) and the NVMe bytes of a step
+    (:class:`memascend.plan.placement.Placement`)."""
+    from rich.table import Table
+
+    from memascend.plan.placement import OPTIMIZER_DRAM_BYTES_PER_NUMEL
+    from memascend.units import GIB
+
+    t = Table(title="placement per rank: what stays in DRAM, what goes to NVMe, bytes per step", title_justify="left")
+    for h in ("", "baseline", "memascend"):
+        t.add_column(h, justify="left" if not h else "right")
+
+    def both(fn) -> tuple[str, str]:
+        return tuple("-" if p.placement is None else fn(p.placement) for p in (base, mine))
+
+    def size(numel: int, elem_bytes: int) -> str:
+        return f"{numel / 1e6:,.1f} M el, {numel * elem_bytes / GIB:.2f} GiB"
+
+    t.add_row("16-bit params in DRAM", *both(lambda p: size(p.param_dram_numel, p.param_elem_bytes)))
+    t.add_row("16-bit params on NVMe only", *both(lambda p: size(p.param_nvme_numel, p.param_elem_bytes)))
+    t.add_row("optimizer sub-groups kept in DRAM", *both(
+        lambda p: f"{p.optimizer_kept_groups}/{p.optimizer_groups}: "
+                  f"{size(p.optimizer_kept_numel, OPTIMIZER_DRAM_BYTES_PER_NUMEL)}"))
+    t.add_row("optimizer swapped to NVMe", *both(
+        lambda p: size(p.optimizer_nvme_numel, OPTIMIZER_DRAM_BYTES_PER_NUMEL)))
+    t.add_row("NVMe read / step (params + optimizer)", *both(
+        lambda p: f"{p.param_read_bytes / GIB:.2f} + {p.optimizer_read_bytes / GIB:.2f} GiB"))
+    t.add_row("NVMe written / step (params + optimizer)", *both(
+        lambda p: f"{p.param_write_bytes / GIB:.2f} + {p.optimizer_write_bytes / GIB:.2f} GiB"))
+    t.add_row("peak host RSS / locked (all ranks)", *(f"{p.peak_rss_bytes / GIB:.2f} / {p.peak_locked_bytes / GIB:.2f} GiB"
+                                                      for p in (base, mine)))
+    return t
 
 
 def _scaling_table(rows, cfg, nproc: int):

@@ -90,12 +90,17 @@ class MemAscendSettings:
             ``None``. ``None``: a count of partitions bounds the pool (``param_prefetch_slots`` or
             ``offload_param.buffer_count``) and the config's reuse distance is kept. What the
             model computes does not depend on it (a released partition is read again from NVMe).
-        host_memory_budget: bytes of host memory (peak RSS, locked included) the run must stay
-            under, an integer or a size string (``"4GiB"``, parsed by
-            :func:`memascend.units.parse_size_bytes`); ``None``: no budget. ``memascend finetune``
-            (``--host-memory-budget``) and ``memascend plan`` choose the sizing settings that fit
-            it with the best expected step time (:mod:`memascend.plan.budget`), and refuse a budget
-            nothing fits. Kept as the number of bytes.
+        host_memory_budget: bytes of host memory (peak RSS, locked included) the run may use, an
+            integer or a size string (``"4GiB"``, parsed by :func:`memascend.units.parse_size_bytes`),
+            or ``"auto"``: what this host or its memory cgroup can give when the run starts
+            (:func:`memascend.plan.host_fit.auto_budget`: ``MemAvailable`` or the cgroup's limit less
+            its usage, whichever is smaller, less a stated margin), resolved to bytes by the process
+            that plans the run; ``None``: no budget (the lean configuration). ``memascend finetune``
+            (``--host-memory-budget``) and ``memascend plan`` keep in DRAM as much of the state
+            that would be swapped as fits (16-bit parameters and whole optimizer sub-groups, in the
+            order that removes the most NVMe bytes per byte of DRAM) and choose the sizing settings
+            with the best expected step time (:mod:`memascend.plan.budget`), and refuse a budget
+            nothing fits. Kept as the number of bytes (or ``"auto"``).
         enable_malloc_policy: fixed glibc mmap/trim thresholds, two arenas and ``malloc_trim``
             after each optimizer step (:mod:`memascend.memory.host_allocator`): freed host memory
             goes back to the OS instead of staying resident.
@@ -198,13 +203,15 @@ class MemAscendSettings:
     param_dram_numel: int | Literal["auto"] | None = "auto"
     enable_malloc_policy: bool = True
     param_pool_bytes: int | Literal["auto"] | None = "auto"
-    host_memory_budget: int | None = dataclasses.field(default=None, metadata=cli(
+    host_memory_budget: int | Literal["auto"] | None = dataclasses.field(default=None, metadata=cli(
         "host memory budget", 0, "--host-memory-budget", kind="size", help=
-        "Host memory (peak RSS, locked included, all ranks of this host) the run must stay under, e.g. "
-        "4GiB: memascend picks the parameter pool, prefetch depth, DRAM copy and optimizer chunk that "
-        "fit with the best expected step time (memascend plan's model), prints the choice, and refuses a "
-        'budget nothing fits, naming the smallest that would; the "memascend" section\'s '
-        "host_memory_budget key does the same [default: no budget]"))
+        "Host memory (peak RSS, locked included, all ranks of this host) the run may use, e.g. 4GiB, or "
+        "auto (what this host or its memory cgroup can give now, less a 1 GiB margin): memascend keeps "
+        "in DRAM as much of what it would swap as fits (16-bit parameters, optimizer sub-groups), picks "
+        "the parameter pool, prefetch depth and optimizer chunk with the best expected step time "
+        "(memascend plan's model), prints the choice, and refuses a budget nothing fits, naming the "
+        'smallest that would; the "memascend" section\'s host_memory_budget key does the same '
+        "[default: no budget]"))
     enable_grad_buffer_release: bool = True
     enable_optimizer_buffer_release: bool = True
     reduce_bucket_numel: int | Literal["auto"] | None = "auto"
@@ -239,15 +246,17 @@ class MemAscendSettings:
         if pool is not None and pool != "auto" and (isinstance(pool, bool) or not isinstance(pool, int) or pool < 1):
             raise UserError(f'memascend setting param_pool_bytes must be an integer >= 1 (bytes) or "auto", got {pool!r}')
         budget = self.host_memory_budget
-        if budget is not None:
+        if budget is not None and budget != "auto":
             if isinstance(budget, bool) or not isinstance(budget, (int, str)):
-                raise UserError(f'memascend setting host_memory_budget must be a size such as "4GiB", got {budget!r}')
+                raise UserError(f'memascend setting host_memory_budget must be a size such as "4GiB" or "auto", '
+                                f"got {budget!r}")
             try:
                 budget_bytes = parse_size_bytes(budget)
             except UserError as exc:
                 raise UserError(f"memascend setting host_memory_budget: {exc}") from None
             if budget_bytes < 1:
-                raise UserError(f'memascend setting host_memory_budget must be a size such as "4GiB", got {budget!r}')
+                raise UserError(f'memascend setting host_memory_budget must be a size such as "4GiB" or "auto", '
+                                f"got {budget!r}")
             object.__setattr__(self, "host_memory_budget", budget_bytes)
         chunk = self.optimizer_chunk_numel
         if chunk is not None and chunk != "auto" and (isinstance(chunk, bool) or not isinstance(chunk, int)

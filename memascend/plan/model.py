@@ -21,6 +21,10 @@ Unlocked:
     rank, of which the whole, unpartitioned gradients touch ``min(bucket, total_numel)`` (per rank,
     not divided by the rank count; stock's 5e8-element bucket in fp32 is 4 bytes/param);
   * the optimizer step's fp32 gradient of the largest sub-group (and stock's overflow check);
+  * optimizer sub-groups kept in DRAM (``optimizer_dram_numel``): fp32 master weights, two moments
+    and gradient, 16 bytes per element for the whole run; once every sub-group is kept, no optimizer
+    swap buffer is taken (:mod:`memascend.plan.placement` says which, and counts the NVMe bytes a
+    step reads and writes: :attr:`EnginePlan.placement`);
   * activations of one micro-batch (:func:`activation_parts`: the tensors autograd keeps, counted
     for a Hugging Face Llama with SDPA and measured, plus the three fp32 ``tokens x vocab`` tensors
     of the loss at the start of backward) and the vocabulary projection's weight gradient; with tied
@@ -91,6 +95,7 @@ from memascend.plan.optimizer_terms import (
     _sub_groups,
     _swap_align_bytes,
 )
+from memascend.plan.placement import Placement, plan_placement
 from memascend.plan.shapes import (
     ModelDims,
     activation_parts,
@@ -136,6 +141,8 @@ class EnginePlan:
             swap target before it starts (``ResolvedRun.nvme_bytes_per_rank``, with a margin).
         preflight_locked_bytes_per_rank: locked memory ``memascend finetune`` requires of each rank
             before DeepSpeed starts (``ResolvedRun.upfront_locked_bytes``, a lower bound).
+        placement: what one rank keeps in DRAM and swaps, and the NVMe bytes it reads and writes per
+            step (:class:`memascend.plan.placement.Placement`; ``None`` where not planned).
     """
 
     engine: str
@@ -143,6 +150,7 @@ class EnginePlan:
     nvme_bytes: int
     preflight_nvme_bytes_per_rank: int = 0
     preflight_locked_bytes_per_rank: int = 0
+    placement: Placement | None = None
 
     def phase_bytes(self, phase: str) -> int:
         return sum(c.bytes for c in self.components if c.phase == phase)
@@ -168,6 +176,7 @@ class EnginePlan:
                 "peak_locked_bytes": self.peak_locked_bytes, "nvme_bytes": self.nvme_bytes,
                 "preflight_nvme_bytes_per_rank": self.preflight_nvme_bytes_per_rank,
                 "preflight_locked_bytes_per_rank": self.preflight_locked_bytes_per_rank,
+                "placement": self.placement and self.placement.to_dict(),
                 "components": [vars(c) for c in self.components]}
 
 
@@ -384,11 +393,20 @@ def plan_engine(cfg: RunConfig, dims: ModelDims, run: ResolvedRun, world_size: i
     _add_host_baseline(add, cfg, dims, ma, settings, trimmed)
     _add_param_offload(add, cfg, dims, z, e, w, opt_part, sub, ma, settings)
     _add_gradients(add, cfg, dims, z, e, w, opt_part, release_grads)
-    _add_optimizer(add, z, opt_part, sub, ma, settings, chunk_window)
-    if oo.get("device") == "nvme" and getattr(settings, "fix_unaligned_gradient_io", False) \
-            and _step_chunk_numel(z, sub, ma, settings) is None:  # chunked: read through its own slab
-        slab = _bounce_slab_numel(_sub_groups(run.ds_config, opt_numels, w),
-                                  _swap_align_bytes(cfg.offload.nvme_path))
+    placement = plan_placement(cfg, dims, run.ds_config, settings, w)
+    swapping = oo.get("device") == "nvme" and placement.optimizer_kept_groups < placement.optimizer_groups
+    if oo.get("device") == "nvme" and placement.optimizer_kept_numel:
+        add(f"optimizer sub-groups kept in DRAM ({placement.optimizer_kept_groups} of {placement.optimizer_groups}: "
+            "fp32 master, 2 moments, gradient)", placement.optimizer_kept_bytes, False,
+            "optimizer_dram_numel (never swapped)")
+    swapped_groups = _sub_groups(run.ds_config, opt_numels, w)[placement.optimizer_kept_groups:]
+    opt_sub = sub
+    if swapping and placement.optimizer_kept_groups and ma and settings.enable_optimizer_pool:
+        opt_sub = max(sum(g) for g in swapped_groups)  # the on-demand buffers fit the largest one still swapped
+    _add_optimizer(add, z, opt_part, opt_sub, ma, settings, chunk_window, swapping)
+    if swapping and getattr(settings, "fix_unaligned_gradient_io", False) \
+            and _step_chunk_numel(z, opt_sub, ma, settings) is None:  # chunked: read through its own slab
+        slab = _bounce_slab_numel(swapped_groups, _swap_align_bytes(cfg.offload.nvme_path))
         add("gradient bounce slab (unaligned fragments)", slab * _FP32, True,
             "aligned_io.read_fragments (fix_unaligned_gradient_io)", "step")
     _add_forward_backward(add, dims, cfg, e, w, trimmed)
@@ -397,7 +415,7 @@ def plan_engine(cfg: RunConfig, dims: ModelDims, run: ResolvedRun, world_size: i
     nvme = nvme_swap_bytes(dims.total_numel, e, op.get("device") == "nvme", oo.get("device") == "nvme",
                            opt_numel)
     return EnginePlan(cfg.engine, tuple(sorted(comps, key=lambda c: -c.bytes)), nvme,
-                      run.nvme_bytes_per_rank, run.upfront_locked_bytes)
+                      run.nvme_bytes_per_rank, run.upfront_locked_bytes, placement)
 
 
 def plan_run(cfg: RunConfig, world_size: int = 1, dims: ModelDims | None = None,

@@ -133,13 +133,17 @@ def _add_swap_window(add, settings, sub: int, released: bool) -> None:
         True, "stage3 initialize_optimizer_states (swap_in_optimizer_state)", "initialize" if released else "resident")
 
 
-def _add_optimizer(add, z: dict, part: int, sub: int, ma: bool, settings, chunk_window: bool = True) -> None:
+def _add_optimizer(add, z: dict, part: int, sub: int, ma: bool, settings, chunk_window: bool = True,
+                   swapping: bool = True) -> None:
     """The optimizer side of ``offload_optimizer`` and the step's temporaries (``chunk_window``:
     with the chunked step, gradients and the fp32 write-out stream through a chunk-sized window;
-    ``False`` for runs from before it)."""
+    ``False`` for runs from before it; ``swapping`` ``False``: every sub-group is kept in DRAM
+    (``optimizer_dram_numel``, planned by the caller), so no swap buffer is taken)."""
     oo = z.get("offload_optimizer", {})
     chunk = _step_chunk_numel(z, sub, ma, settings)
-    if chunk is not None:
+    if oo.get("device") == "nvme" and not swapping:
+        pass  # every sub-group kept in DRAM: its state is the caller's component, nothing is swapped
+    elif chunk is not None:
         released = settings.enable_optimizer_pool and settings.enable_optimizer_buffer_release
         _add_chunked_step(add, chunk, released, settings.enable_chunk_prefetch)
         staging = STAGING_BUFFERS_IN_USE * _aligned(sub, _FP32) * _FP32  # before chunked_swap_out
