@@ -55,6 +55,7 @@ from memascend.train.preflight import (
 )
 from memascend.train.report import StepRecord
 from memascend.train.run_log import RunLog, output_errors, write_json_atomic
+from memascend.train.startup_memory import trim_after_stage
 from memascend.train.supervisor import is_supervised, record_run_state
 from memascend.train.swap_target import open_swap_target
 from memascend.train.swapdir import TerminationAsInterrupt, folder_bytes, make_run_id
@@ -208,17 +209,21 @@ class FinetuneRecipe:
             raise UserError(f"--seq-len {cfg.data.seq_len} exceeds the model's limit of {limit} tokens")
         check_output_dir(self.out_dir)
         self.tokenizer = load_tokenizer(self.src)
+        trim_after_stage(cfg)
         footprint.mark("tokenizer")
-        self.documents = read_documents(cfg.data.source, cfg.data.max_documents, data_format=cfg.data.format,
-                                        columns=cfg.data.columns, max_bytes=cfg.data.max_bytes)
-        self.split = build_blocks(self.documents, self.tokenizer, cfg.data.seq_len, cfg.data.eval_blocks,
-                                  cfg.train.seed)
+        documents = read_documents(cfg.data.source, cfg.data.max_documents, data_format=cfg.data.format,
+                                   columns=cfg.data.columns, max_bytes=cfg.data.max_bytes)
+        self.split = build_blocks(documents, self.tokenizer, cfg.data.seq_len, cfg.data.eval_blocks, cfg.train.seed)
+        del documents  # the blocks hold the tokens; the text is not needed again
         self.shape = meta_shape(self.src, cfg)
         if cfg.model.from_scratch and cfg.model.from_scratch.vocab_size < len(self.tokenizer):
             raise UserError(
                 f"from-scratch vocab_size {cfg.model.from_scratch.vocab_size} is smaller than the tokenizer's "
                 f"{len(self.tokenizer)}"
             )
+        if not cfg.train.save_model:
+            self.tokenizer = None  # only the saved model needs it again
+        trim_after_stage(cfg)
         footprint.mark("data")
         split = self.split
         self.phases.line(f"data read: {split.num_documents:,} documents, {len(split.train):,} training + "
@@ -307,6 +312,7 @@ class FinetuneRecipe:
         self.sampler.phase("build")  # the model built or loaded (report: memory.phase_peak_rss_bytes.build)
         model, hf_ds = build_model(self.src, cfg.model, ds_cfg, cfg.train.seed, layerwise=cfg.engine == "memascend",
                                    lora=cfg.lora)
+        trim_after_stage(cfg)
         footprint.mark("model")
         self.sampler.phase("initialize")
         self.phases.line(f"model {'built' if cfg.model.from_scratch else 'loaded'} "
@@ -320,6 +326,7 @@ class FinetuneRecipe:
                 model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_cfg,
                 lr_scheduler=schedule.scheduler_factory(cfg.train, self.steps))
         del hf_ds
+        trim_after_stage(cfg)
         footprint.mark("engine")
         self._meter_swap_io()
         self.phases.line(f"DeepSpeed initialized (ZeRO-3; parameters on {cfg.offload.param}, optimizer state on "
