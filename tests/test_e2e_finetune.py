@@ -98,6 +98,9 @@ def test_report_breaks_down_the_fixed_cost(smollm2_run):
     assert 0 < fixed["interpreter_bytes"] < fixed["libraries_bytes"]
     assert fixed["model_bytes"] > 0  # SmolLM2's weights were loaded
     assert fixed["sampler_bytes"] > 0 and fixed["supervisor_rss_bytes"] > 0  # memascend finetune supervises its job
+    first = fixed["first_step_peak_rss_bytes"]
+    assert set(first) == {"forward", "backward", "step"}
+    assert all(fixed["after_engine"]["rss_bytes"] // 2 < v <= rep["memory"]["phase_peak_rss_bytes"][k] for k, v in first.items())
 
 
 def test_swap_files_removed_at_exit(smollm2_run):

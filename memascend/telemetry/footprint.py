@@ -94,6 +94,22 @@ def sampler_bytes(samples: list[Any]) -> int:
     return int(total)
 
 
+def first_phase_peaks(samples: list[Any], phases: tuple[str, ...] = ("forward", "backward", "step")) -> dict[str, int]:
+    """Peak RSS (bytes) of the first stretch of each of ``phases`` in ``samples`` (the sampler's, in
+    time order, each with ``phase`` and ``rss_bytes``): the first training step's forward, backward
+    and optimizer step. A phase that never ran is left out."""
+    out: dict[str, int] = {}
+    done: set[str] = set()
+    prev = None
+    for s in samples:
+        if prev in phases and s.phase != prev:
+            done.add(prev)
+        if s.phase in phases and s.phase not in done:
+            out[s.phase] = max(out.get(s.phase, 0), int(s.rss_bytes))
+        prev = s.phase
+    return out
+
+
 def fixed_cost(points: Mapping[str, Mapping[str, int]], *, samples: list[Any] | None = None,
                supervisor_bytes: int | None = None) -> dict[str, Any]:
     """The fixed-cost components of a run from its start-up points (:func:`marks`).
@@ -108,7 +124,9 @@ def fixed_cost(points: Mapping[str, Mapping[str, int]], *, samples: list[Any] | 
         RSS from the recorded point before it (``interpreter_bytes``: RSS at the first point);
         ``after_engine``: RSS, anonymous, file-backed and shared bytes once the engine is built (or
         at the last point recorded), the fixed cost in all; ``points``: the split at every point
-        recorded (``read_rss_split``'s keys); ``sampler_bytes``; ``supervisor_rss_bytes``
+        recorded (``read_rss_split``'s keys); ``first_step_peak_rss_bytes``: the first step's
+        forward, backward and optimizer step peaks (:func:`first_phase_peaks`; ``None`` without
+        samples); ``sampler_bytes``; ``supervisor_rss_bytes``
         (the parent process, outside this process's peak; ``None`` unsupervised).
     """
     out: dict[str, Any] = {}
@@ -123,6 +141,7 @@ def fixed_cost(points: Mapping[str, Mapping[str, int]], *, samples: list[Any] | 
         last = at
     out["after_engine"] = dict(last) if last is not None else None
     out["points"] = {k: dict(v) for k, v in points.items()}
+    out["first_step_peak_rss_bytes"] = first_phase_peaks(samples) if samples is not None else None
     out["sampler_bytes"] = sampler_bytes(samples) if samples is not None else None
     out["supervisor_rss_bytes"] = supervisor_bytes
     return out

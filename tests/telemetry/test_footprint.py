@@ -47,8 +47,19 @@ def test_fixed_cost_is_the_rise_of_each_stage():
     assert "process_group_bytes" not in fixed and "seam_bytes" not in fixed
     assert fixed["after_engine"] == _at(620) and fixed["points"] == points
     assert fixed["sampler_bytes"] is None and fixed["supervisor_rss_bytes"] is None
-    assert footprint.fixed_cost({}) == {"after_engine": None, "points": {}, "sampler_bytes": None,
-                                        "supervisor_rss_bytes": None}
+    assert fixed["first_step_peak_rss_bytes"] is None
+    assert footprint.fixed_cost({}) == {"after_engine": None, "points": {}, "first_step_peak_rss_bytes": None,
+                                        "sampler_bytes": None, "supervisor_rss_bytes": None}
+
+
+def test_first_phase_peaks_stop_at_the_first_step():
+    from types import SimpleNamespace as S
+
+    run = [S(phase="initialize", rss_bytes=900), S(phase="forward", rss_bytes=100), S(phase="forward", rss_bytes=300),
+           S(phase="backward", rss_bytes=400), S(phase="step", rss_bytes=350), S(phase="forward", rss_bytes=999),
+           S(phase="backward", rss_bytes=999)]
+    assert footprint.first_phase_peaks(run) == {"forward": 300, "backward": 400, "step": 350}
+    assert footprint.first_phase_peaks(run[:1]) == {}
 
 
 def test_sampler_bytes_grow_with_the_samples():
