@@ -81,6 +81,28 @@ def test_report_has_what_the_run_measured(smollm2_run):
     assert header.startswith("t_s,phase,rss_bytes")
 
 
+def test_report_breaks_down_the_fixed_cost(smollm2_run):
+    _, rep = smollm2_run
+    fixed = rep["memory_breakdown"]["fixed_cost"]
+    from memascend.telemetry.footprint import POINTS
+
+    # every start-up point recorded, in order, each split into anonymous, file-backed and shared pages
+    assert list(fixed["points"]) == [point for point, _ in POINTS]
+    for at in fixed["points"].values():
+        assert at["rss_anon_bytes"] + at["rss_file_bytes"] + at["rss_shmem_bytes"] == at["rss_bytes"]
+    # the components add up to the RSS once the engine is built, which the run's peak includes
+    components = [component for _, component in POINTS]
+    assert sum(fixed[c] for c in components) == fixed["after_engine"]["rss_bytes"] == fixed["points"]["engine"]["rss_bytes"]
+    assert fixed["after_engine"]["rss_bytes"] <= rep["memory"]["peak_rss_bytes"]
+    # torch and the libraries are loaded after the job starts (the interpreter alone is far smaller)
+    assert 0 < fixed["interpreter_bytes"] < fixed["libraries_bytes"]
+    assert fixed["model_bytes"] > 0  # SmolLM2's weights were loaded
+    assert fixed["sampler_bytes"] > 0 and fixed["supervisor_rss_bytes"] > 0  # memascend finetune supervises its job
+    first = fixed["first_step_peak_rss_bytes"]
+    assert set(first) == {"forward", "backward", "step"}
+    assert all(fixed["after_engine"]["rss_bytes"] // 2 < v <= rep["memory"]["phase_peak_rss_bytes"][k] for k, v in first.items())
+
+
 def test_swap_files_removed_at_exit(smollm2_run):
     tmp, _ = smollm2_run
     assert list((tmp / "swap").iterdir()) == []

@@ -108,6 +108,10 @@ def _supervise_or_run(cfg: RunConfig, nproc: int | None, first: bool, fresh: boo
 def _job(cfg: RunConfig, fresh: bool) -> None:
     """Run the training job in this process; rank 0 points ``runs/latest`` at a ``fresh`` output
     folder and prints the summary."""
+    from memascend.telemetry import footprint
+
+    footprint.reset()
+    footprint.mark("job_start")  # before torch: the interpreter's share of the fixed cost
     if cfg.engine == "memascend":
         # Before torch loads (the recipe imports it): c10 reads THP_MEM_ALLOC_ENABLE only then.
         from memascend.memory import torch_thp

@@ -35,7 +35,7 @@ from memascend.config import MAX_STEPS, RunConfig
 from memascend.config.render import resolve
 from memascend.errors import UserError
 from memascend.integrations.deepspeed.io_meter import METER, SwapIOTotals
-from memascend.telemetry import MemorySampler, read_proc_io
+from memascend.telemetry import MemorySampler, footprint, read_proc_io
 from memascend.telemetry.tensorboard import check_tensorboard
 from memascend.train import checkpoints as ckpt
 from memascend.train import chunked_loss, console, determinism, resume_schedule, schedule
@@ -55,7 +55,8 @@ from memascend.train.preflight import (
 )
 from memascend.train.report import StepRecord
 from memascend.train.run_log import RunLog, output_errors, write_json_atomic
-from memascend.train.supervisor import record_run_state
+from memascend.train.startup_memory import trim_after_stage
+from memascend.train.supervisor import is_supervised, record_run_state
 from memascend.train.swap_target import open_swap_target
 from memascend.train.swapdir import TerminationAsInterrupt, folder_bytes, make_run_id
 from memascend.units import format_bytes
@@ -72,6 +73,7 @@ def run_finetune(cfg: RunConfig) -> dict | None:
     Raises:
         UserError: bad input detected before or during the run (nothing is left behind).
     """
+    footprint.mark("libraries")
     unquiet = console.quiet_deepspeed_logger(cfg.train.verbose)
     try:
         info = dist_setup.setup_env()
@@ -164,6 +166,7 @@ class FinetuneRecipe:
         check_deepspeed_ops_loadable()
         with console.quiet_prints(self.cfg.train.verbose):  # DeepSpeed's "shm_comm_op built successfully"
             dist_setup.init_process_group()
+        footprint.mark("process_group")
         check_dtype_supported(self.cfg.train.dtype, self.info.device_type)
         self.run_id = broadcast(make_run_id(), self.info.rank)
         self._check_resume()
@@ -206,16 +209,22 @@ class FinetuneRecipe:
             raise UserError(f"--seq-len {cfg.data.seq_len} exceeds the model's limit of {limit} tokens")
         check_output_dir(self.out_dir)
         self.tokenizer = load_tokenizer(self.src)
-        self.documents = read_documents(cfg.data.source, cfg.data.max_documents, data_format=cfg.data.format,
-                                        columns=cfg.data.columns, max_bytes=cfg.data.max_bytes)
-        self.split = build_blocks(self.documents, self.tokenizer, cfg.data.seq_len, cfg.data.eval_blocks,
-                                  cfg.train.seed)
+        trim_after_stage(cfg)
+        footprint.mark("tokenizer")
+        documents = read_documents(cfg.data.source, cfg.data.max_documents, data_format=cfg.data.format,
+                                   columns=cfg.data.columns, max_bytes=cfg.data.max_bytes)
+        self.split = build_blocks(documents, self.tokenizer, cfg.data.seq_len, cfg.data.eval_blocks, cfg.train.seed)
+        del documents  # the blocks hold the tokens; the text is not needed again
         self.shape = meta_shape(self.src, cfg)
         if cfg.model.from_scratch and cfg.model.from_scratch.vocab_size < len(self.tokenizer):
             raise UserError(
                 f"from-scratch vocab_size {cfg.model.from_scratch.vocab_size} is smaller than the tokenizer's "
                 f"{len(self.tokenizer)}"
             )
+        if not cfg.train.save_model:
+            self.tokenizer = None  # only the saved model needs it again
+        trim_after_stage(cfg)
+        footprint.mark("data")
         split = self.split
         self.phases.line(f"data read: {split.num_documents:,} documents, {len(split.train):,} training + "
                          f"{len(split.eval):,} held-out blocks of {cfg.data.seq_len} tokens")
@@ -296,12 +305,15 @@ class FinetuneRecipe:
             self.deterministic = determinism.enable_deterministic_kernels()
         self.ledger.revert = seam.revert
         seam.apply(settings)
+        footprint.mark("seam")
         self.engine_settings = dataclasses.asdict(settings)
         check_memlock_for_run(self.resolved.upfront_locked_bytes)
         ds_cfg = self.resolved.ds_config
         self.sampler.phase("build")  # the model built or loaded (report: memory.phase_peak_rss_bytes.build)
         model, hf_ds = build_model(self.src, cfg.model, ds_cfg, cfg.train.seed, layerwise=cfg.engine == "memascend",
                                    lora=cfg.lora)
+        trim_after_stage(cfg)
+        footprint.mark("model")
         self.sampler.phase("initialize")
         self.phases.line(f"model {'built' if cfg.model.from_scratch else 'loaded'} "
                          f"({console.format_params(self.shape.total_numel)} params, {cfg.train.dtype})")
@@ -314,6 +326,8 @@ class FinetuneRecipe:
                 model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_cfg,
                 lr_scheduler=schedule.scheduler_factory(cfg.train, self.steps))
         del hf_ds
+        trim_after_stage(cfg)
+        footprint.mark("engine")
         self._meter_swap_io()
         self.phases.line(f"DeepSpeed initialized (ZeRO-3; parameters on {cfg.offload.param}, optimizer state on "
                          f"{cfg.offload.optimizer}; {self.steps:,} steps, lr {cfg.train.lr:g} {cfg.train.lr_scheduler}"
@@ -552,6 +566,9 @@ class FinetuneRecipe:
 
         summary = self.sampler.summary()
         breakdown = memory_breakdown(self.engine, summary, self.sampler.samples)
+        breakdown["fixed_cost"] = footprint.fixed_cost(
+            footprint.marks(), samples=self.sampler.samples,
+            supervisor_bytes=footprint.parent_rss_bytes() if is_supervised() else None)
         rank_peaks, store_ranks = self._gather_ranks(summary)
         if hasattr(self.engine, "destroy"):
             self.engine.destroy()
