@@ -166,7 +166,9 @@ class MemAscendSettings:
             on the NVMe swap target (``offload_optimizer.device: nvme`` only): whole sub-groups, from
             the first, while their running total of elements stays within this number. A kept
             sub-group's master weights, Adam moments and fp32 gradient live in host memory for the
-            whole run (16 bytes per element, unlocked), and its optimizer step reads and writes
+            whole run (16 bytes per element; unlocked on a CPU host, while on a CUDA host with
+            ``offload_optimizer.pin_memory`` DeepSpeed pins the fp32 gradient's 4 of them), and its
+            optimizer step reads and writes
             nothing on the swap target (stage 3's ``_swappable_optimizer_subgroup`` answers false for
             it, the path stock takes for a sub-group below the swapper's ``min_aio_bytes``).
             Checkpoints and exact resume include it. ``None`` or 0: every sub-group is swapped

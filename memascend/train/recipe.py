@@ -45,19 +45,18 @@ from memascend.train.cleanup import Cleanup
 from memascend.train.dist import all_gather, all_reduce_sum, broadcast
 from memascend.train.evaluation import check_finite_loss
 from memascend.train.evaluation import evaluate as evaluate_held_out
+from memascend.train.inputs import load_inputs
 from memascend.train.preflight import (
     check_deepspeed_ops_loadable,
     check_dtype_supported,
     check_memlock_for_run,
-    check_output_dir,
     check_stock_param_dram,
-    meta_shape,
 )
 from memascend.train.report import StepRecord
 from memascend.train.run_log import RunLog, output_errors, write_json_atomic
 from memascend.train.startup_memory import trim_after_stage
 from memascend.train.supervisor import is_supervised, record_run_state
-from memascend.train.swap_target import open_swap_target
+from memascend.train.swap_target import meter_swap_io, open_swap_target
 from memascend.train.swapdir import TerminationAsInterrupt, folder_bytes, make_run_id
 from memascend.units import format_bytes
 
@@ -199,35 +198,10 @@ class FinetuneRecipe:
         self.phases.line(console.run_banner(cfg))
 
     def _load_inputs(self) -> None:
-        from memascend.data import build_blocks, read_documents
-        from memascend.models.loading import load_tokenizer, max_positions, resolve_model
-
-        cfg = self.cfg
-        self.src = resolve_model(cfg.model)
-        limit = max_positions(self.src, cfg.model.from_scratch)
-        if cfg.data.seq_len > limit:
-            raise UserError(f"--seq-len {cfg.data.seq_len} exceeds the model's limit of {limit} tokens")
-        check_output_dir(self.out_dir)
-        self.tokenizer = load_tokenizer(self.src)
-        trim_after_stage(cfg)
-        footprint.mark("tokenizer")
-        documents = read_documents(cfg.data.source, cfg.data.max_documents, data_format=cfg.data.format,
-                                   columns=cfg.data.columns, max_bytes=cfg.data.max_bytes)
-        self.split = build_blocks(documents, self.tokenizer, cfg.data.seq_len, cfg.data.eval_blocks, cfg.train.seed)
-        del documents  # the blocks hold the tokens; the text is not needed again
-        self.shape = meta_shape(self.src, cfg)
-        if cfg.model.from_scratch and cfg.model.from_scratch.vocab_size < len(self.tokenizer):
-            raise UserError(
-                f"from-scratch vocab_size {cfg.model.from_scratch.vocab_size} is smaller than the tokenizer's "
-                f"{len(self.tokenizer)}"
-            )
-        if not cfg.train.save_model:
-            self.tokenizer = None  # only the saved model needs it again
-        trim_after_stage(cfg)
-        footprint.mark("data")
-        split = self.split
+        inputs = load_inputs(self.cfg, self.out_dir)
+        self.src, self.tokenizer, self.split, self.shape = inputs.src, inputs.tokenizer, (split := inputs.split), inputs.shape
         self.phases.line(f"data read: {split.num_documents:,} documents, {len(split.train):,} training + "
-                         f"{len(split.eval):,} held-out blocks of {cfg.data.seq_len} tokens")
+                         f"{len(split.eval):,} held-out blocks of {self.cfg.data.seq_len} tokens")
 
     def _check_resume(self) -> None:
         """The checkpoints' parameter layout (when any checkpoint is read or written) and the
@@ -338,20 +312,9 @@ class FinetuneRecipe:
         self.param_dtype = str(first.dtype).replace("torch.", "")
 
     def _meter_swap_io(self) -> None:
-        """The swap target's bandwidth (a short probe, swap folder only) and the swap I/O meter
-        (per phase bytes and waits, both engines: :mod:`memascend.integrations.deepspeed.io_meter`)."""
-        from memascend.integrations import deepspeed as seam
-        from memascend.integrations.deepspeed import io_meter
-
-        bandwidth = None
-        if self.cfg.offload.uses_nvme and self.raw_store is None and self.swap_dir is not None:
-            bandwidth = io_meter.probe_folder_bandwidth(self.swap_dir, self.resolved.ds_config)
-        self.swap_bandwidth = bandwidth.to_dict() if bandwidth is not None else None
-        if bandwidth is not None:
-            self.phases.line(f"swap target: read {bandwidth.read_bytes_per_s / 1e9:.2f} GB/s, write "
-                             f"{bandwidth.write_bytes_per_s / 1e9:.2f} GB/s (probe of "
-                             f"{format_bytes(bandwidth.probe_bytes)}, {bandwidth.probe_s:.1f}s)")
-        seam.install_io_meter()
+        """The swap target's bandwidth and the swap I/O meter (:func:`~memascend.train.swap_target.meter_swap_io`)."""
+        self.swap_bandwidth = meter_swap_io(self.cfg, self.raw_store, self.swap_dir, self.resolved.ds_config,
+                                            self.phases.line)
 
     def _total_steps(self) -> int:
         """Optimizer steps of the run (``--steps``, or ``--epochs`` over the training blocks)."""
@@ -622,9 +585,8 @@ class FinetuneRecipe:
             write_json_atomic(self.out_dir / "report.json", rep)
 
     def cleanup(self, *, failed: bool = False) -> None:
-        """Undo what the run set up (:class:`memascend.train.cleanup.Cleanup`: swap folder and its
-        lock, the seam, the raw store; after a failure an output folder this run created and left
-        empty). Every step runs; the first error is raised at the end."""
+        """Undo what the run set up (:class:`memascend.train.cleanup.Cleanup`: swap folder and lock,
+        seam, raw store; after a failure an output folder it created and left empty)."""
         self.ledger.run(failed=failed)
 
     def fail(self, exc: BaseException) -> None:

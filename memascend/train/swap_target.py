@@ -133,3 +133,33 @@ def open_raw_store(offload: OffloadConfig, info: DistInfo, need_bytes: int, *, l
         min_capacity_bytes=need_bytes,
         lock_handle_buffers=lock_handle_buffers,
     )
+
+
+def meter_swap_io(cfg, raw_store, swap_dir, ds_config: dict, announce) -> dict | None:
+    """Probe the swap folder's bandwidth (a short sequential write and read at the run's aio settings;
+    a swap folder only: not the raw store, not without NVMe offload), announce it as one line, and
+    install the swap I/O meter (per-phase bytes and waits, both engines:
+    :mod:`memascend.integrations.deepspeed.io_meter`).
+
+    Args:
+        cfg: the :class:`~memascend.config.RunConfig`.
+        raw_store: the open raw store, or ``None``.
+        swap_dir: the run's swap folder, or ``None``.
+        ds_config: the resolved DeepSpeed config (its aio settings).
+        announce: called with the bandwidth line.
+
+    Returns:
+        The measured bandwidth (``SwapBandwidth.to_dict()``: bytes per second each way), or ``None``.
+    """
+    from memascend.integrations import deepspeed as seam
+    from memascend.integrations.deepspeed import io_meter
+
+    bandwidth = None
+    if cfg.offload.uses_nvme and raw_store is None and swap_dir is not None:
+        bandwidth = io_meter.probe_folder_bandwidth(swap_dir, ds_config)
+    if bandwidth is not None:
+        announce(f"swap target: read {bandwidth.read_bytes_per_s / 1e9:.2f} GB/s, write "
+                 f"{bandwidth.write_bytes_per_s / 1e9:.2f} GB/s (probe of {format_bytes(bandwidth.probe_bytes)}, "
+                 f"{bandwidth.probe_s:.1f}s)")
+    seam.install_io_meter()
+    return bandwidth.to_dict() if bandwidth is not None else None

@@ -131,7 +131,7 @@ def _inputs(backend: str, tmp_path: Path) -> report_mod.ReportInputs:
         cfg=cfg, ds_config={"zero_optimization": {"stage": 3}}, derived=[], engine_settings={"enable_param_pool": True},
         user_ds_config=cfg.user_ds_config, device_type="cpu", world_size=1,
         split=SimpleNamespace(num_documents=3, num_tokens=300, train=[0] * 8, eval=[0]),
-        shape=SimpleNamespace(total_numel=100, largest_numel=60), param_dtype="bfloat16",
+        shape=SimpleNamespace(total_numel=100, trainable_numel=100, largest_numel=60), param_dtype="bfloat16",
         per_step=[record(1).to_dict(), record(2).to_dict()], loss_before=10.7, loss_after=10.6, skipped_steps=0,
         train_s=1.0, wall_s=5.0, summary=summary,
         rank_peaks=[{"rank": 0, "peak_rss_bytes": 1 << 30, "peak_locked_bytes": 1 << 20}],
@@ -158,7 +158,9 @@ def test_report_from_fixed_inputs_has_the_old_reports_keys(tmp_path, backend):
             assert list(rep["nvme"]) == list(want["nvme"])  # the store's own keys come from the store
             continue
         added = [("dist_backend", None)] if section == "host" else []  # issue 22: nccl or gloo
-        assert keys(rep[section]) == keys(want[section]) + added, section
+        got = [k for k in keys(rep[section]) if k != ("trainable_param_numel", None)]  # model: added for LoRA
+        assert got == keys(want[section]) + added, section
+    assert rep["model"]["trainable_param_numel"] == 100
     # config: the fields of the recorded config, in order, plus the ones added since (issue 23)
     assert [k for k in rep["config"] if k not in ADDED_CONFIG_SECTIONS] == list(want["config"])
     for section, fields in keys(want["config"]):

@@ -1,0 +1,69 @@
+"""A run's inputs, read before anything heavy: the model source, the tokenizer, the token blocks and
+the model's parameter layout (on the meta device), with the checks that need them."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from memascend.config import RunConfig
+from memascend.errors import UserError
+from memascend.telemetry import footprint
+from memascend.train.preflight import check_output_dir, meta_shape
+from memascend.train.startup_memory import trim_after_stage
+
+
+@dataclasses.dataclass
+class RunInputs:
+    """What :func:`load_inputs` read.
+
+    Attributes:
+        src: the resolved model source (:func:`memascend.models.loading.resolve_model`).
+        tokenizer: the tokenizer, or ``None`` when the run saves no model (only the saved model needs
+            it once the token blocks exist).
+        split: the training and held-out token blocks (:func:`memascend.data.build_blocks`).
+        shape: the model's parameter layout (:class:`memascend.config.render.ModelShape`).
+    """
+
+    src: Any
+    tokenizer: Any
+    split: Any
+    shape: Any
+
+
+def load_inputs(cfg: RunConfig, out_dir: Path) -> RunInputs:
+    """Resolve the model, read the tokenizer and the data into token blocks, lay the model out on the
+    meta device; hand back what loading left after each stage (:func:`trim_after_stage`) and mark the
+    fixed-cost points ``tokenizer`` and ``data`` (:mod:`memascend.telemetry.footprint`).
+
+    Raises:
+        UserError: ``--seq-len`` over the model's limit, an unusable ``--output``, unreadable data, a
+            from-scratch vocabulary smaller than the tokenizer's, LoRA settings the model refuses.
+    """
+    from memascend.data import build_blocks, read_documents
+    from memascend.models.loading import load_tokenizer, max_positions, resolve_model
+
+    src = resolve_model(cfg.model)
+    limit = max_positions(src, cfg.model.from_scratch)
+    if cfg.data.seq_len > limit:
+        raise UserError(f"--seq-len {cfg.data.seq_len} exceeds the model's limit of {limit} tokens")
+    check_output_dir(out_dir)
+    tokenizer = load_tokenizer(src)
+    trim_after_stage(cfg)
+    footprint.mark("tokenizer")
+    documents = read_documents(cfg.data.source, cfg.data.max_documents, data_format=cfg.data.format,
+                               columns=cfg.data.columns, max_bytes=cfg.data.max_bytes)
+    split = build_blocks(documents, tokenizer, cfg.data.seq_len, cfg.data.eval_blocks, cfg.train.seed)
+    del documents  # the blocks hold the tokens; the text is not needed again
+    shape = meta_shape(src, cfg)
+    if cfg.model.from_scratch and cfg.model.from_scratch.vocab_size < len(tokenizer):
+        raise UserError(
+            f"from-scratch vocab_size {cfg.model.from_scratch.vocab_size} is smaller than the tokenizer's "
+            f"{len(tokenizer)}"
+        )
+    if not cfg.train.save_model:
+        tokenizer = None  # only the saved model needs it again
+    trim_after_stage(cfg)
+    footprint.mark("data")
+    return RunInputs(src=src, tokenizer=tokenizer, split=split, shape=shape)
