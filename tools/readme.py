@@ -24,6 +24,7 @@ from tools import config_reference
 from tools import readme_blocks as rb
 from tools import readme_caps as rc
 from tools import readme_frameworks as rf
+from tools import readme_speed as rs
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILE = "cpu-2c-24g"
@@ -61,6 +62,8 @@ BLOCKS: dict[str, Callable[[rb.Baselines], str]] = {
     "caps-plan-notes": rc.caps_plan_notes,
     "frameworks-table": rf.frameworks_table,
     "frameworks-notes": rf.frameworks_notes,
+    "speed-table": rs.speed_table,
+    "speed-notes": rs.speed_notes,
     "memascend-settings": config_reference.settings_reference,
     "run-settings": config_reference.run_settings_reference,
 }

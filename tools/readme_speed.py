@@ -1,0 +1,56 @@
+"""The renderers of the ``speed`` matrix's generated blocks (:mod:`tools.readme`): the committed
+``baselines/<profile>/speed/results.json``, memascend against stock ZeRO-Infinity in the same run at
+the default host-memory budget and with a budget spent as a DRAM cache. Times are seconds per step
+(medians of alternating pairs), ratios memascend / stock."""
+
+from __future__ import annotations
+
+from memascend.regress.output import _md
+from tools.readme_blocks import Baselines, gib
+
+RESULTS = "speed/results.json"
+HEADERS = ["row", "memascend budget", "step s (stock / memascend)", "time ratio", "forward / backward / step ratio",
+           "peak RSS GiB (ratio)", "swap MiB per step (ratio)", "losses"]
+
+
+def _budget(r) -> str:
+    return str(dict(r.config.memascend_settings).get("host_memory_budget", "default (lean)"))
+
+
+def _phase_ratios(r) -> str:
+    b, m = r.baseline.median_phase_s, r.memascend.median_phase_s
+    return " / ".join(f"{m[p] / b[p]:.2f}" if b[p] else "-" for p in ("forward_s", "backward_s", "optimizer_step_s"))
+
+
+def speed_table(b: Baselines) -> str:
+    """One row per configuration: step times and ratio, phase ratios, peak RSS, swap bytes, losses."""
+    rows = []
+    for r in b.results(RESULTS):
+        base, mine = r.baseline, r.memascend
+        bb, mb = base.swap_bytes_per_step, mine.swap_bytes_per_step
+        rows.append([r.config.name, _budget(r), f"{base.median_step_s:.2f} / {mine.median_step_s:.2f}",
+                     f"{mine.median_step_s / base.median_step_s:.3f}", _phase_ratios(r),
+                     f"{gib(base.peak_rss_bytes)} / {gib(mine.peak_rss_bytes)} "
+                     f"({mine.peak_rss_bytes / base.peak_rss_bytes:.2f})",
+                     f"{bb / 2**20:,.0f} / {mb / 2**20:,.0f} ({mb / bb:.2f})" if bb else "-",
+                     "bit-identical" if r.check("losses").ok else "differ"])
+    return _md(HEADERS, rows)
+
+
+def speed_notes(b: Baselines) -> str:
+    """The targets each row was held to and whether it met them, and what bounds the budget row."""
+    lines = []
+    for r in b.results(RESULTS):
+        failed = [c for c in r.checks if not c.ok and not c.name.startswith("golden.")]
+        passed = [c for c in r.checks if c.ok and c.limit is not None and c.measured is not None]
+        status = "; ".join(f"{c.name} {c.measured:.3f} over its limit {c.limit:.2f}" for c in failed) or "every check met"
+        met = ", ".join(f"{c.name} {c.measured:.3f} (limit {c.limit:.2f})" for c in passed)
+        lines.append(f"- {r.config.name}: {status}" + (f"; met: {met}" if met else "") + ".")
+        mine, base = r.memascend.median_phase_s, r.baseline
+        compute = mine["forward_s"] + mine["backward_s"]
+        if r.memascend.swap_bytes_per_step == 0:
+            lines.append(f"  With no swap bytes left its step is forward and backward compute ({compute:.2f} s, "
+                         f"{compute / base.median_step_s:.2f}x stock's whole step) plus an optimizer step of "
+                         f"{mine['optimizer_step_s']:.2f} s ({mine['optimizer_step_s'] / base.median_phase_s['optimizer_step_s']:.2f}x "
+                         "stock's): on this CPU host the computation, identical in both engines, bounds the ratio.")
+    return "\n".join(lines)
