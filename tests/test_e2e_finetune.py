@@ -81,6 +81,16 @@ def test_report_has_what_the_run_measured(smollm2_run):
     assert header.startswith("t_s,phase,rss_bytes")
 
 
+def test_steps_record_each_phases_cpu_and_system_seconds(smollm2_run):
+    _, rep = smollm2_run
+    for step in rep["steps"]:
+        cpu, sys_s, wall = step["phase_cpu_s"], step["phase_sys_s"], step["phase_s"]
+        assert list(cpu) == list(sys_s) == list(wall)
+        # the forward computes on this process's threads; system seconds are part of the CPU seconds
+        assert cpu["forward_s"] > 0 and all(0 <= sys_s[p] <= cpu[p] for p in cpu)
+    assert set(rep["median_phase_cpu_s"]) == set(rep["median_phase_s"])
+
+
 def test_report_breaks_down_the_fixed_cost(smollm2_run):
     _, rep = smollm2_run
     fixed = rep["memory_breakdown"]["fixed_cost"]

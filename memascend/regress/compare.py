@@ -60,6 +60,8 @@ class RunMetrics:
         param_dtype: dtype of the parameter partitions DeepSpeed trained (``bfloat16`` ...).
         median_phase_s: median seconds per step in forward, backward and the optimizer step
             (``report["median_phase_s"]``; ``None`` for reports that do not time phases).
+        median_phase_cpu_s / median_phase_sys_s: the same in CPU seconds (user + system) and system
+            seconds of the process (``report["median_phase_cpu_s"]``; ``None`` before reports had them).
         median_minor_faults: median page faults per step of rank 0's process
             (``report["median_minor_faults"]``; ``None`` for reports without them).
         per_node: the memory peaks are the largest node's (``memory.max_node_peak_*``), not every rank's sum.
@@ -79,6 +81,8 @@ class RunMetrics:
     param_numel: int
     param_dtype: str | None = None
     median_phase_s: dict[str, float] | None = None
+    median_phase_cpu_s: dict[str, float] | None = None
+    median_phase_sys_s: dict[str, float] | None = None
     median_minor_faults: float | None = None
     per_node: bool = False
     swap_io: dict | None = None
@@ -114,6 +118,8 @@ class RunMetrics:
             param_numel=int(report["model"]["param_numel"]),
             param_dtype=report["model"].get("param_dtype"),
             median_phase_s=report.get("median_phase_s"),
+            median_phase_cpu_s=report.get("median_phase_cpu_s"),
+            median_phase_sys_s=report.get("median_phase_sys_s"),
             median_minor_faults=report.get("median_minor_faults"),
             per_node=per_node,
             swap_io=report.get("swap_io"),

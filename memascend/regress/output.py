@@ -183,13 +183,25 @@ HEADERS = ["config", "base RSS GiB", "ma RSS GiB", "RSS ratio", "base locked GiB
            "locked ratio", "base s/step", "ma s/step", "time ratio", "losses", "golden", "verdict"]
 
 
-PHASE_HEADERS = ["config", "phase", "base s", "ma s", "ratio", "ma - base s"]
+PHASE_HEADERS = ["config", "phase", "base s", "ma s", "ratio", "ma - base s", "base cpu s", "ma cpu s", "cpu ratio",
+                 "base sys s", "ma sys s"]
+
+
+def _cpu(m, key: str, phase: str) -> float | None:
+    values = getattr(m, key)
+    return values.get(phase) if values else None
 
 
 def phase_rows(results: list[ConfigResult]) -> list[list[str]]:
     """Where the step time goes: per configuration whose runs timed phases, each phase's median
-    seconds per step for both engines, their ratio and memascend's difference in seconds."""
+    seconds per step for both engines, their ratio and memascend's difference in seconds, then the
+    phase's CPU seconds (user + system, every thread) and their ratio, and its system seconds
+    (``-`` for reports without them). On a loaded host the CPU seconds of a compute-bound phase are
+    the steadier comparison."""
     from memascend.train.report import PHASES
+
+    def fmt(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}"
 
     rows = []
     for r in results:
@@ -198,8 +210,11 @@ def phase_rows(results: list[ConfigResult]) -> list[list[str]]:
             continue
         for p in PHASES:
             base_s, mine_s = b.median_phase_s[p], m.median_phase_s[p]
+            bc, mc = _cpu(b, "median_phase_cpu_s", p), _cpu(m, "median_phase_cpu_s", p)
             rows.append([r.config.name, p.removesuffix("_s").replace("_", " "), f"{base_s:.2f}", f"{mine_s:.2f}",
-                         f"{mine_s / base_s:.3f}" if base_s > 0 else "-", f"{mine_s - base_s:+.2f}"])
+                         f"{mine_s / base_s:.3f}" if base_s > 0 else "-", f"{mine_s - base_s:+.2f}", fmt(bc), fmt(mc),
+                         f"{mc / bc:.3f}" if bc and mc is not None else "-",
+                         fmt(_cpu(b, "median_phase_sys_s", p)), fmt(_cpu(m, "median_phase_sys_s", p))])
     return rows
 
 

@@ -138,8 +138,8 @@ _MEDIAN_MEMORY_KEYS = ("peak_rss_bytes", "peak_locked_bytes", "sum_rank_peak_rss
 def merge_repeat_reports(reports: list[dict]) -> dict:
     """One report for several runs of the same configuration and engine.
 
-    The first report, with ``median_step_s``, ``median_tokens_per_s``, ``median_phase_s`` (per
-    phase), ``median_minor_faults`` and the memory peaks replaced by their medians over the runs,
+    The first report, with ``median_step_s``, ``median_tokens_per_s``, ``median_phase_s``,
+    ``median_phase_cpu_s`` and ``median_phase_sys_s`` (per phase), ``median_minor_faults`` and the memory peaks replaced by their medians over the runs,
     and a ``repeats`` entry holding every run's values
     and whether their per-step losses were identical (same seed and data: they must be).
 
@@ -155,12 +155,13 @@ def merge_repeat_reports(reports: list[dict]) -> dict:
     if all(t is not None for t in tokens):
         merged["median_tokens_per_s"] = statistics.median(tokens)
     per_run: dict[str, list] = {"median_step_s": step_s}
-    phases = [r.get("median_phase_s") for r in reports]
-    # A value some run lacks (a report written before it was measured) gets no median: None.
-    merged["median_phase_s"] = None
-    if all(phases):
-        merged["median_phase_s"] = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
-        per_run["median_phase_s"] = phases
+    for key in ("median_phase_s", "median_phase_cpu_s", "median_phase_sys_s"):
+        phases = [r.get(key) for r in reports]
+        # A value some run lacks (a report written before it was measured) gets no median: None.
+        merged[key] = None
+        if all(phases):
+            merged[key] = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
+            per_run[key] = phases
     faults = [r.get("median_minor_faults") for r in reports]
     merged["median_minor_faults"] = None
     if all(f is not None for f in faults):

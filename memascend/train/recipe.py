@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import resource
 import sys
 import time
@@ -406,6 +407,7 @@ class FinetuneRecipe:
         skipped_before = int(getattr(engine, "skipped_steps", 0))
         phase_s = {"forward_s": 0.0, "backward_s": 0.0, "optimizer_step_s": 0.0}
         phase_io = {name: SwapIOTotals() for name in phase_s}
+        self.phase_cpu = {"cpu": dict.fromkeys(phase_s, 0.0), "sys": dict.fromkeys(phase_s, 0.0)}
         grad_accum = self.resolved.grad_accum
         losses = [self._micro_step(step * grad_accum + micro, phase_s, phase_io) for micro in range(grad_accum)]
         loss_sum, n = all_reduce_sum([sum(losses), len(losses)])
@@ -427,31 +429,32 @@ class FinetuneRecipe:
             nvme_read_bytes=end.read_bytes - io0["read_bytes"],
             nvme_write_bytes=end.write_bytes - io0["write_bytes"],
             **report_mod.swap_io_fields(phase_s, {k: v.to_dict() for k, v in phase_io.items()}, self.swap_bandwidth),
+            phase_cpu_s=self.phase_cpu["cpu"], phase_sys_s=self.phase_cpu["sys"],
         )
 
     def _micro_step(self, index: int, phase_s: dict[str, float], phase_io: dict[str, SwapIOTotals]) -> float:
-        """Forward, backward and ``engine.step()`` of micro-batch ``index``; adds each phase's
-        seconds to ``phase_s`` and its swap I/O to ``phase_io``; returns this rank's loss."""
+        """Forward, backward and ``engine.step()`` of micro-batch ``index``; adds each phase's wall
+        seconds to ``phase_s``, its swap I/O to ``phase_io`` and its CPU and system seconds to
+        ``self.phase_cpu``; returns this rank's loss."""
         engine = self.engine
         idx = self.blocks.indices(index)
         ids = self.split.train.input_ids[idx].to(engine.device)
         labels = self.split.train.labels[idx].to(engine.device)
+        marks = [(time.monotonic(), METER.totals(), os.times())]
         self.sampler.phase("forward")
-        t_phase, io_phase = time.monotonic(), METER.totals()
         loss = engine(input_ids=ids, labels=labels).loss
+        marks.append((time.monotonic(), METER.totals(), os.times()))
         self.sampler.phase("backward")
-        t_backward, io_backward = time.monotonic(), METER.totals()
         engine.backward(loss)
+        marks.append((time.monotonic(), METER.totals(), os.times()))
         self.sampler.phase("step")
-        t_step, io_step = time.monotonic(), METER.totals()
         engine.step()
-        t_done, io_done = time.monotonic(), METER.totals()
-        phase_s["forward_s"] += t_backward - t_phase
-        phase_s["backward_s"] += t_step - t_backward
-        phase_s["optimizer_step_s"] += t_done - t_step
-        phase_io["forward_s"] += io_backward - io_phase
-        phase_io["backward_s"] += io_step - io_backward
-        phase_io["optimizer_step_s"] += io_done - io_step
+        marks.append((time.monotonic(), METER.totals(), os.times()))
+        for name, (t0, io0, cpu0), (t1, io1, cpu1) in zip(phase_s, marks, marks[1:], strict=False):
+            phase_s[name] += t1 - t0
+            phase_io[name] += io1 - io0
+            self.phase_cpu["cpu"][name] += (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
+            self.phase_cpu["sys"][name] += cpu1.system - cpu0.system
         return float(loss.detach().float())
 
     def _after_step(self, step: int, record: StepRecord, bar) -> None:

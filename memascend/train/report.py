@@ -39,10 +39,11 @@ PHASES = ("forward_s", "backward_s", "optimizer_step_s")
 """The phases of a training step timed per step (``steps[i]["phase_s"]``), in order."""
 
 
-def median_phase_s(per_step: list[dict]) -> dict[str, float] | None:
+def median_phase_s(per_step: list[dict], key: str = "phase_s") -> dict[str, float] | None:
     """Median seconds of each phase (:data:`PHASES`) over the steady steps (the first excluded, as
-    for ``median_step_s``); ``None`` when the steps carry no phase times (reports before they did)."""
-    rows = [s["phase_s"] for s in (per_step[1:] or per_step) if s.get("phase_s")]
+    for ``median_step_s``) of the steps' ``key`` (``phase_s`` wall, ``phase_cpu_s`` CPU,
+    ``phase_sys_s`` system seconds); ``None`` when the steps carry none (reports before they did)."""
+    rows = [s[key] for s in (per_step[1:] or per_step) if s.get(key)]
     if not rows:
         return None
     return {name: statistics.median(float(r[name]) for r in rows) for name in PHASES}
@@ -82,6 +83,11 @@ class StepRecord:
         phase_floor_s: per phase, its disk floor in seconds (its swap bytes over the swap target's
             bandwidth measured at the start of the run: ``report.json``'s ``swap_io.bandwidth``);
             ``None`` where no bandwidth was measured (no swap folder).
+        phase_cpu_s: per phase, CPU seconds this rank's process used (user + system, every thread:
+            ``os.times``), summed over the micro-batches. On a loaded host the wall time of a
+            compute-bound phase stretches with the load while its CPU time does not.
+        phase_sys_s: per phase, the system (kernel) part of ``phase_cpu_s``: page faults, zeroing,
+            huge-page compaction, I/O submission.
     """
 
     step: int
@@ -104,6 +110,8 @@ class StepRecord:
     io_wait_s: float = 0.0
     phase_io: Mapping[str, Mapping[str, float]] | None = None
     phase_floor_s: Mapping[str, float] | None = None
+    phase_cpu_s: Mapping[str, float] | None = None
+    phase_sys_s: Mapping[str, float] | None = None
 
     def to_dict(self) -> dict:
         """The JSON record (keys in this order; lists and dicts are fresh copies)."""
@@ -128,6 +136,8 @@ class StepRecord:
             "io_wait_s": self.io_wait_s,
             "phase_io": {k: dict(v) for k, v in self.phase_io.items()} if self.phase_io is not None else None,
             "phase_floor_s": dict(self.phase_floor_s) if self.phase_floor_s is not None else None,
+            "phase_cpu_s": dict(self.phase_cpu_s) if self.phase_cpu_s is not None else None,
+            "phase_sys_s": dict(self.phase_sys_s) if self.phase_sys_s is not None else None,
         }
 
 
@@ -291,6 +301,8 @@ def build_report(inp: ReportInputs) -> dict:
         "seeding": inp.seeding,
         "checkpoint": _checkpoint_section(inp),
         "swap_io": swap_io_summary(inp.per_step, inp.swap_bandwidth),
+        "median_phase_cpu_s": median_phase_s(inp.per_step, "phase_cpu_s"),
+        "median_phase_sys_s": median_phase_s(inp.per_step, "phase_sys_s"),
     }
 
 

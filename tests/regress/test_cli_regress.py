@@ -265,3 +265,27 @@ def test_a_reference_run_is_named_in_the_results(tmp_path, monkeypatch):
     md = (tmp_path / "out" / "results.md").read_text()
     assert ('The baseline of these rows is not stock DeepSpeed but memascend with `{"memascend": '
             '{"optimizer_chunk_numel": null, "enable_grad_streaming": false}}`') in md
+
+
+def test_phase_cpu_seconds_are_merged_and_tabulated(tmp_path, monkeypatch):
+    # On a loaded host the wall time of memascend's forward doubled, its CPU time did not: the table
+    # shows both, with the system seconds.
+    def make(engine, rep):
+        wall = _phases(1.0, 2.0, 3.0) if engine == "baseline" else _phases(2.0, 2.0, 3.0)
+        report = make_report(rss_gib=6.0 if engine == "baseline" else 2.0, locked_gib=1.0, step_s=sum(wall.values()),
+                             losses=LOSSES, phase_s=wall)
+        report["median_phase_cpu_s"] = _phases(1.8, 3.6, 2.0 + rep)  # repeats 0, 1: medians 2.5
+        report["median_phase_sys_s"] = _phases(0.2, 0.4, 0.5)
+        return report
+
+    _fake_repeat_runs(monkeypatch, make, [])
+    _invoke(tmp_path, "--repeats", "2")
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert f"| {ONLY} | forward | 1.00 | 2.00 | 2.000 | +1.00 | 1.80 | 1.80 | 1.000 | 0.20 | 0.20 |" in md
+    assert f"| {ONLY} | optimizer step | 3.00 | 3.00 | 1.000 | +0.00 | 2.50 | 2.50 | 1.000 | 0.50 | 0.50 |" in md
+    merged = runner_mod.merge_repeat_reports([make("memascend", 0), make("memascend", 1)])
+    assert merged["median_phase_cpu_s"]["optimizer_step_s"] == 2.5
+    assert merged["repeats"]["median_phase_cpu_s"][1]["optimizer_step_s"] == 3.0
+    # reports from before the CPU seconds: a dash, no median
+    old = make_report(rss_gib=6.0, locked_gib=1.0, step_s=6.0, losses=LOSSES, phase_s=_phases(1.0, 2.0, 3.0))
+    assert runner_mod.merge_repeat_reports([old, old])["median_phase_cpu_s"] is None
