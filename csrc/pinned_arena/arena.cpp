@@ -4,6 +4,7 @@
 #include <dlfcn.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -13,6 +14,25 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+
+namespace {
+
+// Bytes by which growing the resident set by grow_bytes would raise the process's resident
+// high-water mark (VmRSS + grow_bytes - VmHWM); grow_bytes where /proc/self/statm cannot be read.
+std::size_t bytes_above_resident_peak(std::size_t grow_bytes) {
+  unsigned long size_pages = 0, resident_pages = 0;
+  FILE* statm = std::fopen("/proc/self/statm", "r");
+  if (statm == nullptr) return grow_bytes;
+  const int read = std::fscanf(statm, "%lu %lu", &size_pages, &resident_pages);
+  std::fclose(statm);
+  struct rusage usage;
+  if (read != 2 || getrusage(RUSAGE_SELF, &usage) != 0) return grow_bytes;
+  const std::size_t rss_bytes = static_cast<std::size_t>(resident_pages) * static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+  const std::size_t peak_bytes = static_cast<std::size_t>(usage.ru_maxrss) * 1024u;  // kilobytes on Linux
+  return rss_bytes + grow_bytes > peak_bytes ? rss_bytes + grow_bytes - peak_bytes : 0;
+}
+
+}  // namespace
 
 namespace memascend {
 namespace {
@@ -291,7 +311,11 @@ std::uintptr_t PinnedArena::allocate(std::size_t bytes) {
   auto fit = free_by_size_.lower_bound({granted, 0});
   if (fit == free_by_size_.end()) {
     const std::size_t region_bytes = round_up(std::max(config_.region_bytes, granted), kRegionAlignBytes);
-    if (config_.release_empty_before_growing) release_empty_regions_locked(region_bytes);
+    if (config_.release_empty_before_growing) {
+      const std::size_t release_bytes =
+          config_.release_only_above_peak ? bytes_above_resident_peak(region_bytes) : region_bytes;
+      if (release_bytes > 0) release_empty_regions_locked(release_bytes);
+    }
     map_region_locked(region_bytes);
     fit = free_by_size_.lower_bound({granted, 0});
   }

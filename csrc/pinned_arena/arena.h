@@ -40,6 +40,12 @@ struct ArenaConfig {
   // replaces idle memory instead of adding to it (the host block cache; MemAscend section 4,
   // "eradicating fragmentation").
   bool release_empty_before_growing = false;
+  // With release_empty_before_growing: release only the bytes by which the new region would raise
+  // the process's resident high-water mark (VmRSS + region - VmHWM, from /proc/self/statm and
+  // getrusage's ru_maxrss), none while it fits under the peak an earlier phase reached. The regions
+  // of every phase then stay mapped up to that peak and later steps reuse their resident pages
+  // instead of faulting them in again; the peak itself is what it would have been.
+  bool release_only_above_peak = false;
 };
 
 struct ArenaStats {

@@ -92,6 +92,7 @@ class HostBlockCache final : public c10::Allocator {
     config.enable_mlock = false;
     config.enable_cuda_register = false;
     config.release_empty_before_growing = true;  // idle regions of one phase make room for the next's
+    config.release_only_above_peak = true;        // where the peak would grow, not below it
     return config;
   }
 

@@ -17,9 +17,12 @@ it replaced. Freed blocks coalesce with free neighbours and keep their pages, so
 tensors of the same shapes land on memory that is already resident: no fault, no zeroing, and a
 footprint that is the step's largest set of live large tensors plus the cache's fragmentation
 (:func:`stats`: ``reserved_bytes`` against ``peak_in_use_bytes``). A request no free block fits
-first unmaps regions without a live block (largest first, as many bytes as the region it needs):
-a phase whose tensors fit no block another phase left (the optimizer step's fp32 gradient after
-the forward's activations) replaces that idle memory instead of adding to it. Nothing a computation
+first unmaps regions without a live block (largest first) where the region it needs would raise
+the process's resident high-water mark, as many bytes as it would raise it by (``VmRSS + region -
+VmHWM``): a phase whose tensors fit no block another phase left (the optimizer step's fp32 gradient
+after the forward's activations) replaces that idle memory instead of adding to the peak, while
+below the peak an earlier step reached the regions of every phase stay mapped and later steps reuse
+their resident pages instead of faulting them in (and zeroing them) again. Nothing a computation
 produces changes: only where host tensors live. The cache is process-wide and lives until exit;
 :func:`uninstall` puts the replaced allocator back, and blocks still alive return to the cache
 when they die.
