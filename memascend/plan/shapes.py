@@ -40,6 +40,7 @@ class ModelDims:
             GELU 2; the tanh GELU written in Python, ``gelu_new``, 5).
         attention_dropout / hidden_dropout: dropout probabilities on the attention weights and on the
             residual branches and the embedding (0: none).
+        max_positions: the longest sequence the model accepts, in tokens (``None``: not known).
     """
 
     total_numel: int
@@ -62,6 +63,7 @@ class ModelDims:
     mlp_saved_tensors: int = 4
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
+    max_positions: int | None = None
 
     @property
     def optimizer_numels(self) -> tuple[int, ...]:
@@ -100,7 +102,8 @@ def model_dims(cfg: RunConfig) -> ModelDims:
     return ModelDims(shape.total_numel, shape.param_numels, shape.module_param_counts, h,
                      hf_cfg.num_hidden_layers, heads, hf_cfg.vocab_size,
                      getattr(hf_cfg, "intermediate_size", None), kv_heads * head_dim, tied,
-                     **_layer_layout(meta, out), trainable_numels=shape.trainable_numels, **_block_kind(hf_cfg))
+                     **_layer_layout(meta, out), trainable_numels=shape.trainable_numels, **_block_kind(hf_cfg),
+                     max_positions=getattr(hf_cfg, "max_position_embeddings", None) or getattr(hf_cfg, "n_positions", None))
 
 
 MLP_SAVED_TENSORS_PYTHON_GELU = 5
