@@ -272,7 +272,19 @@ def plan_accuracy(b: Baselines) -> str:
         f"- Stock's tuned llama-1b pair: planned {gib(one_b[0])} GiB, measured {gib(one_b[1])} GiB.",
         f"- SmolLM2 4 x 256 (bf16): planned {gib(sb[0])} vs {gib(sm[0])} GiB RSS (stock vs memascend), measured "
         f"{gib(sb[1])} vs {gib(sm[1])} GiB.",
+        _plan_families(b, by),
     ])
+
+
+def _plan_families(b: Baselines, by: dict[str, dict]) -> str:
+    """Planned against measured peak RSS / locked memory of memascend's runs of every family."""
+    rows = sorted((k, r) for k, r in by.items() if k.startswith("planner/reports/"))
+    parts = [f"{Path(k).stem.removesuffix('-memascend')} {r['rss'][2] * 100:+.1f} % / {r['locked'][2] * 100:+.1f} %"
+             for k, r in rows]
+    worst = [max(abs(r[key][2]) for _, r in rows) * 100 for key in ("rss", "locked")]
+    return (f"- memascend on every family (`baselines/{b.root.name}/planner/reports`, planned against measured "
+            f"peak RSS / locked): {'; '.join(parts)} (worst {worst[0]:.1f} % RSS, {worst[1]:.1f} % locked; "
+            f"`tests/plan/test_plan_families.py` holds them to 10 %).")
 
 
 # --- scaling ------------------------------------------------------------------------------------

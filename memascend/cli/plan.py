@@ -15,7 +15,9 @@ from memascend.cli.params import POSITIVE_FLOAT
 @click.option("--nproc", type=int, default=1, help="Ranks on this host (memory is summed over them)")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of a table")
 @click.option("--cap-gib", type=POSITIVE_FLOAT, default=None,
-              help="Also name the largest from-scratch preset each engine fits under this host-memory cap (GiB)")
+              help="Also name the largest from-scratch preset, the longest --seq-len (1K-32K) and the largest "
+                   "--micro-batch each engine fits under this host-memory cap (GiB; without it, the last two "
+                   "under --host-memory-budget), the run otherwise as configured")
 @click.option("--scaling", is_flag=True,
               help="Also plan every from-scratch preset, llama-tiny to the Llama-2-7B/70B shapes (llama-7b, "
                    "llama-70b), with this run's other settings: host peak RSS, locked memory and NVMe space")
@@ -29,7 +31,7 @@ def plan(nproc: int, as_json: bool, cap_gib: float | None, scaling: bool, **kw) 
     it starts.
     """
     from memascend.errors import UserError
-    from memascend.plan import largest_preset_under_cap, plan_presets, plan_run
+    from memascend.plan import largest_preset_under_cap, model_dims, plan_presets, plan_run
     from memascend.units import GIB
 
     if nproc < 1:
@@ -42,9 +44,12 @@ def plan(nproc: int, as_json: bool, cap_gib: float | None, scaling: bool, **kw) 
     from memascend.plan.budget import apply_host_memory_budget
 
     cfg = apply_host_memory_budget(cfg, nproc, announce=lambda line: click.echo(f"memascend: {line}", err=True))
-    plans = plan_run(cfg, world_size=nproc)
+    dims = model_dims(cfg)
+    plans = plan_run(cfg, world_size=nproc, dims=dims)
     rows = plan_presets(cfg, nproc) if scaling or cap_gib else None
     fits = largest_preset_under_cap(cfg, int(cap_gib * GIB), nproc, rows) if cap_gib else None
+    cap_bytes = int(cap_gib * GIB) if cap_gib else cfg.memascend.host_memory_budget
+    shapes = _shapes_under_cap(cfg, cap_bytes, nproc, dims) if cap_bytes else None
     host = _warn_if_over_host(plans[cfg.engine])
     if as_json:
         doc = {k: p.to_dict() for k, p in plans.items()}
@@ -52,6 +57,9 @@ def plan(nproc: int, as_json: bool, cap_gib: float | None, scaling: bool, **kw) 
                        "fits": plans[cfg.engine].peak_rss_bytes <= host.limit_bytes}
         if fits is not None:
             doc["largest_preset_under_cap"] = {"cap_gib": cap_gib, **{k: v and v[0] for k, v in fits.items()}}
+        if shapes is not None:
+            for key, found in shapes.items():
+                doc[key] = {"cap_bytes": cap_bytes, **{k: v and v.value for k, v in found.items()}}
         if scaling:
             doc["scaling"] = [{"preset": name, "param_numel": numel,
                                **{k: {key: p.to_dict()[key] for key in _SCALING_KEYS} for k, p in plans_.items()}}
@@ -96,6 +104,37 @@ def plan(nproc: int, as_json: bool, cap_gib: float | None, scaling: bool, **kw) 
         for engine, fit in fits.items():
             what = f"{fit[0]} (planned peak {fit[1] / GIB:.2f} GiB)" if fit else "no preset"
             console.print(f"largest from-scratch preset under {cap_gib:g} GiB, {engine}: {what}")
+    if shapes is not None:
+        for line in _shape_lines(shapes, cfg, cap_bytes, dims):
+            click.echo(line)
+
+
+def _shapes_under_cap(cfg, cap_bytes: int, nproc: int, dims) -> dict:
+    """``{"longest_seq_len_under_cap": {engine: Fit | None}, "largest_micro_batch_under_cap": ...}``
+    (:mod:`memascend.plan.context_fit`)."""
+    from memascend.plan.context_fit import largest_micro_batch_under_cap, longest_seq_len_under_cap
+
+    return {"longest_seq_len_under_cap": longest_seq_len_under_cap(cfg, cap_bytes, nproc, dims),
+            "largest_micro_batch_under_cap": largest_micro_batch_under_cap(cfg, cap_bytes, nproc, dims)}
+
+
+def _shape_lines(shapes: dict, cfg, cap_bytes: int, dims) -> list[str]:
+    """The two lines of :func:`_shapes_under_cap`'s answer, e.g. ``longest --seq-len under 3 GiB
+    (1024-32768 tokens, micro-batch 1): baseline none, memascend 32768 (planned 2.73 GiB)``."""
+    from memascend.plan.context_fit import searched_lengths
+    from memascend.units import GIB
+
+    def each(found: dict) -> str:
+        return ", ".join(f"{engine} " + (f"{fit.value} (planned {fit.peak_rss_bytes / GIB:.2f} GiB)" if fit else "none")
+                         for engine, fit in found.items())
+
+    lengths = searched_lengths(dims)
+    span = f"{lengths[0]}-{lengths[-1]} tokens" if lengths else "no length the model accepts"
+    cap = f"{cap_bytes / GIB:g} GiB"
+    return [f"longest --seq-len under {cap} ({span}, micro-batch {cfg.train.micro_batch}): "
+            f"{each(shapes['longest_seq_len_under_cap'])}",
+            f"largest --micro-batch under {cap} (--seq-len {cfg.data.seq_len}): "
+            f"{each(shapes['largest_micro_batch_under_cap'])}"]
 
 
 _SCALING_KEYS = ("peak_rss_bytes", "peak_locked_bytes", "nvme_bytes")

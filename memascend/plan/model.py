@@ -26,8 +26,9 @@ Unlocked:
     swap buffer is taken (:mod:`memascend.plan.placement` says which, and counts the NVMe bytes a
     step reads and writes: :attr:`EnginePlan.placement`);
   * activations of one micro-batch (:func:`activation_parts`: the tensors autograd keeps, counted
-    for a Hugging Face Llama with SDPA and measured, plus the three fp32 ``tokens x vocab`` tensors
-    of the loss at the start of backward) and the vocabulary projection's weight gradient; with tied
+    for each family's block with SDPA and measured, plus the three fp32 ``tokens x vocab`` tensors
+    of the loss at the start of backward) and the vocabulary projection's weight gradient, made
+    after those are freed (counted where it and the logits' gradient outgrow them); with tied
     embeddings the backward ends with three ``vocab x hidden`` gradients at once (lm_head's, the
     embedding's and autograd's sum), where that is more than the activations;
   * memascend's host block cache keeps forward/backward's freed blocks through the optimizer step,
@@ -48,7 +49,7 @@ below glibc's mmap threshold stay resident after the first step
 
 memascend (``--engine memascend``, defaults of :class:`MemAscendSettings`) replaces the parameter
 slab with the adaptive pool (slots of the real partition sizes, the prefetch budget's largest
-partitions at most) and sizes the write-back buffer from partition sizes; its optimizer swap
+partitions at most; an untied output projection shares the input embedding's slot) and sizes the write-back buffer from partition sizes; its optimizer swap
 buffers are allocated on demand (Adam holds ``OPTIMIZER_BUFFERS_IN_USE`` at once in the step,
 ``STAGING_BUFFERS_IN_USE`` stream the initial write-out and the gradients), and the gradient
 buffer's pages are returned after construction.
@@ -204,9 +205,17 @@ def _add_forward_backward(add, dims: ModelDims, cfg: RunConfig, e: int, w: int, 
     what = "fp32 logits at the start of backward" if saved_kept else \
         "activations (saved tensors, fp32 logits at the start of backward)"
     add(what, transient, False, src, "backward")
+    grad = 0
     if dims.trainable_numels is None:  # a frozen vocabulary projection (LoRA) has no weight gradient
+        # It is made after the loss's fp32 tensors are freed, beside the logits' gradient in the
+        # compute dtype (one chunk's with the chunked loss); held to the end of backward where tied,
+        # so a recomputed layer may meet it too.
+        vocab_grad = dims.vocab_size * dims.hidden_size * e
+        logits_grad = act.largest_logits_tensor // _FP32 * e
+        after_loss = max(logits_grad, act.recompute if dims.tied_embeddings else 0)
+        grad = max(0, vocab_grad + after_loss - max(act.logits, act.recompute))
         held = "held to the tied embedding's" if dims.tied_embeddings else "untied lm_head"
-        add(f"vocabulary projection weight gradient ({held})", dims.vocab_size * dims.hidden_size * e,
+        add(f"vocabulary projection weight gradient ({held}; beyond the loss's fp32 tensors)", grad,
             False, "autograd, lm_head backward", "backward")
     if dims.tied_embeddings and dims.trainable_numels is None:
         # The backward ends at the embedding: embedding_dense_backward's zero-filled vocab x hidden
@@ -214,7 +223,7 @@ def _add_forward_backward(add, dims: ModelDims, cfg: RunConfig, e: int, w: int, 
         # tensors at once, when the activations above are already freed (torch.profiler:
         # MmBackward0, aten::embedding_dense_backward, aten::add of [vocab, hidden]).
         add("tied embedding's own gradient and its sum with lm_head's (end of backward, beyond the activations)",
-            max(0, 2 * dims.vocab_size * dims.hidden_size * e - transient), False,
+            max(0, 3 * dims.vocab_size * dims.hidden_size * e - transient - grad), False,
             "autograd, embedding backward + gradient accumulation of the tied weight", "backward")
     if w > 1:
         # Each rank all-gathers every parameter in full (one rank aliases its partition instead:
@@ -267,7 +276,12 @@ def _add_param_offload(add, cfg: RunConfig, dims: ModelDims, z: dict, e: int, w:
                 "AsyncPartitionedParameterSwapper._configure_aio")
         else:
             budget = settings.param_prefetch_slots or int(op.get("buffer_count", ds_defaults.PARAM_BUFFER_COUNT))
-            parts = sorted((math.ceil(n / w) for n in dims.param_numels), reverse=True)
+            numels = list(dims.param_numels)
+            if not dims.tied_embeddings and numels and numels[0] == dims.vocab_size * dims.hidden_size:
+                # The input embedding (first) and the untied output projection (last) are never in
+                # use at once: one slot of their size class serves both.
+                del numels[0]
+            parts = sorted((math.ceil(n / w) for n in numels), reverse=True)
             slots = sum(_aligned(n, e) for n in parts[:budget])
             if isinstance(settings.param_pool_bytes, int):  # the prefetch stops at the byte budget
                 slots = min(slots, max(_aligned(parts[0], e), settings.param_pool_bytes // e))

@@ -34,6 +34,13 @@ class ModelDims:
         trainable_numels: the parameters the optimizer holds, in registration order (``None``: every
             parameter; with LoRA the adapters, which ``param_numels`` holds too, among the frozen base
             weights).
+        layer_norm: the blocks normalise with LayerNorms (GPT-NeoX, Phi) instead of RMSNorms (Llama).
+        norms_per_layer: norms in a block (Phi: one, read by attention and MLP in parallel).
+        mlp_saved_tensors: tensors of the MLP's width autograd keeps per token (SwiGLU 4; a native
+            GELU 2; the tanh GELU written in Python, ``gelu_new``, 5).
+        attention_dropout / hidden_dropout: dropout probabilities on the attention weights and on the
+            residual branches and the embedding (0: none).
+        max_positions: the longest sequence the model accepts, in tokens (``None``: not known).
     """
 
     total_numel: int
@@ -51,6 +58,12 @@ class ModelDims:
     projection_index: int | None = None
     extra: dict = field(default_factory=dict)
     trainable_numels: tuple[int, ...] | None = None
+    layer_norm: bool = False
+    norms_per_layer: int = 2
+    mlp_saved_tensors: int = 4
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    max_positions: int | None = None
 
     @property
     def optimizer_numels(self) -> tuple[int, ...]:
@@ -89,7 +102,32 @@ def model_dims(cfg: RunConfig) -> ModelDims:
     return ModelDims(shape.total_numel, shape.param_numels, shape.module_param_counts, h,
                      hf_cfg.num_hidden_layers, heads, hf_cfg.vocab_size,
                      getattr(hf_cfg, "intermediate_size", None), kv_heads * head_dim, tied,
-                     **_layer_layout(meta, out), trainable_numels=shape.trainable_numels)
+                     **_layer_layout(meta, out), trainable_numels=shape.trainable_numels, **_block_kind(hf_cfg),
+                     max_positions=getattr(hf_cfg, "max_position_embeddings", None) or getattr(hf_cfg, "n_positions", None))
+
+
+MLP_SAVED_TENSORS_PYTHON_GELU = 5
+"""Tensors of the MLP's width autograd keeps per token behind a GELU computed in Python
+(``gelu_new``, ``gelu_fast``: the tanh formula as several elementwise ops): the first matrix's output,
+three intermediates of the formula, the second matrix's input (measured with saved-tensor hooks, Phi)."""
+
+
+def _block_kind(hf_cfg) -> dict:
+    """The block's norms, MLP and dropout from a Hugging Face config (``ModelDims`` keywords): the
+    families of :data:`memascend.config.families.FAMILIES` by ``model_type``; any other model is
+    planned as a Llama block (RMSNorms, SwiGLU) with its own dropout keys where it has them."""
+    from memascend.config.families import FAMILIES
+
+    fam = FAMILIES.get(getattr(hf_cfg, "model_type", ""))
+    act = getattr(hf_cfg, "hidden_act", "silu")
+    if fam is None or fam.gated_mlp:
+        mlp = 4
+    else:
+        mlp = MLP_SAVED_TENSORS_PYTHON_GELU if act in ("gelu_new", "gelu_fast", "gelu_python") else 2
+    hidden_keys = [k for k in (fam.dropout_keys if fam else ()) if k not in ("attention_dropout", "embd_pdrop")]
+    return dict(layer_norm=bool(fam and fam.norm_bias), norms_per_layer=fam.norms_per_layer if fam else 2,
+                mlp_saved_tensors=mlp, attention_dropout=float(getattr(hf_cfg, "attention_dropout", 0.0) or 0.0),
+                hidden_dropout=max((float(getattr(hf_cfg, k, 0.0) or 0.0) for k in hidden_keys), default=0.0))
 
 
 def _layer_layout(meta, out) -> dict:
@@ -189,7 +227,7 @@ class Activations:
 
 def activation_parts(dims: ModelDims, micro_batch: int, seq_len: int, dtype_bytes: int,
                      checkpointing: bool, loss_chunk_tokens: int | None = None) -> Activations:
-    """Activation memory of one micro-batch of a Hugging Face Llama-style model (bytes, per rank).
+    """Activation memory of one micro-batch of a Hugging Face decoder (bytes, per rank).
 
     Counted per token (``T = micro_batch * seq_len``; ``e`` = ``dtype_bytes``; ``h`` hidden, ``kv``
     key/value width, ``i`` MLP width, ``a`` heads, ``V`` vocabulary), as kept by autograd with
@@ -199,9 +237,17 @@ def activation_parts(dims: ModelDims, micro_batch: int, seq_len: int, dtype_byte
       its fp32 input (the upcast copy in 16-bit) and its normalised and weighted outputs; q, k, v
       and the attention output; the SwiGLU MLP's gate, up, ``silu(gate)`` and product; the flash
       kernel's fp32 log-sum-exp per head;
+    * the other families' blocks (:class:`ModelDims` ``layer_norm``, ``norms_per_layer``,
+      ``mlp_saved_tensors``, dropout): a LayerNorm block keeps its input once and per norm the
+      output and ``2*e`` of statistics, and its attention one more ``e*h`` (the output copied
+      before the dense projection); the MLP ``mlp_saved_tensors * e*i``; dropout on the residual
+      branches one ``e*h`` mask each (and the embedding's); dropout on the attention weights makes
+      SDPA take its math path, which keeps fp32 q, k, v (``12*h``) and three fp32 ``s x s``
+      tensors per head (``12*a*s``: memory quadratic in ``s``) instead of the flash kernel's
+      tensors (the attention output ``e*h`` stays);
     * with activation checkpointing instead ``e*h`` per layer (the layer input), and one layer's
       full set while it is recomputed during backward (after the logits are freed);
-    * the final norm, ``2*e*h + 4*h``;
+    * the final norm, ``2*e*h + 4*h`` (LayerNorm ``2*e*h + 2*e``);
     * the logits: :data:`LOGITS_FP32_TENSORS` fp32 ``T x V`` tensors at the start of backward; with
       ``loss_chunk_tokens`` (:mod:`memascend.train.chunked_loss`) the same for one chunk of
       ``min(T, loss_chunk_tokens)`` tokens, recomputed during backward.
@@ -211,20 +257,31 @@ def activation_parts(dims: ModelDims, micro_batch: int, seq_len: int, dtype_byte
     within 8 bytes per token at SmolLM2's shape (h 576, kv 192, i 1536: bf16 24,617 and fp32 44,588
     bytes measured) and at h 1024, kv 512, i 2816; checkpointed layers exactly ``e*h``; the
     vocabulary term 12.0 bytes per entry per token in bf16 and fp32, linear in ``s`` from 1024 to
-    4096 tokens.
+    4096 tokens. The other families' terms counted with saved-tensor hooks (transformers 5.24,
+    2 x 256 tokens, bf16 and fp32): the from-scratch Mistral, Qwen2, GPT-NeoX and Phi presets, with
+    and without dropout, within 0.2 % of the tensors autograd keeps.
     """
     t, h, a = micro_batch * seq_len, dims.hidden_size, dims.num_heads
     e = dtype_bytes
     kv = dims.kv_size or h
     i = dims.intermediate_size or 4 * h
-    norm = 2 * e * h + 4 * h
-    full_layer = 2 * norm + e * (2 * h + 2 * kv + 4 * i) + 4 * a
+    if dims.attention_dropout > 0:  # SDPA's math path: fp32 q, k, v and three s x s fp32 tensors per head
+        attention = _FP32 * (3 * h + 3 * a * seq_len) + e * h
+    else:  # the flash kernel: q, k, v, the output and the fp32 log-sum-exp per head
+        attention = e * (2 * h + 2 * kv) + 4 * a + (e * h if dims.layer_norm else 0)
+    if dims.layer_norm:  # the block's input (shared by parallel norms), each norm's output, its mean and rstd
+        norms, final_norm = e * h + dims.norms_per_layer * (e * h + 2 * e), 2 * e * h + 2 * e
+    else:  # each RMSNorm's fp32 input and its normalised and weighted outputs
+        norms = dims.norms_per_layer * (2 * e * h + 4 * h)
+        final_norm = 2 * e * h + 4 * h
+    dropout = e * h if dims.hidden_dropout > 0 else 0  # one mask per residual branch and the embedding's
+    full_layer = norms + attention + e * dims.mlp_saved_tensors * i + 2 * dropout
     per_layer = e * h if checkpointing else full_layer
-    saved = t * (dims.num_layers * per_layer + norm)
+    saved = t * (dims.num_layers * per_layer + final_norm + dropout)
     recompute = t * full_layer if checkpointing else 0
     logits_tensor = (min(t, loss_chunk_tokens) if loss_chunk_tokens else t) * dims.vocab_size * _FP32
-    return Activations(saved, LOGITS_FP32_TENSORS * logits_tensor, recompute, t * max(e * i, 4 * h),
-                       logits_tensor)
+    largest = max(t * max(e * i, 4 * h), _FP32 * micro_batch * a * seq_len * seq_len if dims.attention_dropout > 0 else 0)
+    return Activations(saved, LOGITS_FP32_TENSORS * logits_tensor, recompute, largest, logits_tensor)
 
 
 def corpus_tokens(source: str) -> int:

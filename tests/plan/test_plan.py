@@ -95,9 +95,12 @@ def test_the_host_block_cache_keeps_backwards_blocks_less_what_the_chunked_step_
         backward = sum(c.bytes for c in plan.components if c.phase == "backward" and not c.locked)
         cache_peak = report["memory_breakdown"]["host_block_cache"]["peak_in_use_bytes"]
         assert abs(backward - cache_peak) <= 0.05 * cache_peak, f"{path.name}: {backward} vs {cache_peak}"
+        step_locked = sum(c.bytes for c in plan.components if c.phase == "step" and c.locked)
+        if step_locked >= backward:  # llama-0.1b: the step locks more than the cache keeps
+            assert "host block cache" not in by_name
+            continue
         assert by_name["host block cache"].phase == "step"
         step_unlocked = sum(c.bytes for c in plan.components if c.phase == "step" and not c.locked)
-        step_locked = sum(c.bytes for c in plan.components if c.phase == "step" and c.locked)
         assert step_locked > 0 and step_unlocked + step_locked == backward
         checked += 1
     assert checked >= 4
