@@ -15,7 +15,7 @@ each sub-group where this run keeps it:
   ``fp32_partitioned_groups_flat[i]`` and ``optimizer.state``; the copies that stock's load then
   puts into this run's swap folder (``copytree``, or a raw-store checkpoint's files written for a
   folder run) are deleted by :func:`settle`, and a raw store does not import them
-  (:func:`kept_in_dram_filter`), so no later checkpoint carries stale copies;
+  (:func:`~.optimizer_dram.dram_swap_file_filter`), so no later checkpoint carries stale copies;
 * saved in DRAM, swapped here: :func:`defer_swap_out` keeps the saved tensors until
   ``reset_swap_buffers`` (which stock's load calls after copying the swap files back), where
   :func:`settle` swaps the sub-group in through the optimizer swapper, copies the saved master and
@@ -35,34 +35,14 @@ from pathlib import Path
 from typing import Any
 
 from memascend.errors import IntegrityError, UserError
+from memascend.integrations.deepspeed.optimizer_dram import SWAP_SUFFIX, belongs_to, dram_ds_ids
+from memascend.integrations.deepspeed.store_checkpoint import checkpoint_rank_dir, stock_offload_rank_dir
 
 PENDING_ATTR = "_memascend_resume_placement"
 """Attribute of a stage-3 optimizer: ``{sub_group_id: (saved fp32 master, saved state)}`` waiting
 for :func:`settle` (sub-groups saved in DRAM that this run swaps)."""
 
-SWAP_SUFFIX = ".tensor.swp"
 _READ_CHUNK_BYTES = 16 << 20
-
-
-def belongs_to(name: str, ds_id: str) -> bool:
-    """Whether swap file ``name`` (a base name) holds the fp32 master (``{ds_id}.tensor.swp``) or an
-    optimizer state tensor (``{key}-{ds_id}.tensor.swp``) of the sub-group whose fp32 partition has
-    ``ds_id`` (stage 3 names it ``<first>_<last>`` parameter ids: no ``-``)."""
-    return name == f"{ds_id}{SWAP_SUFFIX}" or name.endswith(f"-{ds_id}{SWAP_SUFFIX}")
-
-
-def _kept_ds_ids(zero_opt: Any) -> list[str]:
-    groups = getattr(zero_opt, "fp32_partitioned_groups_flat", None) or []
-    return [str(t.ds_id) for i, t in enumerate(groups)
-            if hasattr(t, "ds_id") and not zero_opt._swappable_optimizer_subgroup(i)]
-
-
-def kept_in_dram_filter(zero_opt: Any) -> Callable[[str], bool]:
-    """A predicate on swap-file base names (or store keys): true for files of sub-groups this run
-    keeps in DRAM, which a resumed raw store must not import (they are read by
-    :func:`load_swapped_into_dram` instead)."""
-    ds_ids = _kept_ds_ids(zero_opt) if getattr(zero_opt, "swap_optimizer", False) else []
-    return lambda name: any(belongs_to(os.path.basename(name), d) for d in ds_ids)
 
 
 class CheckpointSwapFiles:
@@ -72,11 +52,6 @@ class CheckpointSwapFiles:
     ``optimizer/rank<N>/<name>``)."""
 
     def __init__(self, engine: Any, load_dir: str | os.PathLike, tag: str) -> None:
-        from memascend.integrations.deepspeed.store_checkpoint import (
-            checkpoint_rank_dir,
-            stock_offload_rank_dir,
-        )
-
         rank = engine.local_rank if engine.use_node_local_storage() else engine.global_rank
         self.tag_dir = Path(load_dir) / str(tag)
         self.stock_dir = stock_offload_rank_dir(self.tag_dir, rank)
@@ -218,7 +193,7 @@ def settle(zero_opt: Any) -> list[int]:
     if not getattr(zero_opt, "swap_optimizer", False):
         return []
     folder = Path(zero_opt.optimizer_swapper.swap_folder)
-    ds_ids = _kept_ds_ids(zero_opt)
+    ds_ids = dram_ds_ids(zero_opt)
     if ds_ids and folder.is_dir():
         for path in folder.iterdir():
             if path.is_file() and any(belongs_to(path.name, d) for d in ds_ids):

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from memascend.errors import UserError
-from memascend.integrations.deepspeed.resume_placement import kept_in_dram_filter
+from memascend.integrations.deepspeed.optimizer_dram import dram_swap_file_filter
 from memascend.io.durable import write_text_durable
 
 #: Folder (under a checkpoint's tag folder) that holds the exported store of each rank.
@@ -180,7 +180,7 @@ def make_load_checkpoint(original: Any, handle: Any) -> Any:
         of a folder-of-files run) imported into the store, then stock load, whose ``copytree``
         copies a folder-of-files checkpoint's swap files into the key folder as well: those copies
         are deleted afterwards. Files of sub-groups this run keeps in DRAM are not imported
-        (:func:`~.resume_placement.kept_in_dram_filter`: exact resume reads them from the checkpoint)."""
+        (:func:`~.optimizer_dram.dram_swap_file_filter`: exact resume reads them from the checkpoint)."""
         folder = _optimizer_swap_folder(self)
         resolved = resolve_checkpoint_tag(load_dir, tag)
         copies: list[Path] = []
@@ -188,7 +188,7 @@ def make_load_checkpoint(original: Any, handle: Any) -> Any:
             tag_dir = Path(load_dir) / resolved
             rank_dir = checkpoint_rank_dir(tag_dir, handle.world_rank)
             stock_files = _swap_files(stock_offload_rank_dir(tag_dir, handle.world_rank))
-            skip = kept_in_dram_filter(self.optimizer)
+            skip = dram_swap_file_filter(self.optimizer)
             if (rank_dir / "manifest.json").is_file():
                 handle.import_checkpoint(rank_dir, select=lambda key: not skip(key))
             elif (tag_dir / CHECKPOINT_SUBDIR).is_dir():
