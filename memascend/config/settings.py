@@ -171,8 +171,10 @@ class MemAscendSettings:
             optimizer step reads and writes
             nothing on the swap target (stage 3's ``_swappable_optimizer_subgroup`` answers false for
             it, the path stock takes for a sub-group below the swapper's ``min_aio_bytes``).
-            Checkpoints and exact resume include it. ``None`` or 0: every sub-group is swapped
-            (stock's behaviour). What the model computes does not depend on it.
+            Checkpoints and exact resume include it; a checkpoint resumes exactly with another
+            value (each sub-group's state is moved to where this run keeps it). ``None`` or 0:
+            every sub-group is swapped (stock's behaviour). What the model computes does not
+            depend on it.
         enable_chunk_prefetch: read-ahead and write-behind in the chunked optimizer step (on a swap
             folder, whose aio handle does the I/O on its own threads): two sets of chunk buffers, the
             next chunk's master weights, moments and gradient are read while Adam steps the current

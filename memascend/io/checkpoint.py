@@ -125,9 +125,14 @@ def _write_manifest(out: Path, manifest: list[dict]) -> Path:
 
 
 def import_files(
-    store: TensorStore, folder: str | os.PathLike, *, chunk_bytes: int = EXPORT_CHUNK_BYTES
+    store: TensorStore,
+    folder: str | os.PathLike,
+    *,
+    chunk_bytes: int = EXPORT_CHUNK_BYTES,
+    select: Callable[[str], bool] | None = None,
 ) -> list[str]:
-    """Load tensors exported by :func:`export_files` (replacing keys that exist).
+    """Load tensors exported by :func:`export_files` (replacing keys that exist; only the keys for
+    which ``select`` returns true, if given).
 
     Returns:
         The keys imported.
@@ -142,6 +147,7 @@ def import_files(
     entries = [
         (e["key"], src / e["file"], int(e["nbytes"]), e["dtype"], tuple(e["shape"]), e.get("crc32c"))
         for e in manifest
+        if select is None or select(e["key"])
     ]
     return _import_entries(store, entries, chunk_bytes)
 

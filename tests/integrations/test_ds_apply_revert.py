@@ -57,6 +57,7 @@ def _seam_objects():
         "PartitionedOptimizerSwapper.flush_gradients": (PartitionedOptimizerSwapper, "flush_gradients"),
         "stage3.independent_gradient_partition_epilogue": (S3, "independent_gradient_partition_epilogue"),
         "engine._load_checkpoint": (DeepSpeedEngine, "_load_checkpoint"),
+        "stage3.reset_swap_buffers": (S3, "reset_swap_buffers"),  # fix_exact_resume
         "deepspeed.initialize": (deepspeed, "initialize"),
     }
 
@@ -101,15 +102,13 @@ def _raw_store_objects():
     import importlib
 
     from deepspeed.runtime.engine import DeepSpeedEngine
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as S3
 
     from memascend.integrations.deepspeed import raw_store
 
     found = {f"{name}.AsyncIOBuilder": (importlib.import_module(name), "AsyncIOBuilder")
              for name in raw_store._BUILDER_MODULES}
     found.update({"engine.save_checkpoint": (DeepSpeedEngine, "save_checkpoint"),
-                  "engine.load_checkpoint": (DeepSpeedEngine, "load_checkpoint"),
-                  "stage3.reset_swap_buffers": (S3, "reset_swap_buffers")})
+                  "engine.load_checkpoint": (DeepSpeedEngine, "load_checkpoint")})
     return found
 
 
@@ -228,7 +227,7 @@ def test_each_flag_patches_only_its_seams():
     during = _snapshot()
     assert {k for k in before if during[k] is not before[k]} == {
         "PartitionedOptimizerSwapper._swap_in_pinned_gradients", "OptimizerSwapper._writeback_gradients",
-        "engine._load_checkpoint"}
+        "engine._load_checkpoint", "stage3.reset_swap_buffers"}
     ma_ds.revert()
     assert _snapshot() == before
     ma_ds.revert()

@@ -1,10 +1,11 @@
 """Optimizer sub-groups kept in DRAM (memascend.integrations.deepspeed.optimizer_dram), in process:
 which sub-groups the setting keeps, the replaced ``_swappable_optimizer_subgroup``, its patch and
-revert, the report, and the refusal of a checkpoint whose sub-groups were placed otherwise. The
+revert, the report, and what a resume across placements reads from a checkpoint's swap copies. The
 training runs are in ``test_optimizer_dram_e2e.py``."""
 
 from __future__ import annotations
 
+import json
 import types
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 
 import memascend.integrations.deepspeed as ma_ds
 from memascend.errors import UserError
-from memascend.integrations.deepspeed import exact_resume, optimizer_dram
+from memascend.integrations.deepspeed import optimizer_dram
 from memascend.integrations.deepspeed.optimizer_dram import (
     KEPT_ATTR,
     dram_report,
@@ -131,10 +132,50 @@ def test_dram_report_counts_kept_and_small_sub_groups():
     assert dram_report(types.SimpleNamespace(swap_optimizer=False)) is None and dram_report(None) is None
 
 
-def test_resume_refuses_a_checkpoint_placed_otherwise():
-    opt = types.SimpleNamespace(_swappable_optimizer_subgroup=lambda i: i != 0)  # keeps sub-group 0
-    exact_resume._check_placement(opt, [torch.zeros(4), torch.empty(0)], "ck/optim.pt")  # same placement
-    with pytest.raises(UserError, match=r"sub-groups none in DRAM, this run keeps \[0\] there"):
-        exact_resume._check_placement(opt, [torch.empty(0), torch.empty(0)], "ck/optim.pt")
-    with pytest.raises(UserError, match=r"sub-groups \[0, 1\] in DRAM, this run keeps \[0\]"):
-        exact_resume._check_placement(opt, [torch.zeros(4), torch.zeros(4)], "ck/optim.pt")
+def test_swap_files_of_dram_sub_groups_are_recognised():
+    opt = types.SimpleNamespace(swap_optimizer=True, _swappable_optimizer_subgroup=lambda i: i != 0,
+                                fp32_partitioned_groups_flat=[types.SimpleNamespace(ds_id="1_5"),
+                                                              types.SimpleNamespace(ds_id="11_15")])
+    skip = optimizer_dram.dram_swap_file_filter(opt)
+    assert skip("1_5.tensor.swp") and skip("zero_stage_3/optimizer/rank0/exp_avg-1_5.tensor.swp")
+    assert not skip("11_15.tensor.swp") and not skip("exp_avg-11_5.tensor.swp") and not skip("exp_avg-11_15.tensor.swp")
+    assert not optimizer_dram.dram_swap_file_filter(types.SimpleNamespace(swap_optimizer=False))("1_5.tensor.swp")
+
+
+def _engine(swap_folder):
+    swapper = types.SimpleNamespace(swap_folder=str(swap_folder))
+    return types.SimpleNamespace(local_rank=0, global_rank=0, use_node_local_storage=lambda: False,
+                                 optimizer=types.SimpleNamespace(optimizer_swapper=swapper))
+
+
+def test_checkpoint_swap_copies_are_read_from_the_folder_copy_or_the_export(tmp_path):
+    """A swap file is the I/O-aligned buffer (tensor, then padding): the tensor is its first bytes;
+    an export file is checked against its manifest's CRC32C."""
+    from memascend.integrations.deepspeed.resume_placement import CheckpointSwapFiles
+    from memascend.io.errors import ChecksumError
+    from memascend.ops import nvme_io
+
+    values = torch.arange(1000, dtype=torch.float32)
+    padded = torch.cat([values, torch.full((24,), 7.0)])
+    stock = tmp_path / "ck" / "global_step2" / "offloaded_tensors" / "rank00"
+    stock.mkdir(parents=True)
+    padded.numpy().tofile(stock / "1_5.tensor.swp")
+    export = tmp_path / "ck" / "global_step2" / "memascend_store" / "rank00"
+    export.mkdir(parents=True)
+    padded.numpy().tofile(export / "tensor_000000.bin")
+    crc = nvme_io.load().crc32c_bytes(padded.numpy().tobytes(), 0)
+    (export / "manifest.json").write_text(json.dumps({"tensors": [
+        {"key": "zero_stage_3/optimizer/rank0/exp_avg-1_5.tensor.swp", "file": "tensor_000000.bin",
+         "nbytes": 4096, "dtype": "torch.float32", "shape": [1024], "crc32c": crc}]}))
+    files = CheckpointSwapFiles(_engine(tmp_path / "key" / "zero_stage_3" / "optimizer" / "rank0"),
+                                tmp_path / "ck", "global_step2")
+    for name in ("1_5.tensor.swp", "exp_avg-1_5.tensor.swp"):
+        out = torch.empty(1000)
+        files.read_into(name, out)
+        assert torch.equal(out, values)
+    with pytest.raises(UserError, match="no copy of the swapped optimizer tensor exp_avg_sq-1_5.tensor.swp"):
+        files.read_into("exp_avg_sq-1_5.tensor.swp", torch.empty(1000))
+    (export / "tensor_000000.bin").write_bytes(torch.zeros(1024).numpy().tobytes())
+    with pytest.raises(ChecksumError):
+        CheckpointSwapFiles(_engine(tmp_path / "key" / "zero_stage_3" / "optimizer" / "rank0"), tmp_path / "ck",
+                            "global_step2").read_into("exp_avg-1_5.tensor.swp", torch.empty(1000))

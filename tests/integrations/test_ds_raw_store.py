@@ -20,11 +20,9 @@ _MODULES = [importlib.import_module(name) for name in raw_store._BUILDER_MODULES
 
 def _snapshot():
     from deepspeed.runtime.engine import DeepSpeedEngine
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     snap = {(m.__name__, "AsyncIOBuilder"): m.__dict__["AsyncIOBuilder"] for m in _MODULES}
-    for cls, name in ((DeepSpeedEngine, "save_checkpoint"), (DeepSpeedEngine, "load_checkpoint"),
-                      (DeepSpeedZeroOptimizer_Stage3, "reset_swap_buffers")):
+    for cls, name in ((DeepSpeedEngine, "save_checkpoint"), (DeepSpeedEngine, "load_checkpoint")):
         snap[(cls.__qualname__, name)] = cls.__dict__[name]
     return snap
 

@@ -109,6 +109,25 @@ def test_resume_bit_identical_with_optimizer_state_kept_in_dram(tmp_path, straig
                    for k in ("read_bytes", "write_bytes"))
 
 
+def test_resume_exact_when_the_resumed_run_swaps_what_was_kept_in_dram(tmp_path, straight):
+    """Saved with every sub-group's optimizer state in DRAM (in the ZeRO file), resumed with
+    ``optimizer_dram_numel`` 0 (every sub-group swapped): the saved master weights and moments are
+    written to the resumed run's swap files, and the losses are the uninterrupted run's."""
+    kept, swapped = tmp_path / "kept.json", tmp_path / "swapped.json"
+    kept.write_text(json.dumps({"memascend": {"optimizer_dram_numel": 10**9}}))
+    swapped.write_text(json.dumps({"memascend": {"optimizer_dram_numel": 0}}))
+    common = ["--engine", "memascend", "--dtype", "bf16", "--nproc", "1", "--nvme-path", str(tmp_path / "swap")]
+    first = _finetune(tmp_path, "first", *common, "--deepspeed-config", str(kept), "--steps", "2",
+                      "--save-checkpoint", str(tmp_path / "ck"))
+    resumed = _finetune(tmp_path, "resumed", *common, "--deepspeed-config", str(swapped), "--steps", "4",
+                        "--resume", str(tmp_path / "ck"))
+    assert first["memory_breakdown"]["optimizer_dram"]["swapped_numel"] == 0
+    dram = resumed["memory_breakdown"]["optimizer_dram"]
+    assert dram["dram_sub_groups"] == [] and dram["swapped_numel"] == sum(dram["sub_group_numels"])
+    assert resumed["checkpoint"]["start_step"] == 2
+    assert {**_hex_losses(first), **_hex_losses(resumed)} == straight("memascend", "bf16", 1)
+
+
 @pytest.mark.distributed
 def test_resume_bit_identical_two_ranks(tmp_path, straight):
     _check_resume_exact(tmp_path, straight, "memascend", "swap", "bf16", 2)

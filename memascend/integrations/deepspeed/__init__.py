@@ -83,7 +83,9 @@ What each flag patches (DeepSpeed 0.19.8 names):
   ``OptimizerSwapper._writeback_gradients`` (:mod:`.aligned_io`).
 * ``fix_exact_resume`` (a correctness fix, on for both engines): ``DeepSpeedEngine._load_checkpoint``
   followed by restoring the ZeRO-3 optimizer state stock skips with the optimizer on NVMe and
-  replaying ``DeepSpeedCPUAdam``'s C++ step counter (:mod:`.exact_resume`).
+  replaying ``DeepSpeedCPUAdam``'s C++ step counter (:mod:`.exact_resume`);
+  ``DeepSpeedZeroOptimizer_Stage3.reset_swap_buffers`` first moves the sub-groups the checkpoint
+  placed otherwise (DRAM or swap target) where this run keeps them (:mod:`.resume_placement`).
 * ``optimizer_sub_group_numel`` / ``reduce_bucket_numel`` / ``param_dram_numel`` (any set) live in
   DeepSpeed's own config: ``deepspeed.initialize`` (the ``deepspeed`` module's attribute) rewrites
   the config with :func:`prepare_ds_config` first (:mod:`.init_resolve`), and patches
@@ -396,10 +398,13 @@ def _patch_aligned_io(settings: MemAscendSettings) -> None:
 
 def _patch_exact_resume(settings: MemAscendSettings) -> None:
     from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as stage3
 
     from memascend.integrations.deepspeed.exact_resume import make_load_checkpoint
+    from memascend.integrations.deepspeed.resume_placement import make_reset_swap_buffers
 
     _registry.patch(DeepSpeedEngine, "_load_checkpoint", make_load_checkpoint(DeepSpeedEngine._load_checkpoint))
+    _registry.patch(stage3, "reset_swap_buffers", make_reset_swap_buffers(stage3.reset_swap_buffers))
 
 
 def _patch_initialize(settings: MemAscendSettings) -> None:

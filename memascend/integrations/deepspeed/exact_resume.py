@@ -26,7 +26,10 @@ on NVMe, this rank's ZeRO optimizer state file is read and restored into the opt
 scaler, ``param_groups`` hyper-parameters, each partition's non-tensor state (``step``), the fp32
 master and state of sub-groups kept in DRAM; the swapped state tensors are registered with the
 optimizer swapper as placeholders, as an uninterrupted run has them after its first step, so the
-next swap-in reads them from the copied files. Then, for ``DeepSpeedCPUAdam``, the C++ op's step
+next swap-in reads them from the copied files. A sub-group the checkpoint placed otherwise than this
+run (another ``optimizer_dram_numel`` or host-memory budget) is moved where this run keeps it
+(:mod:`.resume_placement`): read from the checkpoint's swap copies into DRAM, or written to this
+run's swap files when ``reset_swap_buffers`` runs. Then, for ``DeepSpeedCPUAdam``, the C++ op's step
 counter is replayed ``1 .. t`` on a one-element scratch tensor, so ``beta^t`` is the same running
 product as in the uninterrupted run.
 """
@@ -38,6 +41,11 @@ import os
 from typing import Any
 
 from memascend.errors import UserError
+from memascend.integrations.deepspeed.resume_placement import (
+    CheckpointSwapFiles,
+    defer_swap_out,
+    load_swapped_into_dram,
+)
 
 
 def make_load_checkpoint(original):
@@ -93,7 +101,9 @@ def restore_optimizer_state(engine: Any, load_dir: str | os.PathLike, tag: str) 
 
     Raises:
         UserError: the file's state does not fit this optimizer (data-parallel world size,
-            parameter groups, sub-groups, which sub-groups are in DRAM).
+            parameter groups, sub-groups), or a sub-group saved swapped and kept in DRAM here has
+            no copy of its swap files in the checkpoint.
+        IntegrityError, ChecksumError: such a copy is short or corrupt.
         FileNotFoundError: this rank's optimizer state file is missing.
     """
     import torch
@@ -121,8 +131,8 @@ def restore_optimizer_state(engine: Any, load_dir: str | os.PathLike, tag: str) 
         raise UserError(f"checkpoint {path}: its optimizer state has other parameter groups or sub-groups than "
                         "this run's ZeRO-3 optimizer (another model or --deepspeed-config sub_group_size)")
 
+    files = CheckpointSwapFiles(engine, load_dir, tag) if swapped else None
     if swapped:
-        _check_placement(zero_opt, sd[FP32_FLAT_GROUPS], path)
         zero_opt.loss_scaler = sd[LOSS_SCALER]
         zero_opt.dynamic_loss_scale = sd["dynamic_loss_scale"]
         zero_opt.overflow = sd["overflow"]
@@ -136,44 +146,29 @@ def restore_optimizer_state(engine: Any, load_dir: str | os.PathLike, tag: str) 
             saved_state = saved["state"].get(index, {})
             step = max(step, _as_int(saved_state.get("step", 0)))
             if swapped:
-                _restore_sub_group(zero_opt, sub_group_id, saved_state, sd[FP32_FLAT_GROUPS][sub_group_id])
+                _restore_sub_group(zero_opt, sub_group_id, saved_state, sd[FP32_FLAT_GROUPS][sub_group_id], files)
     _replay_cpu_adam_steps(base, step)
     return step
-
-
-def _check_placement(zero_opt: Any, saved_fp32: Any, path: Any) -> None:
-    """Refuse a checkpoint whose sub-groups were placed otherwise (DRAM or swap target) than this run's.
-
-    A sub-group in DRAM saves its fp32 master in ``fp32_flat_groups``; a swapped one saves an empty
-    tensor there and its state in the swap files. With another ``optimizer_dram_numel`` the two runs
-    disagree on where the state is, and restoring it would read the wrong place.
-
-    Raises:
-        UserError: naming the sub-groups the checkpoint kept in DRAM and those this run keeps.
-    """
-    saved = [i for i, t in enumerate(saved_fp32) if t.numel() > 0]
-    here = [i for i in range(len(saved_fp32)) if not zero_opt._swappable_optimizer_subgroup(i)]
-    if saved != here:
-        raise UserError(f"checkpoint {path}: its optimizer state has sub-groups {_ids(saved)} in DRAM, this run keeps "
-                        f"{_ids(here)} there; resume with the optimizer_dram_numel (or --host-memory-budget) it was "
-                        "saved with")
-
-
-def _ids(sub_groups: list[int]) -> str:
-    return "[" + ", ".join(map(str, sub_groups)) + "]" if sub_groups else "none"
 
 
 def _as_int(value: Any) -> int:
     return int(value.item()) if hasattr(value, "item") else int(value)
 
 
-def _restore_sub_group(zero_opt: Any, sub_group_id: int, saved_state: dict, saved_fp32: Any) -> None:
+def _restore_sub_group(zero_opt: Any, sub_group_id: int, saved_state: dict, saved_fp32: Any,
+                       files: CheckpointSwapFiles) -> None:
+    """Restore one sub-group where this run keeps it (:mod:`.resume_placement` for a sub-group the
+    checkpoint placed otherwise: saved in DRAM iff its saved fp32 master is not empty)."""
     import torch
     from deepspeed.runtime.swap_tensor.optimizer_utils import OptimizerSwapper
 
     fp32 = zero_opt.fp32_partitioned_groups_flat[sub_group_id]
     state = zero_opt.optimizer.state[fp32]
+    saved_in_dram = saved_fp32.numel() > 0
     if not zero_opt._swappable_optimizer_subgroup(sub_group_id):
+        if not saved_in_dram:
+            load_swapped_into_dram(zero_opt, sub_group_id, saved_state, files)
+            return
         # Kept in DRAM: the saved tensors are the real ones (stock's _rigid_load_state_dict path).
         fp32.data.copy_(saved_fp32.data)
         for key, value in saved_state.items():
@@ -182,6 +177,9 @@ def _restore_sub_group(zero_opt: Any, sub_group_id: int, saved_state: dict, save
     swap_info = zero_opt.optimizer_swapper.swap_params_info.get(OptimizerSwapper.parameter_id(fp32))
     if swap_info is None:
         raise RuntimeError(f"optimizer sub-group {sub_group_id} is swappable but has no swap entry")
+    if saved_in_dram:
+        defer_swap_out(zero_opt, sub_group_id, saved_state, saved_fp32)
+        return
     placeholders = []
     for key, value in saved_state.items():
         if torch.is_tensor(value) and value.numel() == 0:

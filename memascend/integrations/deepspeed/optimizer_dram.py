@@ -36,6 +36,7 @@ Replaces (DeepSpeed 0.19.8, ``optimizer_dram_numel`` set and above 0):
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -178,6 +179,32 @@ def dram_report(optimizer: Any) -> dict[str, Any] | None:
             "dram_sub_groups": in_dram, "dram_numel": sum(numels[i] for i in in_dram),
             "dram_bytes": dram_bytes,
             "swapped_numel": sum(numels) - sum(numels[i] for i in in_dram)}
+
+
+SWAP_SUFFIX = ".tensor.swp"
+"""Suffix of DeepSpeed's swap files (``{ds_id}.tensor.swp``, ``{key}-{ds_id}.tensor.swp``)."""
+
+
+def belongs_to(name: str, ds_id: str) -> bool:
+    """Whether swap file ``name`` (a base name) holds the fp32 master (``{ds_id}.tensor.swp``) or an
+    optimizer state tensor (``{key}-{ds_id}.tensor.swp``) of the sub-group whose fp32 partition has
+    ``ds_id`` (stage 3 names it ``<first>_<last>`` parameter ids: no ``-``)."""
+    return name == f"{ds_id}{SWAP_SUFFIX}" or name.endswith(f"-{ds_id}{SWAP_SUFFIX}")
+
+
+def dram_ds_ids(zero_opt: Any) -> list[str]:
+    """The ``ds_id`` of each fp32 partition of a stage-3 optimizer whose sub-group is in DRAM."""
+    groups = getattr(zero_opt, "fp32_partitioned_groups_flat", None) or []
+    return [str(t.ds_id) for i, t in enumerate(groups)
+            if hasattr(t, "ds_id") and not zero_opt._swappable_optimizer_subgroup(i)]
+
+
+def dram_swap_file_filter(zero_opt: Any) -> Callable[[str], bool]:
+    """A predicate on swap-file base names (or store keys): true for files of sub-groups this run
+    keeps in DRAM, which a resumed raw store must not import (they are read by
+    :func:`~.resume_placement.load_swapped_into_dram` instead)."""
+    ds_ids = dram_ds_ids(zero_opt) if getattr(zero_opt, "swap_optimizer", False) else []
+    return lambda name: any(belongs_to(os.path.basename(name), d) for d in ds_ids)
 
 
 def patch(registry: Any, dram_numel: int) -> None:

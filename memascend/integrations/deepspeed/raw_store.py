@@ -11,9 +11,8 @@ rank and, through the seam's registry, replaces:
 * those ``AsyncIOBuilder`` names, with a builder whose handles are
   :class:`~memascend.integrations.deepspeed.swap_backend.StoreSwapHandle` over the store: every
   swap path becomes a store key (relative to the run's key folder), no ``.swp`` file is created;
-* ``DeepSpeedEngine.save_checkpoint``/``load_checkpoint`` and
-  ``DeepSpeedZeroOptimizer_Stage3.reset_swap_buffers``, so checkpoints carry the optimizer state
-  in the store (:mod:`~memascend.integrations.deepspeed.store_checkpoint`).
+* ``DeepSpeedEngine.save_checkpoint``/``load_checkpoint``, so checkpoints carry the optimizer
+  state in the store (:mod:`~memascend.integrations.deepspeed.store_checkpoint`).
 
 Everything else in DeepSpeed (which tensors are swapped, buffers, prefetching) is unchanged, so it
 works with stock DeepSpeed (``--engine baseline``) and with memascend's optimizations alike.
@@ -57,7 +56,6 @@ from memascend.integrations.deepspeed.store_checkpoint import (
     CHECKPOINT_SUBDIR,
     checkpoint_rank_dir,
     make_load_checkpoint,
-    make_reset_swap_buffers,
     make_save_checkpoint,
     prepare_folder_resume,
     resolve_checkpoint_tag,
@@ -137,8 +135,6 @@ class RawStoreHandle:
     lock_handle_buffers: bool = False
     """The handles page-lock their ``new_cpu_locked_tensor`` buffers (``--engine baseline``: stock's
     aio handle does; :class:`~.swap_backend.StoreSwapHandle`)."""
-    pending_import: Any = None
-    """What the load wrapper found to import (:mod:`.store_checkpoint`); taken by ``reset_swap_buffers``."""
     _closed: bool = False
 
     @property
@@ -212,14 +208,15 @@ class RawStoreHandle:
         self.sample_usage()
         return keys
 
-    def import_checkpoint(self, rank_dir: str | os.PathLike) -> list[str]:
-        """Load a rank's export (:meth:`export_checkpoint`) into the store, replacing those keys.
+    def import_checkpoint(self, rank_dir: str | os.PathLike, select: Any = None) -> list[str]:
+        """Load a rank's export (:meth:`export_checkpoint`) into the store, replacing those keys
+        (only the keys for which ``select`` returns true, if given).
 
         Raises:
             UserError: no manifest or a damaged file (names the tensor).
         """
         t0 = time.monotonic()
-        keys = io_checkpoint.import_files(self.store, rank_dir)
+        keys = io_checkpoint.import_files(self.store, rank_dir, select=select)
         self.import_s += time.monotonic() - t0
         self.imported = keys
         self.sample_usage()
@@ -470,12 +467,6 @@ def _patch_deepspeed(registry: PatchRegistry, handle: RawStoreHandle) -> None:
         registry.patch(importlib.import_module(name), "AsyncIOBuilder", builder)
 
     from deepspeed.runtime.engine import DeepSpeedEngine
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     registry.patch(DeepSpeedEngine, "save_checkpoint", make_save_checkpoint(DeepSpeedEngine.save_checkpoint, handle))
     registry.patch(DeepSpeedEngine, "load_checkpoint", make_load_checkpoint(DeepSpeedEngine.load_checkpoint, handle))
-    registry.patch(
-        DeepSpeedZeroOptimizer_Stage3,
-        "reset_swap_buffers",
-        make_reset_swap_buffers(DeepSpeedZeroOptimizer_Stage3.reset_swap_buffers, handle),
-    )

@@ -9,14 +9,13 @@ state instead:
   optimizer's swapped tensors (gradients excluded, as stock) exported to
   ``<save_dir>/<tag>/memascend_store/rank<NN>/`` (:mod:`memascend.io.checkpoint`: one ``.bin`` per
   tensor and a manifest with CRC32Cs), then ``latest``;
-* :func:`make_load_checkpoint` (``DeepSpeedEngine.load_checkpoint``) notes the checkpoint's state
-  and :func:`make_reset_swap_buffers` (``DeepSpeedZeroOptimizer_Stage3.reset_swap_buffers``, which
-  stock ``load_checkpoint`` calls right after its ``copytree``) imports it first, so the state is
-  in the store at the very point stock would have copied the files.
+* :func:`make_load_checkpoint` (``DeepSpeedEngine.load_checkpoint``) imports the checkpoint's
+  state into the store before stock load runs, so it is there before stock reads it back
+  (``reset_swap_buffers``, right after stock's ``copytree``).
 
 Resume works across kinds: a raw-store run imports a folder-of-files checkpoint's
-``<tag>/offloaded_tensors/rank<NN>/*.swp`` at that point (and deletes the copies stock's
-``copytree`` put into the key folder); a folder-of-files run resuming a raw-store checkpoint calls
+``<tag>/offloaded_tensors/rank<NN>/*.swp`` the same way (and deletes the copies stock's
+``copytree`` puts into the key folder); a folder-of-files run resuming a raw-store checkpoint calls
 :func:`prepare_folder_resume` before ``load_checkpoint``. A checkpoint with neither (saved with
 the optimizer state in DRAM) is refused with one line.
 """
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from memascend.errors import UserError
+from memascend.integrations.deepspeed.optimizer_dram import dram_swap_file_filter
 from memascend.io.durable import write_text_durable
 
 #: Folder (under a checkpoint's tag folder) that holds the exported store of each rank.
@@ -167,55 +167,42 @@ def _incomplete_export(tag_dir: Path, world_rank: int) -> UserError:
 
 
 def make_load_checkpoint(original: Any, handle: Any) -> Any:
-    """Wrap ``DeepSpeedEngine.load_checkpoint`` (``original``): note what to import into ``handle``.
+    """Wrap ``DeepSpeedEngine.load_checkpoint`` (``original``): import the checkpoint's optimizer
+    state into ``handle``'s store first.
 
     Raises (from the wrapper): UserError: the checkpoint's export is incomplete, or it holds no
-    NVMe optimizer state for this rank.
+    NVMe optimizer state for this rank. ChecksumError: a damaged export file. StoreFullError: no room.
     """
 
     @functools.wraps(original)
     def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
-        """Stock load; the checkpoint's optimizer state is imported into the store where stock
-        copies files: the store export of a raw-store run, or the swap files of a folder-of-files
-        run (stock's ``copytree`` copies those into the key folder first; they are deleted after
-        the import)."""
+        """The checkpoint's optimizer state (the store export of a raw-store run, or the swap files
+        of a folder-of-files run) imported into the store, then stock load, whose ``copytree``
+        copies a folder-of-files checkpoint's swap files into the key folder as well: those copies
+        are deleted afterwards. Files of sub-groups this run keeps in DRAM are not imported
+        (:func:`~.optimizer_dram.dram_swap_file_filter`: exact resume reads them from the checkpoint)."""
         folder = _optimizer_swap_folder(self)
         resolved = resolve_checkpoint_tag(load_dir, tag)
+        copies: list[Path] = []
         if folder is not None and resolved is not None:
             tag_dir = Path(load_dir) / resolved
             rank_dir = checkpoint_rank_dir(tag_dir, handle.world_rank)
             stock_files = _swap_files(stock_offload_rank_dir(tag_dir, handle.world_rank))
+            skip = dram_swap_file_filter(self.optimizer)
             if (rank_dir / "manifest.json").is_file():
-                handle.pending_import = ("export", rank_dir)
+                handle.import_checkpoint(rank_dir, select=lambda key: not skip(key))
             elif (tag_dir / CHECKPOINT_SUBDIR).is_dir():
                 raise _incomplete_export(tag_dir, handle.world_rank)
             elif stock_files:
                 prefix = handle.key_prefix(folder)
-                files = {prefix + f.name: f for f in stock_files}
                 copies = [Path(folder) / f.name for f in stock_files]
-                handle.pending_import = ("swap_files", files, copies)
+                handle.import_swap_files({prefix + f.name: f for f in stock_files if not skip(f.name)}, [])
             elif not stock_offload_rank_dir(tag_dir, handle.world_rank).is_dir():
                 raise _no_optimizer_state(tag_dir, handle.world_rank)
         try:
             return original(self, load_dir, tag, *args, **kwargs)
         finally:
-            handle.pending_import = None
+            for path in copies:
+                path.unlink(missing_ok=True)
 
     return load_checkpoint
-
-
-def make_reset_swap_buffers(original: Any, handle: Any) -> Any:
-    """Wrap ``DeepSpeedZeroOptimizer_Stage3.reset_swap_buffers`` (``original``): import what the
-    load wrapper noted into ``handle``'s store first."""
-
-    @functools.wraps(original)
-    def reset_swap_buffers(self):
-        """Import the pending store export, then stock (which reads the optimizer state back)."""
-        pending, handle.pending_import = handle.pending_import, None
-        if pending is not None and pending[0] == "export":
-            handle.import_checkpoint(pending[1])
-        elif pending is not None:
-            handle.import_swap_files(pending[1], pending[2])
-        return original(self)
-
-    return reset_swap_buffers
