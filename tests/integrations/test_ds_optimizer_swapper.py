@@ -67,9 +67,12 @@ def test_grows_where_stock_returns_none_and_locks_only_the_peak(handle):
     ours.free(again)
 
 
-def test_growing_hands_idle_host_cache_regions_back_first(handle):
+def test_growing_hands_idle_host_cache_regions_back_first(handle, monkeypatch):
     from memascend.memory import host_cache
 
+    # at the process's resident peak: every locked byte would raise it, so idle regions go first
+    # (below the peak they stay: tests/memory/test_host_cache.py)
+    monkeypatch.setattr(host_cache, "process_rss_and_peak_bytes", lambda: (1 << 30, 1 << 30))
     host_cache.install()
     try:
         host_cache.release_empty()
