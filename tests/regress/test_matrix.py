@@ -245,7 +245,8 @@ def test_gpu_llama_0_1b_row_still_runs_the_h100_golden_command():
 
 
 def test_the_lora_row_gives_both_engines_the_same_adapters():
-    (cfg,) = get_matrix("lora").configs
+    cfg, big = get_matrix("lora").configs
+    assert big.lora == cfg.lora and big.from_scratch == "llama-0.5b"
     args = {e: cfg.finetune_args(engine=e, output_dir="o", nvme_path="n") for e in ("baseline", "memascend")}
     for engine_args in args.values():
         i = engine_args.index("--lora-rank")
