@@ -1,5 +1,6 @@
 """What memascend reads from ``/proc``: which processes hold a file open (``/proc/<pid>/fd``, what
-``fuser`` does), and this process's own cgroup (``/proc/self/cgroup``).
+``fuser`` does), this process's own cgroup (``/proc/self/cgroup``), and the kB fields of a process's
+``/proc/<pid>/status`` (resident set, its peak, locked memory, their kinds).
 
 Used to name the process behind a lock (a run lock on a swap target, a build lock of an op;
 processes of other users may be invisible without privileges), and to find the memory limit a run
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Mapping
 from pathlib import Path
 
 
@@ -64,3 +66,28 @@ def own_cgroup_rel(version: int, proc_root: Path = Path("/proc")) -> str | None:
             rel = rel.strip().strip("/")
             return None if ".." in rel.split("/") else rel
     return None
+
+
+def status_bytes(fields: Mapping[str, str], pid: int | str = "self", *, path: str | os.PathLike | None = None
+                 ) -> dict[str, int]:
+    """Fields of ``/proc/<pid>/status`` the kernel reports in kB, in bytes, under new names.
+
+    Args:
+        fields: status field (``"VmRSS"``) -> the name it gets (``"rss_bytes"``).
+        pid: the process (``"self"``: this one).
+        path: read this file instead (tests).
+
+    Returns:
+        ``{name: bytes}`` for each field the file has; a field it lacks is left out.
+
+    Raises:
+        OSError: the process is gone or the file cannot be read.
+        ValueError: a field's value is not a number.
+    """
+    out: dict[str, int] = {}
+    with open(path if path is not None else f"/proc/{pid}/status", encoding="ascii", errors="replace") as status:
+        for line in status:
+            key, _, rest = line.partition(":")
+            if key in fields:
+                out[fields[key]] = int(rest.split()[0]) * 1024  # kB -> bytes
+    return out

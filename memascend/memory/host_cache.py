@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from memascend.ops import pinned_arena as _op
+from memascend.procfs import status_bytes
 
 #: Requests of at least this many bytes come from the cache (activations of a 135M-parameter
 #: model at 4 x 256 tokens start at about 1.2 MiB; smaller tensors stay with glibc).
@@ -92,16 +93,11 @@ def release_empty(max_bytes: int | None = None) -> int:
 def process_rss_and_peak_bytes(status_path: str = "/proc/self/status") -> tuple[int, int] | None:
     """This process's resident set and its high-water mark (``VmRSS``, ``VmHWM`` of
     ``/proc/self/status``), bytes; ``None`` where the file or the fields are missing."""
-    fields: dict[str, int] = {}
     try:
-        with open(status_path, encoding="ascii", errors="replace") as status:
-            for line in status:
-                if line.startswith(("VmRSS:", "VmHWM:")):
-                    name, value = line.split(":", 1)
-                    fields[name] = int(value.split()[0]) * 1024  # kB
+        usage = status_bytes({"VmRSS": "rss", "VmHWM": "peak"}, path=status_path)
     except (OSError, ValueError):
         return None
-    return (fields["VmRSS"], fields["VmHWM"]) if len(fields) == 2 else None
+    return (usage["rss"], usage["peak"]) if len(usage) == 2 else None
 
 
 def make_room(locked_bytes: int, *, within_peak: bool = True) -> int:

@@ -20,6 +20,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from memascend.procfs import status_bytes
+
 _KEYS = {"VmRSS": "rss_bytes", "RssAnon": "rss_anon_bytes", "RssFile": "rss_file_bytes",
          "RssShmem": "rss_shmem_bytes"}
 
@@ -46,13 +48,7 @@ def read_rss_split(pid: int | str = "self") -> dict[str, int]:
     Raises:
         OSError: the process is gone.
     """
-    out = dict.fromkeys(_KEYS.values(), 0)
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in _KEYS:
-                out[_KEYS[key]] = int(rest.split()[0]) * 1024  # kB -> bytes
-    return out
+    return {**dict.fromkeys(_KEYS.values(), 0), **status_bytes(_KEYS, pid)}
 
 
 def mark(name: str) -> None:

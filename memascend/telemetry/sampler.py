@@ -20,6 +20,8 @@ from pathlib import Path
 
 import psutil
 
+from memascend.procfs import status_bytes
+
 _STATUS_KEYS = {"VmRSS": "rss_bytes", "VmHWM": "hwm_bytes", "VmLck": "locked_bytes"}
 
 
@@ -29,13 +31,7 @@ def read_proc_status(pid: int | str = "self") -> dict[str, int]:
     Raises:
         OSError: the process is gone.
     """
-    out = {v: 0 for v in _STATUS_KEYS.values()}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in _STATUS_KEYS:
-                out[_STATUS_KEYS[key]] = int(rest.split()[0]) * 1024  # kB -> bytes
-    return out
+    return {**dict.fromkeys(_STATUS_KEYS.values(), 0), **status_bytes(_STATUS_KEYS, pid)}
 
 
 def read_proc_io(pid: int | str = "self") -> dict[str, int]:

@@ -407,9 +407,9 @@ class FinetuneRecipe:
         skipped_before = int(getattr(engine, "skipped_steps", 0))
         phase_s = {"forward_s": 0.0, "backward_s": 0.0, "optimizer_step_s": 0.0}
         phase_io = {name: SwapIOTotals() for name in phase_s}
-        self.phase_cpu = {"cpu": dict.fromkeys(phase_s, 0.0), "sys": dict.fromkeys(phase_s, 0.0)}
+        phase_cpu = {"cpu": dict.fromkeys(phase_s, 0.0), "sys": dict.fromkeys(phase_s, 0.0)}
         grad_accum = self.resolved.grad_accum
-        losses = [self._micro_step(step * grad_accum + micro, phase_s, phase_io) for micro in range(grad_accum)]
+        losses = [self._micro_step(step * grad_accum + micro, phase_s, phase_io, phase_cpu) for micro in range(grad_accum)]
         loss_sum, n = all_reduce_sum([sum(losses), len(losses)])
         dt = time.monotonic() - t0
         end = self.sampler.sample()
@@ -429,13 +429,14 @@ class FinetuneRecipe:
             nvme_read_bytes=end.read_bytes - io0["read_bytes"],
             nvme_write_bytes=end.write_bytes - io0["write_bytes"],
             **report_mod.swap_io_fields(phase_s, {k: v.to_dict() for k, v in phase_io.items()}, self.swap_bandwidth),
-            phase_cpu_s=self.phase_cpu["cpu"], phase_sys_s=self.phase_cpu["sys"],
+            phase_cpu_s=phase_cpu["cpu"], phase_sys_s=phase_cpu["sys"],
         )
 
-    def _micro_step(self, index: int, phase_s: dict[str, float], phase_io: dict[str, SwapIOTotals]) -> float:
+    def _micro_step(self, index: int, phase_s: dict[str, float], phase_io: dict[str, SwapIOTotals],
+                    phase_cpu: dict[str, dict[str, float]]) -> float:
         """Forward, backward and ``engine.step()`` of micro-batch ``index``; adds each phase's wall
         seconds to ``phase_s``, its swap I/O to ``phase_io`` and its CPU and system seconds to
-        ``self.phase_cpu``; returns this rank's loss."""
+        ``phase_cpu["cpu"]`` and ``phase_cpu["sys"]``; returns this rank's loss."""
         engine = self.engine
         idx = self.blocks.indices(index)
         ids = self.split.train.input_ids[idx].to(engine.device)
@@ -453,8 +454,8 @@ class FinetuneRecipe:
         for name, (t0, io0, cpu0), (t1, io1, cpu1) in zip(phase_s, marks, marks[1:], strict=False):
             phase_s[name] += t1 - t0
             phase_io[name] += io1 - io0
-            self.phase_cpu["cpu"][name] += (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
-            self.phase_cpu["sys"][name] += cpu1.system - cpu0.system
+            phase_cpu["cpu"][name] += (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
+            phase_cpu["sys"][name] += cpu1.system - cpu0.system
         return float(loss.detach().float())
 
     def _after_step(self, step: int, record: StepRecord, bar) -> None:
