@@ -436,7 +436,7 @@ def resolve(cfg: RunConfig, shape: ModelShape, world_size: int, swap_dir: str | 
     ds_cfg, derived = render_ds_config(cfg, shape, world_size, swap_dir)
     if cfg.engine == "memascend":
         ds_cfg, settings = prepare_ds_config(ds_cfg, cfg.memascend, param_numels=shape.param_numels,
-                                             world_size=world_size)
+                                             optimizer_numels=shape.optimizer_numels, world_size=world_size)
     else:
         settings = applied_settings(cfg.memascend)
     off = cfg.offload

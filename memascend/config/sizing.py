@@ -225,6 +225,8 @@ def auto_param_dram_numel(ds_config: Mapping[str, Any], param_numels: Iterable[i
     Args:
         ds_config: the DeepSpeed config (``bf16``/``fp16`` sections give the parameter dtype).
         param_numels: elements of every model parameter, or ``None`` if unknown.
+        optimizer_numels: elements of every parameter the optimizer holds (the trainable ones, in
+            registration order); ``None``: ``param_numels`` (every parameter trained).
         world_size: ranks that partition the parameters.
 
     Returns:
@@ -326,15 +328,20 @@ def _resolve_param_pool_bytes(ds_config: Mapping[str, Any], settings: MemAscendS
 
 def prepare_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings, *,
                       param_numels: Iterable[int] | None = None,
+                      optimizer_numels: Iterable[int] | None = None,
                       world_size: int = 1) -> tuple[dict[str, Any], MemAscendSettings]:
     """Resolve ``settings`` against the model and return (DeepSpeed config, settings to apply).
 
-    * ``optimizer_chunk_numel="auto"`` becomes :func:`auto_chunk_numel` when the optimizer state
-      is swapped to NVMe and ``param_numels`` are given (else it stays ``"auto"``:
-      :data:`AUTO_CHUNK_NUMEL`);
+    * ``optimizer_chunk_numel="auto"`` becomes :func:`auto_chunk_numel` of the optimizer's
+      parameters when the optimizer state is swapped to NVMe and ``param_numels`` are given (else it
+      stays ``"auto"``: :data:`AUTO_CHUNK_NUMEL`);
     * ``optimizer_sub_group_numel="auto"`` becomes :func:`auto_sub_group_numel` (with a chunked
-      step, ``optimizer_chunk_numel`` set: :func:`auto_chunked_sub_group_numel`) when the optimizer
-      state is swapped to NVMe and ``param_numels`` are given (else the config's size is kept);
+      step, ``optimizer_chunk_numel`` set: :func:`auto_chunked_sub_group_numel`) of the optimizer's
+      parameters when the optimizer state is swapped to NVMe and ``param_numels`` are given (else
+      the config's size is kept). The optimizer holds only the trainable parameters: with a frozen
+      base (LoRA) its sub-groups and the chunked step's buffers are sized from the adapters, not
+      from the whole model (8 M adapter elements of a 452 M-parameter model: a 1 Mi-element chunk,
+      36 MiB of step buffers instead of the 8 Mi-element chunk's 288 MiB);
     * when the sub-group size changes, ``grad_norm_sub_group_numel`` is set to the config's
       original size (so clipping sees the stock norm, :mod:`.grad_norm`), unless already set;
     * ``reduce_bucket_numel="auto"`` becomes the largest parameter (at most the config's size)
@@ -349,6 +356,8 @@ def prepare_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings,
         ds_config: the DeepSpeed config (not modified).
         settings: the requested settings.
         param_numels: elements of every model parameter, or ``None`` if unknown.
+        optimizer_numels: elements of every parameter the optimizer holds (the trainable ones, in
+            registration order); ``None``: ``param_numels`` (every parameter trained).
         world_size: ranks that partition the parameters.
 
     Returns:
@@ -358,18 +367,19 @@ def prepare_ds_config(ds_config: Mapping[str, Any], settings: MemAscendSettings,
     stock_sub_group = int(zero.get("sub_group_size", ds_defaults.SUB_GROUP_NUMEL))
     optimizer_on_nvme = (zero.get("offload_optimizer") or {}).get("device") == "nvme"
     param_numels = None if param_numels is None else [int(n) for n in param_numels]
+    opt_numels = param_numels if optimizer_numels is None or param_numels is None else [int(n) for n in optimizer_numels]
     chunk_setting = settings.optimizer_chunk_numel
-    if chunk_setting == "auto" and optimizer_on_nvme and param_numels is not None:
-        chunk_setting = auto_chunk_numel(param_numels, world_size)
+    if chunk_setting == "auto" and optimizer_on_nvme and opt_numels:
+        chunk_setting = auto_chunk_numel(opt_numels, world_size)
     sub_group = settings.optimizer_sub_group_numel
     if sub_group == "auto":
         chunk = resolve_chunk_numel(chunk_setting)
-        if not optimizer_on_nvme or param_numels is None:
+        if not optimizer_on_nvme or not opt_numels:
             sub_group = None
         elif chunk is not None:
-            sub_group = auto_chunked_sub_group_numel(param_numels, chunk, world_size)
+            sub_group = auto_chunked_sub_group_numel(opt_numels, chunk, world_size)
         else:
-            sub_group = auto_sub_group_numel(param_numels, world_size)
+            sub_group = auto_sub_group_numel(opt_numels, world_size)
     bucket = settings.reduce_bucket_numel
     if bucket == "auto":
         # One whole (unpartitioned) gradient must fit; the stock size is kept if it is smaller.

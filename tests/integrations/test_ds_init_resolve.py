@@ -136,3 +136,21 @@ def test_an_hf_style_engine_gets_the_sizes_memascend_finetune_resolves(tmp_path)
     assert report["engine"] == report["finetune"]
     assert report["engine"]["sub_group_size"] < ds_defaults.SUB_GROUP_NUMEL  # not DeepSpeed's 1e9
     assert report["norm_patched"] and report["user_config_untouched"] and report["reverted"]
+
+
+def test_a_frozen_base_sizes_the_optimizer_from_the_trainable_parameters(wrapped, monkeypatch):
+    """LoRA under the drop-in: the optimizer's chunk and sub-groups come from the parameters with
+    ``requires_grad``, the reduce bucket from every parameter."""
+    initialize, _, resolved = wrapped
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    model = _Model()
+    model.embed.weight.requires_grad_(False)
+    given = _user_config(section={})
+    got = initialize(model=model, config_params=given)
+    expected, settings = sizing.prepare_ds_config(given, MemAscendSettings(), param_numels=[64_000, 64 * 64],
+                                                  optimizer_numels=[64 * 64])
+    assert got["config"] == expected and resolved == [settings]
+    assert got["config"]["zero_optimization"]["sub_group_size"] == sizing.auto_chunked_sub_group_numel(
+        [64 * 64], sizing.AUTO_CHUNK_MIN_NUMEL)
+    assert got["config"]["zero_optimization"]["reduce_bucket_size"] == 64_000
+    assert init_resolve.model_param_numels(model, trainable_only=True) == [64 * 64]

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from memascend.config.ds_defaults import MIN_SWAPPABLE_BYTES
 from memascend.config.settings import MemAscendSettings
 from memascend.config.sizing import (
+    auto_chunked_sub_group_numel,
     auto_param_dram_numel,
     auto_param_pool_bytes,
     auto_sub_group_numel,
@@ -163,3 +164,22 @@ def test_auto_chunk_scales_with_the_rank_partition():
     assert prepare_ds_config(cpu, MemAscendSettings(), param_numels=numels)[1].optimizer_chunk_numel == "auto"
     given = MemAscendSettings(optimizer_chunk_numel=4 * mi)
     assert prepare_ds_config(_nvme_config(), given, param_numels=numels)[1].optimizer_chunk_numel == 4 * mi
+
+
+def test_the_optimizer_sizes_come_from_the_trainable_parameters_only():
+    """With a frozen base (LoRA) the optimizer holds the adapters: its chunk and sub-groups are sized
+    from them, the reduce bucket and the parameter pool from every parameter."""
+    mi = 1 << 20
+    base = [49_152 * 576] + [576 * 576, 576 * 1536] * 30  # SmolLM2-shaped base weights
+    adapters = [16 * 576, 576 * 16, 16 * 1536, 1536 * 16] * 30
+    numels = base + adapters
+    full_ds, full = prepare_ds_config(_nvme_config("bf16"), MemAscendSettings(), param_numels=numels)
+    lora_ds, lora = prepare_ds_config(_nvme_config("bf16"), MemAscendSettings(), param_numels=numels,
+                                      optimizer_numels=adapters)
+    assert full.optimizer_chunk_numel == 2 * mi and lora.optimizer_chunk_numel == mi
+    assert lora.optimizer_sub_group_numel == auto_chunked_sub_group_numel(adapters, mi)
+    assert lora.optimizer_sub_group_numel < sum(adapters) < full.optimizer_sub_group_numel
+    assert lora_ds["zero_optimization"]["reduce_bucket_size"] == full_ds["zero_optimization"]["reduce_bucket_size"]
+    assert lora.param_pool_bytes == full.param_pool_bytes and lora.param_dram_numel == full.param_dram_numel
+    same = prepare_ds_config(_nvme_config("bf16"), MemAscendSettings(), param_numels=numels, optimizer_numels=numels)
+    assert same == (full_ds, full)

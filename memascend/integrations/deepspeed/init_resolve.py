@@ -49,14 +49,15 @@ def has_auto(settings: MemAscendSettings) -> bool:
     return any(getattr(settings, key) == "auto" for key in MODEL_SIZED_SETTINGS)
 
 
-def model_param_numels(model: Any) -> list[int]:
+def model_param_numels(model: Any, *, trainable_only: bool = False) -> list[int]:
     """Elements of every parameter of ``model`` (a ``torch.nn.Module``), in registration order, tied
     weights once; a ZeRO-3 partitioned parameter counts its full size (``ds_numel``), as
-    :func:`memascend.config.render.model_shape` counts a meta-device instance."""
+    :func:`memascend.config.render.model_shape` counts a meta-device instance. ``trainable_only``:
+    those with ``requires_grad`` (what the optimizer holds; with LoRA, the adapters)."""
     seen: set[int] = set()
     numels = []
     for p in model.parameters():
-        if id(p) not in seen:
+        if id(p) not in seen and (p.requires_grad or not trainable_only):
             seen.add(id(p))
             numels.append(int(getattr(p, "ds_numel", p.numel())))
     return numels
@@ -132,7 +133,9 @@ def _resolved_arguments(arguments: dict[str, Any], settings: MemAscendSettings,
         warn("host_memory_budget is chosen by memascend finetune and memascend plan, which know the sequence "
              "length and activation checkpointing; here it is not applied: run 'memascend plan --deepspeed-config "
              "FILE --host-memory-budget SIZE' (with your run's flags) and put the settings it prints in the section")
+    trainable = model_param_numels(arguments["model"], trainable_only=True)
     rewritten, resolved = prepare_ds_config(config, settings, param_numels=numels,
+                                            optimizer_numels=trainable or None,
                                             world_size=_world_size(arguments.get("mpu")))
     on_resolved(resolved)
     out = {**arguments, "config": rewritten, "config_params": None}
