@@ -12,6 +12,7 @@ from typing import Any
 
 import tomllib
 
+from memascend.config.flags import FLAG_KEY
 from memascend.config.presets import parse_from_scratch
 from memascend.config.schema import SECTIONS, TOP_FIELDS, RunConfig, TrainConfig, flag_at, flag_name
 from memascend.config.settings import DS_CONFIG_SECTION, MemAscendSettings
@@ -169,9 +170,11 @@ def build_run_config(file_values: dict[str, Any], overrides: dict[str, dict[str,
     adopted = _with_user_ds_config(merged, origin)
     merged["train_given"] = tuple(sorted(f.name for f in dataclasses.fields(TrainConfig)
                                          if origin("train", f.name) is not None or ("train", f.name) in adopted))
-    if overrides.get("host_memory_budget") is not None:  # --host-memory-budget wins over the section's key
-        merged["memascend"] = dataclasses.replace(merged.get("memascend") or MemAscendSettings(),
-                                                  host_memory_budget=overrides["host_memory_budget"])
+    # a MemAscendSettings flag (--host-memory-budget, --swap-activations) wins over the section's key
+    flagged = {f.name: overrides[f.name] for f in dataclasses.fields(MemAscendSettings)
+               if FLAG_KEY in f.metadata and overrides.get(f.name) is not None}
+    if flagged:
+        merged["memascend"] = dataclasses.replace(merged.get("memascend") or MemAscendSettings(), **flagged)
 
     def name_of(loc: tuple) -> str:
         if tuple(loc[:2]) in adopted:

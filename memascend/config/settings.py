@@ -182,6 +182,17 @@ class MemAscendSettings:
             more set of chunk buffers (locked); losses unchanged (same arithmetic, only the I/O order
             differs). Off: each chunk is read, stepped and written in turn. No effect on the raw
             store (its ranged transfers are synchronous: one buffer set, in turn).
+        enable_activation_swap: write the tensors autograd saves in each training forward pass
+            (host tensors of at least 1 MiB that own their storage: activations, the fp32 logits and
+            their log-softmax; never parameters) to a store file in the parameter swap folder
+            (``offload_param.nvme_path``, else ``offload_optimizer.nvme_path``) and read them back
+            in the backward pass, ahead of use (:mod:`memascend.io.activation_swap`). The backward
+            pass gets the same bytes, so losses and gradients are bit-identical; the step pays their
+            bytes in NVMe writes and reads. With a frozen base (LoRA) or long sequences the saved
+            tensors are most of a step's host memory. Off: they stay in DRAM (stock).
+        activation_swap_bytes: the activation store file's size (bytes; preallocated). ``None``: a
+            quarter of the swap folder's free space, at most 16 GiB. Tensors that do not fit stay in
+            DRAM (reported as ``kept_bytes``).
         fix_unaligned_gradient_io: a correctness fix, not an optimization, on for both engines:
             read and write the optimizer's swapped gradient fragments through an aligned bounce
             buffer where the fragment's host address is not O_DIRECT-aligned; stock DeepSpeed
@@ -225,6 +236,12 @@ class MemAscendSettings:
     optimizer_chunk_numel: int | Literal["auto"] | None = "auto"
     enable_chunk_prefetch: bool = True
     optimizer_dram_numel: int | None = None
+    enable_activation_swap: bool = dataclasses.field(default=False, metadata=cli(
+        "offload", 20, "--swap-activations", kind="on", help=
+        "write the tensors autograd saves in the forward pass (activations, logits) to the swap folder "
+        "and read them back in the backward pass (bit-identical; costs their bytes in NVMe writes and "
+        'reads per step); the "memascend" section\'s enable_activation_swap key does the same [default: off]'))
+    activation_swap_bytes: int | None = None
     fix_unaligned_gradient_io: bool = True
     fix_exact_resume: bool = True
 
@@ -267,6 +284,16 @@ class MemAscendSettings:
                                                       or chunk < 1024 or chunk % 1024):
             raise UserError('memascend setting optimizer_chunk_numel must be a multiple of 1024 (elements) or "auto", '
                             f"got {chunk!r}")
+        act = self.activation_swap_bytes
+        if act is not None:
+            try:
+                act_bytes = parse_size_bytes(act) if isinstance(act, (int, str)) and not isinstance(act, bool) else 0
+            except UserError as exc:
+                raise UserError(f"memascend setting activation_swap_bytes: {exc}") from None
+            if act_bytes < 1 << 20:
+                raise UserError(f'memascend setting activation_swap_bytes must be a size of at least 1MiB such as "8GiB", '
+                                f"got {act!r}")
+            object.__setattr__(self, "activation_swap_bytes", act_bytes)
         opt_dram = self.optimizer_dram_numel
         if opt_dram is not None and (isinstance(opt_dram, bool) or not isinstance(opt_dram, int) or opt_dram < 0):
             raise UserError(f"memascend setting optimizer_dram_numel must be an integer >= 0 (elements), got {opt_dram!r}")

@@ -59,10 +59,18 @@ def check_supported(model: Any) -> None:
         UserError: the model's class is not in :data:`SUPPORTED_CLASSES`, or it has no output
             embedding.
     """
+    model = _causal_lm(model)
     name = type(model).__name__
     if name not in SUPPORTED_CLASSES or model.get_output_embeddings() is None:
         raise UserError(f"--loss-chunk-tokens: model class {name} is not supported (supported: "
                         f"{', '.join(sorted(SUPPORTED_CLASSES))}); leave the flag out")
+
+
+def _causal_lm(model: Any) -> Any:
+    """The ``*ForCausalLM`` of ``model``: itself, or the one a PEFT model (LoRA) wraps, whose forward
+    the PEFT model calls with the labels."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) and hasattr(model, "peft_config") else model
 
 
 def _chunk_loss_sum(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -112,12 +120,13 @@ def install(model: torch.nn.Module, chunk_tokens: int) -> None:
 
     The forward then returns transformers' ``CausalLMOutputWithPast`` with the loss and no logits.
     Call before ``deepspeed.initialize`` (the engine calls ``module(...)``, which calls the instance's
-    ``forward``).
+    ``forward``). A PEFT model's wrapped ``*ForCausalLM`` gets the new forward.
 
     Raises:
         UserError: :func:`check_supported`.
     """
     check_supported(model)
+    model = _causal_lm(model)  # with LoRA, PEFT's forward reaches this model's forward with the labels
     own_forward = model.forward
 
     def forward(self: Any, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,

@@ -255,6 +255,9 @@ def revert() -> None:
                 host_cache.uninstall()
             _restore_malloc_policy()
         finally:
+            from memascend.integrations.deepspeed import activations
+
+            activations.close()
             if store is not None:
                 store.close()
 
@@ -347,7 +350,8 @@ def _patch_engine_forward(settings: MemAscendSettings) -> None:
 
     _registry.patch(DeepSpeedEngine, "forward", step_memory.make_engine_forward(
         DeepSpeedEngine.forward, trim=settings.enable_malloc_policy,
-        install_host_cache=settings.enable_host_block_cache, enable_thp=settings.enable_torch_thp))
+        install_host_cache=settings.enable_host_block_cache, enable_thp=settings.enable_torch_thp,
+        activation_swap=settings.enable_activation_swap, activation_swap_bytes=settings.activation_swap_bytes))
 
 
 def _patch_step_memory(settings: MemAscendSettings) -> None:
@@ -461,7 +465,7 @@ _FLAG_GROUPS: tuple[tuple[Callable[[MemAscendSettings], bool], Callable[[MemAsce
     (lambda s: s.enable_arena_pinning, _patch_arena_pinning),
     (lambda s: s.grad_norm_sub_group_numel is not None, _patch_grad_norm),
     (lambda s: s.enable_malloc_policy, _set_malloc_policy),
-    (lambda s: s.enable_malloc_policy or s.enable_host_block_cache, _patch_engine_forward),
+    (lambda s: s.enable_malloc_policy or s.enable_host_block_cache or s.enable_activation_swap, _patch_engine_forward),
     (lambda s: s.enable_grad_streaming, _patch_grad_stream),
     (lambda s: (s.enable_malloc_policy or s.enable_grad_buffer_release or s.enable_optimizer_pool
                 or s.enable_grad_streaming), _patch_step_memory),

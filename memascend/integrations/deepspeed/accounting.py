@@ -153,12 +153,15 @@ def memory_breakdown(engine: Any, summary: Mapping[str, Any], samples: Sequence[
         overhead and fragmentation); ``host_block_cache`` (:func:`memascend.memory.host_cache.stats`
         at the end of the run, ``None`` when it was never installed: ``peak_reserved_bytes``
         mapped against ``peak_in_use_bytes`` live, the difference being its fragmentation);
+        ``activation_swap`` (:func:`.activations.stats`: bytes of saved tensors written to and read
+        back from the swap folder, ``None`` without ``enable_activation_swap``);
         ``unattributed_bytes``: peak RSS minus runtime, the locked
         bytes at the peak sample (the whole locked peak without samples), resident stage-3
         buffers, the optimizer state in DRAM and the step transient. The stage-3 buffers are
         measured at the end of the run, so that rest is an estimate (a buffer released at the end
         and refaulted by the step is in the transient instead).
     """
+    from memascend.integrations.deepspeed import activations
     from memascend.integrations.deepspeed.optimizer_dram import dram_report
     from memascend.memory.host_allocator import malloc_stats
 
@@ -191,6 +194,7 @@ def memory_breakdown(engine: Any, summary: Mapping[str, Any], samples: Sequence[
         "step_transient_bytes": transient,
         "malloc": malloc_stats(),
         "host_block_cache": _host_block_cache_stats(),
+        "activation_swap": activations.stats(),
         "unattributed_bytes": peak - runtime - locked_at_peak - resident - transient,
     }
 

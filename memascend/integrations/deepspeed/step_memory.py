@@ -173,7 +173,8 @@ def make_partition_grads(original: Any, settings: MemAscendSettings | None = Non
 
 
 def make_engine_forward(original: Any, *, trim: bool = True, install_host_cache: bool = False,
-                        enable_thp: bool = True) -> Any:
+                        enable_thp: bool = True, activation_swap: bool = False,
+                        activation_swap_bytes: int | None = None) -> Any:
     """Wrap ``DeepSpeedEngine.forward``: what memascend does when a forward begins.
 
     Args:
@@ -188,6 +189,8 @@ def make_engine_forward(original: Any, *, trim: bool = True, install_host_cache:
             1.1 GiB higher with the cache installed at apply); the steps, which allocate the
             same tensors every time, are what it is for.
         enable_thp: ``MADV_HUGEPAGE`` on the cache's regions (``enable_torch_thp``).
+        activation_swap: run each training forward with gradients under the process's activation
+            swapper (``enable_activation_swap``, :mod:`.activations`), of ``activation_swap_bytes``.
     """
 
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -196,8 +199,16 @@ def make_engine_forward(original: Any, *, trim: bool = True, install_host_cache:
 
             if not host_cache.installed():
                 host_cache.install(enable_thp=enable_thp)
-        if trim and getattr(getattr(self, "module", None), "training", False):
+        training = getattr(getattr(self, "module", None), "training", False)
+        if trim and training:
             host_allocator.trim()
+        if activation_swap and training and torch.is_grad_enabled():
+            from memascend.integrations.deepspeed import activations
+
+            swapper = activations.swapper_for(self, activation_swap_bytes)
+            if swapper is not None:
+                with swapper.hooks():
+                    return original(self, *args, **kwargs)
         return original(self, *args, **kwargs)
 
     forward.__wrapped__ = original  # type: ignore[attr-defined]

@@ -1,0 +1,273 @@
+"""Activation swap: the tensors autograd saves in the forward pass, written to NVMe and read back in
+the backward pass, bit for bit.
+
+A training step's forward pass keeps every tensor the backward pass will need (layer inputs, attention
+and MLP intermediates, the fp32 logits and their log-softmax) until the backward pass consumes it:
+with a frozen base (LoRA) or long sequences that is most of the step's host memory, and the same in
+every engine. :class:`ActivationSwapper` installs ``torch.autograd.graph.saved_tensors_hooks``: the pack
+hook submits each large saved host tensor to a :class:`~memascend.io.store.TensorStore` on a file in the
+swap folder (O_DIRECT, CRC32C per extent) and drops its reference once the write is done; the unpack
+hook reads it back (reads for the tensors the backward pass needs next are issued ahead, since it
+consumes them in about the reverse order). The backward pass sees the same values, dtypes, shapes and
+strides, so losses and gradients are bit-identical to a run without it.
+
+Not swapped (handed back to autograd as they are): parameters and their views (ZeRO-3 swaps those
+itself), tensors under ``min_bytes``, non-CPU tensors, tensors that do not own their whole storage (a
+view of a larger buffer: writing it would free nothing), and tensors that do not fit in the store
+(counted in :attr:`ActivationSwapStats.kept_bytes`). A tensor saved several times (one layer input
+saved by the q, k and v projections) is written once.
+
+Source: ZeRO-Infinity's activation checkpoint offload (Rajbhandari et al., SC'21, section 5.1.2),
+which offloads checkpoints to CPU memory; here host memory is what is saved, so they go to NVMe through
+MemAscend's direct NVMe engine (arXiv 2505.23254).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import itertools
+import os
+import threading
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memascend.io.errors import StoreFullError
+from memascend.io.records import Ticket
+from memascend.io.store import TensorStore
+
+DEFAULT_MIN_BYTES = 1 << 20
+"""Smallest saved tensor that is swapped (1 MiB): below it the request overhead outweighs the bytes."""
+
+DEFAULT_WRITE_BEHIND_BYTES = 64 << 20
+"""Bytes of swapped tensors whose writes may be in flight at once (each is held in memory until its
+write completes); past it the forward pass waits for the oldest write."""
+
+DEFAULT_READ_AHEAD_BYTES = 64 << 20
+"""Bytes of swapped tensors read ahead of the backward pass."""
+
+
+@dataclasses.dataclass
+class ActivationSwapStats:
+    """Counters of one :class:`ActivationSwapper` (bytes; cumulative over the run unless named peak).
+
+    Attributes:
+        written_bytes: saved tensors written to the store.
+        read_bytes: saved tensors read back (a tensor still in memory when the backward pass needs
+            it is handed back without a read).
+        kept_bytes: eligible saved tensors kept in memory because the store was full.
+        swapped_tensors: tensors written.
+        peak_stored_bytes: most bytes of saved tensors in the store at once.
+        capacity_bytes: the store's data capacity.
+    """
+
+    written_bytes: int = 0
+    read_bytes: int = 0
+    kept_bytes: int = 0
+    swapped_tensors: int = 0
+    peak_stored_bytes: int = 0
+    capacity_bytes: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+class _Swapped:
+    """One saved tensor in the store: what the unpack hook reads back. Frees its extent when autograd
+    drops it (the graph is freed after backward)."""
+
+    __slots__ = ("__weakref__", "dtype", "key", "loaded", "nbytes", "owner", "shape", "stride", "ticket", "tensor")
+
+    def __init__(self, owner: ActivationSwapper, key: str, tensor: torch.Tensor, ticket: Ticket) -> None:
+        self.owner, self.key, self.ticket = owner, key, ticket
+        self.tensor: torch.Tensor | None = tensor  # held until the write completes
+        self.loaded: torch.Tensor | None = None
+        self.dtype, self.shape, self.stride = tensor.dtype, tuple(tensor.shape), tuple(tensor.stride())
+        self.nbytes = tensor.untyped_storage().nbytes()
+
+    def __del__(self) -> None:
+        try:
+            self.owner._release(self)
+        except Exception:  # noqa: BLE001 -- never raise from a finalizer; the store file goes at close
+            pass
+
+
+class ActivationSwapper:
+    """Swaps the saved tensors of the forward passes run under :meth:`hooks` to a store file.
+
+    Args:
+        path: the store file to create (in the run's swap folder; removed by :meth:`close`).
+        capacity_bytes: the file's size (preallocated).
+        min_bytes, write_behind_bytes, read_ahead_bytes: see the module constants.
+
+    Raises:
+        UserError / DeviceRefusedError: the file cannot be created (see ``TensorStore.create``).
+    """
+
+    def __init__(self, path: str | os.PathLike, capacity_bytes: int, *, min_bytes: int = DEFAULT_MIN_BYTES,
+                 write_behind_bytes: int = DEFAULT_WRITE_BEHIND_BYTES,
+                 read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES) -> None:
+        self.path = Path(path)
+        self.store = TensorStore.create(self.path, size_bytes=int(capacity_bytes))
+        self.min_bytes, self.write_behind_bytes, self.read_ahead_bytes = min_bytes, write_behind_bytes, read_ahead_bytes
+        self.stats = ActivationSwapStats(capacity_bytes=self.store.capacity_bytes)
+        self._lock = threading.RLock()
+        self._keys = itertools.count()
+        self._writing: collections.deque[weakref.ref[_Swapped]] = collections.deque()  # writes in flight, oldest first
+        self._writing_bytes = 0
+        self._stored_bytes = 0
+        self._order: list[weakref.ref[_Swapped]] = []  # this forward's handles in pack order
+        self._same: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[_Swapped]]] = {}  # id(tensor) -> handle
+
+    # ---------------------------------------------------------------- hooks
+    @contextlib.contextmanager
+    def hooks(self) -> Iterator[None]:
+        """The context to run a forward pass under (``with swapper.hooks(): loss = model(x)``); on
+        leaving it the writes still in flight are waited for, so the saved tensors' memory is free
+        before the backward pass (which reads them back)."""
+        self._order, self._same = [], {}
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            with self._lock:
+                for ref in list(self._writing):
+                    handle = ref()
+                    if handle is not None:
+                        self._finish_write(handle)
+                self._writing.clear()
+                self._writing_bytes = 0
+
+    def _eligible(self, t: torch.Tensor) -> bool:
+        if t.device.type != "cpu" or isinstance(t, torch.nn.Parameter) or t.layout != torch.strided:
+            return False
+        base = t._base if t._base is not None else t
+        if isinstance(base, torch.nn.Parameter) or hasattr(base, "ds_id"):
+            return False
+        nbytes = t.untyped_storage().nbytes()
+        return nbytes >= self.min_bytes and nbytes == t.numel() * t.element_size() and t.is_contiguous()
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if not self._eligible(t):
+            return t
+        with self._lock:
+            seen = self._same.get(id(t))
+            if seen is not None and seen[0]() is t:
+                same = seen[1]()
+                if same is not None and same.key is not None:
+                    return same
+            key = f"a{next(self._keys)}"
+            flat = t.detach().view(-1) if t.dim() else t.detach().reshape(1)
+            try:
+                ticket = self.store.submit_write(key, flat)
+            except StoreFullError:
+                self.stats.kept_bytes += t.numel() * t.element_size()
+                return t
+            handle = _Swapped(self, key, flat, ticket)
+            handle.shape, handle.stride, handle.dtype = tuple(t.shape), tuple(t.stride()), t.dtype
+            self._same[id(t)] = (weakref.ref(t), weakref.ref(handle))
+            self._order.append(weakref.ref(handle))
+            self._writing.append(weakref.ref(handle))
+            self._writing_bytes += handle.nbytes
+            self._stored_bytes += handle.nbytes
+            self.stats.written_bytes += handle.nbytes
+            self.stats.swapped_tensors += 1
+            self.stats.peak_stored_bytes = max(self.stats.peak_stored_bytes, self._stored_bytes)
+            while self._writing_bytes > self.write_behind_bytes and len(self._writing) > 1:
+                oldest = self._writing[0]()
+                if oldest is None:
+                    self._writing.popleft()
+                else:
+                    self._finish_write(oldest)
+        return handle
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Swapped):
+            return packed
+        with self._lock:
+            out = self._load(packed)
+            self._read_ahead(packed)
+        return out.view(packed.shape) if packed.shape else out.reshape(())
+
+    # ---------------------------------------------------------------- transfers
+    def _finish_write(self, handle: _Swapped) -> None:
+        """Wait for ``handle``'s write and drop the memory it held."""
+        if handle.ticket is None or handle.ticket.op != "write":
+            return
+        self.store.wait(handle.ticket)
+        handle.ticket = None
+        handle.tensor = None
+        self._writing = collections.deque(r for r in self._writing if r() is not None and r() is not handle)
+        self._writing_bytes -= handle.nbytes
+
+    def _start_read(self, handle: _Swapped) -> None:
+        if handle.loaded is not None or handle.tensor is not None or handle.ticket is not None:
+            return
+        out = torch.empty(handle.nbytes // _itemsize(handle.dtype), dtype=handle.dtype)
+        handle.ticket = self.store.submit_read(handle.key, out)
+        handle.loaded = out
+        self.stats.read_bytes += handle.nbytes
+
+    def _load(self, handle: _Swapped) -> torch.Tensor:
+        if handle.tensor is not None:  # its write may still be in flight: the data is still here
+            return handle.tensor
+        self._start_read(handle)
+        if handle.ticket is not None:
+            self.store.wait(handle.ticket)
+            handle.ticket = None
+        assert handle.loaded is not None
+        return handle.loaded
+
+    def _read_ahead(self, handle: _Swapped) -> None:
+        """Issue reads for the handles packed before ``handle`` (the backward pass's next ones)."""
+        try:
+            index = next(i for i in range(len(self._order) - 1, -1, -1) if self._order[i]() is handle)
+        except StopIteration:
+            return
+        ahead = 0
+        for ref in reversed(self._order[:index]):
+            other = ref()
+            if other is None or other.key is None:
+                continue
+            if other.tensor is None and other.loaded is None:
+                self._start_read(other)
+            ahead += other.nbytes
+            if ahead >= self.read_ahead_bytes:
+                break
+
+    def _release(self, handle: _Swapped) -> None:
+        """Autograd dropped ``handle``: free its extent (after any transfer in flight)."""
+        with self._lock:
+            if handle.key is None or self.store is None:
+                return
+            if handle.ticket is not None:
+                if handle.ticket.op == "write":
+                    self._finish_write(handle)
+                else:
+                    self.store.wait(handle.ticket)
+                    handle.ticket = None
+            self.store.free(handle.key)
+            self._stored_bytes -= handle.nbytes
+            handle.key, handle.loaded, handle.tensor = None, None, None
+
+    def close(self) -> None:
+        """Wait for every transfer, close the store and remove its file (memascend created it)."""
+        with self._lock:
+            if self.store is None:
+                return
+            store, self.store = self.store, None
+            self._writing.clear()
+        try:
+            store.wait_all()
+        finally:
+            store.close()
+            self.path.unlink(missing_ok=True)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
