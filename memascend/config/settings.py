@@ -183,7 +183,7 @@ class MemAscendSettings:
             differs). Off: each chunk is read, stepped and written in turn. No effect on the raw
             store (its ranged transfers are synchronous: one buffer set, in turn).
         enable_activation_swap: write the tensors autograd saves in each training forward pass
-            (host tensors of at least 1 MiB that own their storage: activations, the fp32 logits and
+            (contiguous host tensors of at least 1 MiB that own their storage: activations, the fp32 logits and
             their log-softmax; never parameters) to a store file in the parameter swap folder
             (``offload_param.nvme_path``, else ``offload_optimizer.nvme_path``) and read them back
             in the backward pass, ahead of use (:mod:`memascend.io.activation_swap`). The backward

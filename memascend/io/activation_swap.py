@@ -101,7 +101,7 @@ class ActivationSwapper:
     """Swaps the saved tensors of the forward passes run under :meth:`hooks` to a store file.
 
     Args:
-        path: the store file to create (in the run's swap folder; removed by :meth:`close`).
+        path: the store file to create (in the run's swap folder); unlinked once open.
         capacity_bytes: the file's size (preallocated).
         min_bytes, write_behind_bytes, read_ahead_bytes: see the module constants.
 
@@ -114,6 +114,7 @@ class ActivationSwapper:
                  read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES) -> None:
         self.path = Path(path)
         self.store = TensorStore.create(self.path, size_bytes=int(capacity_bytes))
+        self.path.unlink()  # the open descriptor keeps it: no file is left behind, whatever ends the process
         self.min_bytes, self.write_behind_bytes, self.read_ahead_bytes = min_bytes, write_behind_bytes, read_ahead_bytes
         self.stats = ActivationSwapStats(capacity_bytes=self.store.capacity_bytes)
         self._lock = threading.RLock()
@@ -123,25 +124,46 @@ class ActivationSwapper:
         self._stored_bytes = 0
         self._order: list[weakref.ref[_Swapped]] = []  # this forward's handles in pack order
         self._same: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[_Swapped]]] = {}  # id(tensor) -> handle
+        self._installed: torch.autograd.graph.saved_tensors_hooks | None = None
 
     # ---------------------------------------------------------------- hooks
+    @property
+    def active(self) -> bool:
+        """Whether the hooks are installed (between :meth:`begin` and :meth:`end`)."""
+        return self._installed is not None
+
+    def begin(self) -> None:
+        """Install the hooks (a new forward pass: the read-ahead order starts again)."""
+        if self._installed is not None:
+            self.end()
+        self._order, self._same = [], {}
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        hooks.__enter__()
+        self._installed = hooks
+
+    def end(self) -> None:
+        """Remove the hooks and wait for the writes still in flight, so that the saved tensors'
+        memory is free before the backward pass (which reads them back). Call it in the thread that
+        called :meth:`begin` (the hooks are thread-local)."""
+        hooks, self._installed = self._installed, None
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
+        with self._lock:
+            for ref in list(self._writing):
+                handle = ref()
+                if handle is not None:
+                    self._finish_write(handle)
+            self._writing.clear()
+            self._writing_bytes = 0
+
     @contextlib.contextmanager
     def hooks(self) -> Iterator[None]:
-        """The context to run a forward pass under (``with swapper.hooks(): loss = model(x)``); on
-        leaving it the writes still in flight are waited for, so the saved tensors' memory is free
-        before the backward pass (which reads them back)."""
-        self._order, self._same = [], {}
+        """:meth:`begin` and :meth:`end` around a block (``with swapper.hooks(): loss = model(x)``)."""
+        self.begin()
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                yield
+            yield
         finally:
-            with self._lock:
-                for ref in list(self._writing):
-                    handle = ref()
-                    if handle is not None:
-                        self._finish_write(handle)
-                self._writing.clear()
-                self._writing_bytes = 0
+            self.end()
 
     def _eligible(self, t: torch.Tensor) -> bool:
         if t.device.type != "cpu" or isinstance(t, torch.nn.Parameter) or t.layout != torch.strided:
@@ -256,7 +278,10 @@ class ActivationSwapper:
             handle.key, handle.loaded, handle.tensor = None, None, None
 
     def close(self) -> None:
-        """Wait for every transfer, close the store and remove its file (memascend created it)."""
+        """Remove the hooks, wait for every transfer and close the store (its file was unlinked when
+        it was made: the space goes with the last descriptor, also when the process is killed)."""
+        if self._installed is not None:
+            self.end()
         with self._lock:
             if self.store is None:
                 return

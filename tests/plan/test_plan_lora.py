@@ -1,9 +1,13 @@
 """The memory plan of a LoRA run (memascend/plan/model.py): frozen parameters keep their swapped 16-bit
 partitions but have no fp32 master copy, Adam moments, gradient partition or weight gradient. Measured
-on this host (SmolLM2-135M, rank 16 on every linear layer, bf16 4 x 256, regress matrix ``lora``):
-stock 3.60 GiB peak RSS / 1.00 GiB locked, memascend 2.12 / 0.225."""
+on this host (SmolLM2-135M, rank 16 on every linear layer, bf16 4 x 256, ``memascend finetune --lora-rank
+16 --lora-target-modules all-linear --steps 5``, the optimizer's chunk sized from the adapters):
+stock 3.60 GiB peak RSS / 1.02 GiB locked, memascend 2.09 / 0.0775; with ``--swap-activations
+--loss-chunk-tokens 256`` (``--loss-chunk-tokens 256`` for stock) stock 3.31 / 1.02, memascend 1.14 / 0.0775."""
 
 from __future__ import annotations
+
+import pytest
 
 from memascend.config import build_run_config
 from memascend.plan.model import plan_run
@@ -24,6 +28,20 @@ def test_frozen_parameters_have_no_optimizer_terms():
         # NVMe: every 16-bit parameter, the optimizer state of the adapters only (16 bytes each)
         assert lora[engine].nvme_bytes == dims.total_numel * 2 + 4_884_480 * 16
     # within 15 % of the measured peaks (GiB)
-    for engine, rss_gib, locked_gib in (("baseline", 3.60, 1.00), ("memascend", 2.12, 0.225)):
+    for engine, rss_gib, locked_gib in (("baseline", 3.60, 1.02), ("memascend", 2.09, 0.0775)):
         assert abs(lora[engine].peak_rss_bytes / 2**30 / rss_gib - 1) < 0.15, engine
         assert abs(lora[engine].peak_locked_bytes / 2**30 / locked_gib - 1) < 0.15, engine
+
+
+@pytest.mark.xfail(strict=True, reason="known gap: with activation swap the planner counts the swapper's read-ahead, "
+                   "the largest saved tensor and the chunked loss's logits (0.84 GiB planned) but the run peaks at "
+                   "1.14 GiB: the host block cache's region slack and the heap's small tensors are not modelled")
+def test_activation_swap_plan_within_15_percent():
+    swap_cfg = build_run_config({}, {"lora": {"rank": 16, "target_modules": ["all-linear"]},
+                                     "train": {"loss_chunk_tokens": 256}, "enable_activation_swap": True})
+    assert swap_cfg.memascend.enable_activation_swap
+    plan = plan_run(swap_cfg)
+    assert plan["memascend"].peak_rss_bytes < plan_run(build_run_config(
+        {}, {"lora": {"rank": 16, "target_modules": ["all-linear"]}, "train": {"loss_chunk_tokens": 256}}))[
+        "memascend"].peak_rss_bytes
+    assert abs(plan["memascend"].peak_rss_bytes / 2**30 / 1.14 - 1) < 0.15

@@ -68,6 +68,9 @@ What each flag patches (DeepSpeed 0.19.8 names):
   on NVMe).
 * ``enable_host_block_cache``: ``DeepSpeedEngine.forward`` installs the host block cache
   (:mod:`memascend.memory.host_cache`) at the first forward; :func:`revert` uninstalls it.
+* ``enable_activation_swap``: ``DeepSpeedEngine.forward`` (training, with gradients) installs the
+  activation swapper's saved-tensor hooks (:mod:`.activations`, :mod:`memascend.io.activation_swap`)
+  and ``DeepSpeedEngine.backward`` takes them off, waiting for their writes.
 * ``optimizer_chunk_numel`` (set): ``DeepSpeedZeroOptimizer_Stage3._prepare_sub_group``,
   ``.unscale_and_clip_grads``, ``._optimizer_step``,
   ``._reassign_or_swap_out_partitioned_parameters`` and ``._release_sub_group`` step every
@@ -352,6 +355,8 @@ def _patch_engine_forward(settings: MemAscendSettings) -> None:
         DeepSpeedEngine.forward, trim=settings.enable_malloc_policy,
         install_host_cache=settings.enable_host_block_cache, enable_thp=settings.enable_torch_thp,
         activation_swap=settings.enable_activation_swap, activation_swap_bytes=settings.activation_swap_bytes))
+    if settings.enable_activation_swap:
+        _registry.patch(DeepSpeedEngine, "backward", step_memory.make_engine_backward(DeepSpeedEngine.backward))
 
 
 def _patch_step_memory(settings: MemAscendSettings) -> None:

@@ -1,5 +1,6 @@
-"""``enable_activation_swap``: the engine's training forward passes run under an
-:class:`~memascend.io.activation_swap.ActivationSwapper` on a store file in the swap folder.
+"""``enable_activation_swap``: from each training forward of the engine to its backward, the tensors
+autograd saves go through an :class:`~memascend.io.activation_swap.ActivationSwapper` on a store file
+in the swap folder.
 
 One swapper per process, made at the first training forward from the engine's DeepSpeed config (the
 folder of ``offload_param.nvme_path``, else ``offload_optimizer.nvme_path``) and closed (its file
@@ -64,6 +65,12 @@ def swapper_for(engine: Any, capacity_bytes: int | None) -> Any:
     _last_stats = None
     atexit.register(close)
     return _swapper
+
+
+def end_forward() -> None:
+    """The backward pass begins: the swapper's hooks come off (no-op without an active swapper)."""
+    if _swapper is not None and _swapper.active:
+        _swapper.end()
 
 
 def stats() -> dict[str, int] | None:

@@ -189,8 +189,11 @@ def make_engine_forward(original: Any, *, trim: bool = True, install_host_cache:
             1.1 GiB higher with the cache installed at apply); the steps, which allocate the
             same tensors every time, are what it is for.
         enable_thp: ``MADV_HUGEPAGE`` on the cache's regions (``enable_torch_thp``).
-        activation_swap: run each training forward with gradients under the process's activation
-            swapper (``enable_activation_swap``, :mod:`.activations`), of ``activation_swap_bytes``.
+        activation_swap: from each training forward with gradients until the engine's backward
+            (:func:`make_engine_backward`), the tensors autograd saves go through the process's
+            activation swapper (``enable_activation_swap``, :mod:`.activations`), of
+            ``activation_swap_bytes``: the model's forward and the loss a trainer computes from its
+            outputs (TRL, for one, computes it outside the engine's forward).
     """
 
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -207,12 +210,31 @@ def make_engine_forward(original: Any, *, trim: bool = True, install_host_cache:
 
             swapper = activations.swapper_for(self, activation_swap_bytes)
             if swapper is not None:
-                with swapper.hooks():
+                swapper.begin()  # until the engine's backward: the loss a trainer computes outside too
+                try:
                     return original(self, *args, **kwargs)
+                except BaseException:
+                    swapper.end()
+                    raise
         return original(self, *args, **kwargs)
 
     forward.__wrapped__ = original  # type: ignore[attr-defined]
     return forward
+
+
+def make_engine_backward(original: Any) -> Any:
+    """Wrap ``DeepSpeedEngine.backward``: the activation swapper's hooks (installed by the training
+    forward, :func:`make_engine_forward`) come off and its writes are waited for before the backward
+    pass reads the saved tensors back (``enable_activation_swap``)."""
+
+    def backward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from memascend.integrations.deepspeed import activations
+
+        activations.end_forward()
+        return original(self, *args, **kwargs)
+
+    backward.__wrapped__ = original  # type: ignore[attr-defined]
+    return backward
 
 
 def make_post_step(original: Any, settings: MemAscendSettings) -> Any:
