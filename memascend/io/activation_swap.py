@@ -30,8 +30,9 @@ import dataclasses
 import itertools
 import os
 import threading
+import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,8 @@ class ActivationSwapper:
         path: the store file to create (in the run's swap folder); unlinked once open.
         capacity_bytes: the file's size (preallocated).
         min_bytes, write_behind_bytes, read_ahead_bytes: see the module constants.
+        meter: called as ``meter(read_bytes=, write_bytes=, wait_s=)`` for every transfer submitted
+            and every wait (the seam's swap I/O meter, so the bytes show in the per-phase swap I/O).
 
     Raises:
         UserError / DeviceRefusedError: the file cannot be created (see ``TensorStore.create``).
@@ -111,11 +114,13 @@ class ActivationSwapper:
 
     def __init__(self, path: str | os.PathLike, capacity_bytes: int, *, min_bytes: int = DEFAULT_MIN_BYTES,
                  write_behind_bytes: int = DEFAULT_WRITE_BEHIND_BYTES,
-                 read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES) -> None:
+                 read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES,
+                 meter: Callable[..., None] | None = None) -> None:
         self.path = Path(path)
         self.store = TensorStore.create(self.path, size_bytes=int(capacity_bytes))
         self.path.unlink()  # the open descriptor keeps it: no file is left behind, whatever ends the process
         self.min_bytes, self.write_behind_bytes, self.read_ahead_bytes = min_bytes, write_behind_bytes, read_ahead_bytes
+        self._meter = meter or (lambda **_: None)
         self.stats = ActivationSwapStats(capacity_bytes=self.store.capacity_bytes)
         self._lock = threading.RLock()
         self._keys = itertools.count()
@@ -190,6 +195,7 @@ class ActivationSwapper:
             except StoreFullError:
                 self.stats.kept_bytes += t.numel() * t.element_size()
                 return t
+            self._meter(write_bytes=flat.numel() * flat.element_size())
             handle = _Swapped(self, key, flat, ticket)
             handle.shape, handle.stride, handle.dtype = tuple(t.shape), tuple(t.stride()), t.dtype
             self._same[id(t)] = (weakref.ref(t), weakref.ref(handle))
@@ -221,7 +227,7 @@ class ActivationSwapper:
         """Wait for ``handle``'s write and drop the memory it held."""
         if handle.ticket is None or handle.ticket.op != "write":
             return
-        self.store.wait(handle.ticket)
+        self._wait(handle.ticket)
         handle.ticket = None
         handle.tensor = None
         self._writing = collections.deque(r for r in self._writing if r() is not None and r() is not handle)
@@ -232,6 +238,7 @@ class ActivationSwapper:
             return
         out = torch.empty(handle.nbytes // _itemsize(handle.dtype), dtype=handle.dtype)
         handle.ticket = self.store.submit_read(handle.key, out)
+        self._meter(read_bytes=handle.nbytes)
         handle.loaded = out
         self.stats.read_bytes += handle.nbytes
 
@@ -240,10 +247,15 @@ class ActivationSwapper:
             return handle.tensor
         self._start_read(handle)
         if handle.ticket is not None:
-            self.store.wait(handle.ticket)
+            self._wait(handle.ticket)
             handle.ticket = None
         assert handle.loaded is not None
         return handle.loaded
+
+    def _wait(self, ticket: Ticket) -> None:
+        t0 = time.monotonic()
+        self.store.wait(ticket)
+        self._meter(wait_s=time.monotonic() - t0)
 
     def _read_ahead(self, handle: _Swapped) -> None:
         """Issue reads for the handles packed before ``handle`` (the backward pass's next ones)."""

@@ -29,3 +29,7 @@ def test_swapped_activations_give_stock_losses(tmp_path, baseline_losses_hex):
     assert moved["swapped_tensors"] >= 4 and moved["written_bytes"] >= 4 * 64 * 49152 * 4
     assert 0 < moved["read_bytes"] <= moved["written_bytes"] and moved["kept_bytes"] == 0
     assert not list(swap.rglob("memascend-activations-*"))
+    # the swap I/O meter counts them: the forward writes nothing else, the backward reads them back
+    forward_written = sum(step["phase_io"]["forward_s"]["write_bytes"] for step in report["steps"])
+    assert forward_written == moved["written_bytes"]
+    assert sum(step["phase_io"]["backward_s"]["read_bytes"] for step in report["steps"]) >= moved["read_bytes"]

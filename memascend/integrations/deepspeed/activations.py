@@ -60,7 +60,9 @@ def swapper_for(engine: Any, capacity_bytes: int | None) -> Any:
     if capacity_bytes is None:
         capacity_bytes = min(AUTO_MAX_BYTES, shutil.disk_usage(folder).free // AUTO_FREE_FRACTION)
     path = folder / f"memascend-activations-{os.getpid()}.store"
-    _swapper = ActivationSwapper(path, capacity_bytes)
+    from memascend.integrations.deepspeed.io_meter import METER
+
+    _swapper = ActivationSwapper(path, capacity_bytes, meter=METER.add)
     global _last_stats
     _last_stats = None
     atexit.register(close)
