@@ -1,14 +1,15 @@
 """Framework pairs: one training command under ``memascend run`` and the same command without it.
 
-A pair (:data:`PAIRS`) is a framework (TRL's ``SFTTrainer`` through ``examples/trl_sft.py``, or
-``llamafactory-cli train`` with an ``examples/llamafactory`` YAML), full fine-tuning or LoRA, always
+A pair (:data:`PAIRS`) is a framework (TRL's ``SFTTrainer`` through ``examples/trl_sft.py``,
+``llamafactory-cli train`` with an ``examples/llamafactory`` YAML, or axolotl's ``axolotl.cli.train``
+under torchrun with an ``examples/axolotl`` YAML), full fine-tuning or LoRA, always
 with ``examples/ds_zero3_nvme.json`` (ZeRO-3, parameters and optimizer state on NVMe, an empty
 ``"memascend"`` section; each engine gets its own swap folder). Both commands start at once (as
 tests/examples/launch.py measures them: peak ``VmHWM`` and ``VmLck`` over each process tree).
 
 :func:`run_pair` runs a pair at any shape (the default-suite tests use a tiny model and one step);
 :func:`measure` runs it at the measured shape (SmolLM2-135M, micro-batch 4 x up to 256 tokens, 3
-steps, one rank) and returns the record that the slow tests check (:func:`problems`) and that
+steps; one rank, two for axolotl, whose single-rank path initialises NCCL) and returns the record that the slow tests check (:func:`problems`) and that
 
     python3 -m tests.examples.pairs [NAME ...] [--out DIR] [--stock-first]
 
@@ -34,7 +35,13 @@ from tests.examples.launch import EXAMPLES, result_line, run_measured
 DS_CONFIG = EXAMPLES / "ds_zero3_nvme.json"
 TRL_SCRIPT = EXAMPLES / "trl_sft.py"
 LF = EXAMPLES / "llamafactory"
+AXOLOTL = EXAMPLES / "axolotl"
 TRL_MARKER = "TRL_SFT_RESULT"
+AXOLOTL_MARKER = "AXOLOTL_RESULT"
+AXOLOTL_RANKS = 2
+"""axolotl's ranks: with one it calls ``deepspeed.comm.init_distributed(dist_backend="nccl")``."""
+AXOLOTL_PLUGINS = ("examples.axolotl.cpu_host.UseCpuPlugin", "tests.examples.axolotl_result.ResultPlugin")
+"""The example YAML's plugin and the harness's observer (tests/examples/axolotl_result.py), in both commands."""
 OUT_DIR = REPO / "baselines" / "cpu-2c-24g" / "frameworks"
 RSS_RATIO_MAX = 0.40
 LOCKED_RATIO_MAX = 0.25
@@ -61,7 +68,7 @@ class Pair:
 
 
 PAIRS: dict[str, Pair] = {p.name: p for p in (Pair("trl", 0), Pair("trl", 8), Pair("llamafactory", 0),
-                                                Pair("llamafactory", 8))}
+                                                Pair("llamafactory", 8), Pair("axolotl", 0), Pair("axolotl", 8))}
 
 
 def chat_jsonl(path: Path, rows: int = 64) -> Path:
@@ -90,15 +97,22 @@ def _trl_command(pair: Pair, python: Path, work: Path, engine: str, model: Path,
     return command + (["--lora-rank", str(pair.lora_rank)] if pair.lora_rank else [])
 
 
-def _lf_command(pair: Pair, python: Path, work: Path, engine: str, model: Path, shape: dict) -> list[str]:
-    from memascend.train.dist import free_port
-
+def _engine_ds_config(work: Path, engine: str) -> Path:
+    """examples/ds_zero3_nvme.json with the engine's own swap folder (created) as both nvme_path values."""
     cfg = json.loads(DS_CONFIG.read_text())
     swap = work / f"{engine}-swap"
     swap.mkdir(exist_ok=True)
     for key in ("offload_param", "offload_optimizer"):
         cfg["zero_optimization"][key]["nvme_path"] = str(swap)
-    (work / f"{engine}-ds.json").write_text(json.dumps(cfg))
+    path = work / f"{engine}-ds.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def _lf_command(pair: Pair, python: Path, work: Path, engine: str, model: Path, shape: dict) -> list[str]:
+    from memascend.train.dist import free_port
+
+    _engine_ds_config(work, engine)
     yaml_file = LF / f"sft_{'lora' if pair.lora_rank else 'full'}_zero3_nvme.yaml"
     # one process without a launcher: DeepSpeed's rendezvous variables; use_cpu for bf16 on a CPU host
     return ["env", "DS_ACCELERATOR=cpu", "RANK=0", "WORLD_SIZE=1", "LOCAL_RANK=0", "MASTER_ADDR=127.0.0.1",
@@ -108,10 +122,28 @@ def _lf_command(pair: Pair, python: Path, work: Path, engine: str, model: Path, 
             f"per_device_train_batch_size={shape['micro_batch']}", f"cutoff_len={shape['seq_len']}"]
 
 
+def _axolotl_command(pair: Pair, python: Path, work: Path, engine: str, model: Path, shape: dict) -> list[str]:
+    from memascend.train.dist import free_port
+
+    yaml_file = AXOLOTL / f"sft_{'lora' if pair.lora_rank else 'full'}_zero3_nvme.yaml"
+    # torchrun from the venv's Python; keys after the YAML override it (--key=value, axolotl's CLI)
+    return ["env", "DS_ACCELERATOR=cpu", "AXOLOTL_DO_NOT_TRACK=1", "HF_HUB_OFFLINE=1", str(python), "-m",
+            "torch.distributed.run", "--nproc-per-node", str(AXOLOTL_RANKS), "--master-port", str(free_port()), "-m",
+            "axolotl.cli.train", str(yaml_file), f"--base_model={model}",
+            f"--deepspeed={_engine_ds_config(work, engine)}", f"--output_dir={work / engine}",
+            f"--dataset_prepared_path={work / f'{engine}-prepared'}", f"--max_steps={shape['steps']}",
+            f"--micro_batch_size={shape['micro_batch']}", f"--sequence_len={shape['seq_len']}",
+            f"--plugins={json.dumps(list(AXOLOTL_PLUGINS))}"]
+
+
+_COMMANDS = {"trl": _trl_command, "llamafactory": _lf_command, "axolotl": _axolotl_command}
+_MARKERS = {"trl": TRL_MARKER, "axolotl": AXOLOTL_MARKER}
+
+
 def _losses(pair: Pair, work: Path, engine: str, log: str) -> tuple[list[float], dict]:
-    """Per-step training losses (full precision) and, for TRL, the script's result line."""
-    if pair.framework == "trl":
-        result = result_line(log, TRL_MARKER) or {}
+    """Per-step training losses (full precision) and, for TRL and axolotl, the result line."""
+    if pair.framework in _MARKERS:
+        result = result_line(log, _MARKERS[pair.framework]) or {}
         return result.get("losses", []), result
     state = work / engine / "trainer_state.json"
     history = json.loads(state.read_text())["log_history"] if state.is_file() else []
@@ -133,10 +165,10 @@ def run_pair(name: str, work: Path, model: Path, *, shape: dict, python: Path, s
     Returns:
         Per engine (``"memascend"``, ``"stock"``): ``command`` (argv), ``returncode``, ``log``,
         ``peak_rss_kib``, ``peak_locked_kib``, ``losses``, ``applied_lines`` (memascend's one stderr
-        line) and ``result`` (TRL's result line, else ``{}``).
+        line) and ``result`` (TRL's or axolotl's result line, else ``{}``).
     """
     pair = PAIRS[name]
-    make = _trl_command if pair.framework == "trl" else _lf_command
+    make = _COMMANDS[pair.framework]
     commands = {engine: make(pair, python, work, engine, model, shape) for engine in ENGINES}
     commands["memascend"] = [sys.executable, "-m", "memascend", "run", "--", *commands["memascend"]]
     order = ENGINES[::-1] if stock_first else ENGINES
@@ -220,8 +252,9 @@ def measure(name: str, work: Path, *, stock_first: bool = False) -> dict:
                for engine, run in runs.items()}
     record = {
         "pair": name, "framework": pair.framework, "lora_rank": pair.lora_rank, "model": "SmolLM2-135M-Instruct",
-        "shape": dict(MEASURED_SHAPE), "ranks": 1, "started_first": "stock" if stock_first else "memascend",
-        "versions": {p: _version(python, p) for p in ("trl" if pair.framework == "trl" else "llamafactory",
+        "shape": dict(MEASURED_SHAPE), "ranks": AXOLOTL_RANKS if pair.framework == "axolotl" else 1,
+        "started_first": "stock" if stock_first else "memascend",
+        "versions": {p: _version(python, p) for p in (pair.framework,
                                                       "transformers", "peft", "deepspeed", "torch")},
         "engines": engines,
         "peak_rss_ratio": engines["memascend"]["peak_rss_kib"] / max(1, engines["stock"]["peak_rss_kib"]),
