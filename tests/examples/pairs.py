@@ -269,7 +269,7 @@ def measure(name: str, work: Path, *, stock_first: bool = False, one_at_a_time: 
     record written by ``python3 -m tests.examples.pairs`` (commands with ``$WORK``, ``$MODEL``,
     ``$VENV``, ``$REPO`` for the run's folders; KiB peaks; losses and their ``float.hex``; ratios).
     ``one_at_a_time`` (:func:`run_pair`) defaults to true for axolotl, whose stock command's two
-    ranks take about 11 GiB: with the memascend command beside it a 24 GiB host shared with other
+    ranks take about 12 GiB: with the memascend command beside it a 24 GiB host shared with other
     jobs runs out."""
     from memascend.config import ModelConfig
     from memascend.models.loading import resolve_model
