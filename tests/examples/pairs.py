@@ -208,6 +208,16 @@ def run_pair(name: str, work: Path, model: Path, *, shape: dict, python: Path, s
     return out
 
 
+def losses_match(losses: list[float], reference: list[float], rtol: float) -> bool:
+    """Bit-equal per-step losses; with ``rtol`` > 0 the first bit-equal and each later one within
+    ``rtol`` of the reference, relative (:data:`LOSS_RTOL`)."""
+    if len(losses) != len(reference) or [x.hex() for x in losses[:1]] != [x.hex() for x in reference[:1]]:
+        return False
+    if not rtol:
+        return [x.hex() for x in losses] == [x.hex() for x in reference]
+    return all(abs(a - b) <= rtol * abs(b) for a, b in zip(losses, reference, strict=True))
+
+
 def problems(record: dict) -> list[str]:
     """What a record (:func:`measure`) falls short in: failed runs, losses that differ from stock's (from
     ``baseline``'s where the record has one, and then the first step's loss from stock's), memascend not
@@ -218,7 +228,7 @@ def problems(record: dict) -> list[str]:
         if run["returncode"] != 0 or len(run["losses"]) != record["shape"]["steps"]:
             out.append(f"{engine}: exit {run['returncode']}, {len(run['losses'])} losses")
     same = record["engines"].get("baseline", stock)
-    if [x.hex() for x in ma["losses"]] != [x.hex() for x in same["losses"]]:
+    if not losses_match(ma["losses"], same["losses"], LOSS_RTOL.get(record["pair"], 0.0)):
         out.append(f"losses differ: {ma['losses']} vs {same['losses']}")
     if same is not stock and [x.hex() for x in ma["losses"][:1]] != [x.hex() for x in stock["losses"][:1]]:
         out.append(f"first losses differ: {ma['losses'][:1]} vs stock {stock['losses'][:1]}")
@@ -231,6 +241,11 @@ def problems(record: dict) -> list[str]:
         out.append(f"locked ratio {record['peak_locked_ratio']:.3f} > {LOCKED_RATIO_MAX}")
     return out
 
+
+LOSS_RTOL = {"axolotl-lora": 1e-4}
+"""Pairs held to a relative tolerance after the first step instead of bit-equal losses: LoRA on two
+ranks under DeepSpeed 0.19.8 varies run to run in stock itself (stock against stock, llama-tiny, 3
+steps: the losses part at step 2, by up to 4e-6 relative; memascend against memascend alike)."""
 
 LORA_RSS_GAP = ("with LoRA the stock run keeps no optimizer state for the frozen base: its peak is "
                 "DeepSpeed's locked parameter swap buffers over an unlocked floor (imports, model load, "
