@@ -1,4 +1,4 @@
-"""Training frameworks (TRL, LLaMA-Factory) in their own virtual environments, for the example tests.
+"""Training frameworks (TRL, LLaMA-Factory, axolotl) in their own virtual environments, for the example tests.
 
 Each framework pins its own versions, so each gets a venv of its own under ``$MEMASCEND_TEST_VENVS``
 (default ``/tmp/venvs``): ``<root>/<name>``, made with ``--system-site-packages`` so that it sees this
@@ -29,6 +29,8 @@ FRAMEWORKS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "trl": ("trl[peft]==1.16.0", "trl", ()),
     # torchvision: pip picks a build for another torch, whose missing operators break `import transformers`
     "llamafactory": ("llamafactory==0.9.5", "llamafactory.data", ("torchvision",)),
+    # axolotl.train imports axolotl.contribs, a package of its own (axolotl-contribs-lgpl)
+    "axolotl": ("axolotl==0.19.0", "axolotl.train", ()),
 }
 """name -> (pip requirement, module that proves it works, packages to uninstall after installing)."""
 

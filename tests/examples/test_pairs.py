@@ -45,6 +45,36 @@ def test_a_lora_pairs_rss_ratio_alone_is_an_expected_failure():
         check_slow("trl-lora", _record("trl-lora", rss=(2000, 4000), locked=(300, 1000)))
 
 
+def _with_baseline(baseline_losses=(6.5, 6.25), stock_losses=(6.5, 6.3), baseline_applied=1) -> dict:
+    record = _record("axolotl-full", losses=((6.5, 6.25), stock_losses))
+    record["engines"]["baseline"] = {"returncode": 0, "peak_rss_kib": 4000, "peak_locked_kib": 1000,
+                                     "losses": list(baseline_losses), "applied_lines": baseline_applied}
+    return record
+
+
+def test_on_two_ranks_memascend_is_held_to_the_baseline_and_stock_to_the_first_loss():
+    assert PAIRS["axolotl-full"].engines == ("memascend", "stock", "baseline")
+    assert PAIRS["trl-full"].engines == ("memascend", "stock")
+    assert problems(_with_baseline()) == []  # stock parts from step 2: its unaligned gradient reads
+    assert any("losses differ" in p for p in problems(_with_baseline(baseline_losses=(6.5, 6.3))))
+    assert any("first losses differ" in p for p in problems(_with_baseline(stock_losses=(6.4, 6.25))))
+    assert any("applied lines" in p for p in problems(_with_baseline(baseline_applied=0)))
+
+
+def test_a_pair_with_a_loss_tolerance_is_held_to_it_after_a_bit_equal_first_step():
+    from tests.examples.pairs import LOSS_RTOL
+
+    rtol = LOSS_RTOL["axolotl-lora"]
+    record = _with_baseline(baseline_losses=(6.5, 6.25 * (1 + rtol / 2)))
+    record["pair"] = "axolotl-lora"
+    assert problems(record) == [p for p in problems(record) if p.startswith("peak RSS")]
+    record["engines"]["baseline"]["losses"] = [6.5, 6.25 * (1 + 2 * rtol)]
+    assert any("losses differ" in p for p in problems(record))
+    record["engines"]["baseline"]["losses"] = [6.5000001, 6.25]
+    assert any("losses differ" in p for p in problems(record))
+    assert any("losses differ" in p for p in problems(_with_baseline(baseline_losses=(6.5, 6.25 * (1 + rtol / 2)))))
+
+
 def test_the_committed_records_are_one_per_pair_with_equal_losses():
     records = {p.stem: json.loads(p.read_text()) for p in OUT_DIR.glob("*.json")}
     assert set(records) == set(PAIRS)
