@@ -251,5 +251,11 @@ def test_the_lora_row_gives_both_engines_the_same_adapters():
     for engine_args in args.values():
         i = engine_args.index("--lora-rank")
         assert engine_args[i:i + 4] == ["--lora-rank", "16", "--lora-target-modules", "all-linear"]
-    assert [a for a in args["baseline"] if a != "baseline"] == [a for a in args["memascend"] if a != "memascend"]
+    # the same command but for the engine and memascend's section, which swaps the activations
+    ma = args["memascend"]
+    ds = ma.index("--deepspeed-config")
+    assert [a for a in args["baseline"] if a != "baseline"] == [a for a in ma[:ds] + ma[ds + 2:] if a != "memascend"]
+    assert "--deepspeed-config" not in args["baseline"]
+    assert cfg.deepspeed_json("memascend") == {"memascend": {"enable_activation_swap": True}}
+    assert args["baseline"][args["baseline"].index("--loss-chunk-tokens") + 1] == "256"  # both engines
     assert cfg.thresholds.max_peak_rss_ratio == 0.40 and cfg.thresholds.max_peak_locked_ratio == 0.25
