@@ -82,14 +82,14 @@ class _Swapped:
     """One saved tensor in the store: what the unpack hook reads back. Frees its extent when autograd
     drops it (the graph is freed after backward)."""
 
-    __slots__ = ("__weakref__", "dtype", "key", "loaded", "nbytes", "owner", "shape", "stride", "ticket", "tensor")
+    __slots__ = ("__weakref__", "dtype", "key", "loaded", "nbytes", "owner", "shape", "ticket", "tensor")
 
-    def __init__(self, owner: ActivationSwapper, key: str, tensor: torch.Tensor, ticket: Ticket) -> None:
-        self.owner, self.key, self.ticket = owner, key, ticket
-        self.tensor: torch.Tensor | None = tensor  # held until the write completes
+    def __init__(self, owner: ActivationSwapper, key: str, flat: torch.Tensor, shape: tuple[int, ...],
+                 ticket: Ticket) -> None:
+        self.owner, self.key, self.ticket, self.shape = owner, key, ticket, shape
+        self.tensor: torch.Tensor | None = flat  # the saved tensor's bytes, held until the write completes
         self.loaded: torch.Tensor | None = None
-        self.dtype, self.shape, self.stride = tensor.dtype, tuple(tensor.shape), tuple(tensor.stride())
-        self.nbytes = tensor.untyped_storage().nbytes()
+        self.dtype, self.nbytes = flat.dtype, flat.numel() * flat.element_size()
 
     def __del__(self) -> None:
         try:
@@ -189,15 +189,14 @@ class ActivationSwapper:
                 if same is not None and same.key is not None:
                     return same
             key = f"a{next(self._keys)}"
-            flat = t.detach().view(-1) if t.dim() else t.detach().reshape(1)
+            flat = t.detach().view(-1)  # contiguous and owning its storage (_eligible)
             try:
                 ticket = self.store.submit_write(key, flat)
             except StoreFullError:
                 self.stats.kept_bytes += t.numel() * t.element_size()
                 return t
-            self._meter(write_bytes=flat.numel() * flat.element_size())
-            handle = _Swapped(self, key, flat, ticket)
-            handle.shape, handle.stride, handle.dtype = tuple(t.shape), tuple(t.stride()), t.dtype
+            handle = _Swapped(self, key, flat, tuple(t.shape), ticket)
+            self._meter(write_bytes=handle.nbytes)
             self._same[id(t)] = (weakref.ref(t), weakref.ref(handle))
             self._order.append(weakref.ref(handle))
             self._writing.append(weakref.ref(handle))
@@ -220,7 +219,7 @@ class ActivationSwapper:
         with self._lock:
             out = self._load(packed)
             self._read_ahead(packed)
-        return out.view(packed.shape) if packed.shape else out.reshape(())
+        return out.view(packed.shape)
 
     # ---------------------------------------------------------------- transfers
     def _finish_write(self, handle: _Swapped) -> None:
@@ -236,7 +235,7 @@ class ActivationSwapper:
     def _start_read(self, handle: _Swapped) -> None:
         if handle.loaded is not None or handle.tensor is not None or handle.ticket is not None:
             return
-        out = torch.empty(handle.nbytes // _itemsize(handle.dtype), dtype=handle.dtype)
+        out = torch.empty(handle.nbytes // handle.dtype.itemsize, dtype=handle.dtype)
         handle.ticket = self.store.submit_read(handle.key, out)
         self._meter(read_bytes=handle.nbytes)
         handle.loaded = out
@@ -283,7 +282,7 @@ class ActivationSwapper:
                 if handle.ticket.op == "write":
                     self._finish_write(handle)
                 else:
-                    self.store.wait(handle.ticket)
+                    self._wait(handle.ticket)
                     handle.ticket = None
             self.store.free(handle.key)
             self._stored_bytes -= handle.nbytes
@@ -303,8 +302,3 @@ class ActivationSwapper:
             store.wait_all()
         finally:
             store.close()
-            self.path.unlink(missing_ok=True)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()

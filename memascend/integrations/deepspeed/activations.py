@@ -18,8 +18,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from memascend.units import format_bytes
-
 AUTO_MAX_BYTES = 16 << 30
 """``activation_swap_bytes=None``: at most this many bytes (16 GiB) ..."""
 
@@ -45,7 +43,7 @@ def swap_folder(engine: Any) -> Path | None:
 
 def swapper_for(engine: Any, capacity_bytes: int | None) -> Any:
     """The process's swapper, made on first use in ``engine``'s swap folder; ``None`` where there is none."""
-    global _swapper, _warned
+    global _swapper, _warned, _last_stats
     if _swapper is not None:
         return _swapper
     folder = swap_folder(engine)
@@ -63,7 +61,6 @@ def swapper_for(engine: Any, capacity_bytes: int | None) -> Any:
     from memascend.integrations.deepspeed.io_meter import METER
 
     _swapper = ActivationSwapper(path, capacity_bytes, meter=METER.add)
-    global _last_stats
     _last_stats = None
     atexit.register(close)
     return _swapper
@@ -79,14 +76,6 @@ def stats() -> dict[str, int] | None:
     """The counters (:class:`~memascend.io.activation_swap.ActivationSwapStats`) of the process's
     swapper, or of the last one closed; ``None`` when none was made."""
     return _last_stats if _swapper is None else _swapper.stats.as_dict()
-
-
-def describe() -> str:
-    s = stats()
-    if s is None:
-        return "activation swap: off"
-    return (f"activation swap: {format_bytes(s['written_bytes'])} written, {format_bytes(s['read_bytes'])} read, "
-            f"peak {format_bytes(s['peak_stored_bytes'])} stored")
 
 
 def close() -> None:
