@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from memascend.regress.compare import ConfigResult, fit_line
-from memascend.regress.matrix import CHUNKING_THRESHOLDS
 from memascend.regress.output import ScalingPoint, format_params, markdown_table, plot_scaling, scaling_points
+from memascend.regress.thresholds import CHUNKING_THRESHOLDS
 from tools.readme_blocks import GIB, Baselines, _losses_word, _md, _ratio, gib
 
 CAPS = ("4g", "8g", "16g")

@@ -12,7 +12,8 @@ import json
 from pathlib import Path
 
 from memascend.regress.compare import Check, ConfigResult, RunMetrics
-from memascend.regress.matrix import BenchConfig, Thresholds
+from memascend.regress.matrix import BenchConfig
+from memascend.regress.thresholds import Thresholds
 
 _META_KEYS = ("matrix", "repeats", "profile", "golden_path", "golden_tolerances", "wall_s", "memory_cap",
               "capped_search")

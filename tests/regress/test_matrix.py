@@ -171,6 +171,9 @@ def test_speed_pairs_stock_with_the_speed_targets():
         if budget is None:
             assert cfg.memascend_settings == ()
             assert (th.max_step_time_ratio, th.step_time_noise, th.max_peak_rss_ratio) == (0.80, 0.0, 0.40)
+        elif budget == "auto":
+            assert cfg.from_scratch == "llama-1b" and th.max_peak_rss_ratio is None
+            assert (th.max_step_time_ratio, th.step_time_noise) == (0.70, 0.0)
         elif cfg.from_scratch == "llama-1b":
             assert budget == "4GiB" and th.max_peak_rss_ratio == 1.0
         else:
