@@ -1,0 +1,146 @@
+"""The compute floor of a speed row: stock ZeRO-3 with nothing offloaded against stock ZeRO-Infinity.
+
+An offload system that keeps DeepSpeed's math (bit-identical losses) cannot run a step faster than
+the same step with no offload at all: every parameter, gradient and optimizer state in host memory,
+no swap in/out, no NVMe. This benchmark measures that bound on this host for a row of the ``speed``
+matrix (:mod:`memascend.regress.matrix`): stock DeepSpeed (``--engine baseline``) on the row's own
+configuration (parameters and optimizer on NVMe) and on the same configuration with
+``--offload-param none --offload-optimizer none``, in alternating order, ``--repeats`` runs each.
+
+The ratio it prints, median step time without offload / median step time with NVMe offload, is the
+smallest step-time ratio against stock that any placement of the same state can reach on this host
+(a DRAM cache of everything included); a speed target below it cannot be met here. Both engines'
+forward and backward are the same computation, so the per-phase medians show where the floor lies.
+
+``python3 -m benchmarks.compute_floor --output DIR [--config smollm2-bf16-256x4-speed] [--repeats N]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from memascend.errors import UserError
+
+PHASES = ("forward_s", "backward_s", "optimizer_step_s")
+"""``report.json`` ``median_phase_s`` keys, in step order."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Floor:
+    """Stock without offload against stock with NVMe offload, over the repeats of one configuration.
+
+    Attributes:
+        nvme_step_s: each NVMe-offload run's median step time (s).
+        dram_step_s: each no-offload run's median step time (s), same order.
+        nvme_phase_s: median over the NVMe runs of each phase's median time (s), keys :data:`PHASES`.
+        dram_phase_s: the same for the no-offload runs.
+        losses_equal: every run's per-step losses equal the first NVMe run's, bit for bit.
+    """
+
+    nvme_step_s: list[float]
+    dram_step_s: list[float]
+    nvme_phase_s: dict[str, float]
+    dram_phase_s: dict[str, float]
+    losses_equal: bool
+
+    @property
+    def floor_ratio(self) -> float:
+        """Median no-offload step time / median NVMe step time: the lowest step-time ratio against
+        stock that keeping the whole state in host memory reaches on this host."""
+        return statistics.median(self.dram_step_s) / statistics.median(self.nvme_step_s)
+
+    def to_dict(self) -> dict:
+        return {"nvme_step_s": self.nvme_step_s, "dram_step_s": self.dram_step_s,
+                "nvme_phase_s": self.nvme_phase_s, "dram_phase_s": self.dram_phase_s,
+                "floor_ratio": self.floor_ratio, "losses_equal": self.losses_equal}
+
+
+def _phase_medians(reports: list[dict]) -> dict[str, float]:
+    return {k: statistics.median(float(r["median_phase_s"][k]) for r in reports) for k in PHASES}
+
+
+def compare(nvme_reports: list[dict], dram_reports: list[dict]) -> Floor:
+    """The floor from ``report.json`` documents of NVMe-offload runs and no-offload runs.
+
+    Raises:
+        UserError: no reports, or different numbers of each.
+    """
+    if not nvme_reports or len(nvme_reports) != len(dram_reports):
+        raise UserError(f"need as many no-offload runs as NVMe runs (got {len(dram_reports)} and {len(nvme_reports)})")
+    reference = [s["loss"] for s in nvme_reports[0]["steps"]]
+    return Floor(
+        nvme_step_s=[float(r["median_step_s"]) for r in nvme_reports],
+        dram_step_s=[float(r["median_step_s"]) for r in dram_reports],
+        nvme_phase_s=_phase_medians(nvme_reports),
+        dram_phase_s=_phase_medians(dram_reports),
+        losses_equal=all([s["loss"] for s in r["steps"]] == reference for r in nvme_reports + dram_reports),
+    )
+
+
+def _report(outcome) -> dict:
+    path = outcome.output_dir / "report.json"
+    if outcome.returncode != 0 or not path.is_file():
+        raise UserError(f"the {outcome.output_dir.name} run failed (exit {outcome.returncode}); see {outcome.log_path}")
+    return json.loads(path.read_text())
+
+
+def run(output: Path, nvme_path: Path, *, config: str, repeats: int, timeout_s: float) -> Floor:
+    """Run the pairs; runs land under ``output/<config>/baseline-{nvme,dram}-r<k>``.
+
+    Raises:
+        UserError: ``config`` is not a row of the ``speed`` matrix, or a run failed.
+    """
+    from memascend.regress.matrix import get_matrix
+    from memascend.regress.runner import run_one
+
+    rows = {c.name: c for c in get_matrix("speed").configs}
+    if config not in rows:
+        raise UserError(f"--config {config!r} is not a row of the speed matrix ({', '.join(rows)})")
+    cfg = rows[config]
+    dram = dataclasses.replace(cfg, offload_param="none", offload_optimizer="none")
+    runs: dict[str, list[dict]] = {"nvme": [], "dram": []}
+    for r in range(repeats):
+        for kind in (("nvme", "dram") if r % 2 == 0 else ("dram", "nvme")):
+            print(f"compute_floor: {cfg.name} stock, {kind} (repeat {r + 1}/{repeats}) ...", file=sys.stderr, flush=True)
+            outcome = run_one(cfg if kind == "nvme" else dram, "baseline", output, nvme_path, timeout_s,
+                              tag=f"-{kind}-r{r + 1}")
+            runs[kind].append(_report(outcome))
+    return compare(runs["nvme"], runs["dram"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line; exit 0 after printing the floor, 2 on bad input or a failed run."""
+    p = argparse.ArgumentParser(prog="python3 -m benchmarks.compute_floor", description=__doc__.splitlines()[0])
+    p.add_argument("--output", required=True, type=Path, help="folder for the runs and results.json")
+    p.add_argument("--nvme-path", type=Path, default=None, help="swap folder (default: <output>/swap)")
+    p.add_argument("--config", default="smollm2-bf16-256x4-speed", help="a row of the speed matrix")
+    p.add_argument("--repeats", type=int, default=2, help="runs of each (alternating order; default 2)")
+    p.add_argument("--timeout-s", type=float, default=3600.0, help="per run (default 3600)")
+    a = p.parse_args(argv)
+    try:
+        if a.repeats < 1:
+            raise UserError(f"--repeats must be at least 1, got {a.repeats}")
+        a.output.mkdir(parents=True, exist_ok=True)
+        nvme_path = a.nvme_path or a.output / "swap"
+        nvme_path.mkdir(parents=True, exist_ok=True)
+        floor = run(a.output, nvme_path, config=a.config, repeats=a.repeats, timeout_s=a.timeout_s)
+    except UserError as exc:
+        print(f"memascend compute_floor: error: {exc}", file=sys.stderr)
+        return 2
+    doc = {"config": a.config, "repeats": a.repeats, **floor.to_dict()}
+    (a.output / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
+    phases = " ".join(f"{k.removesuffix('_s')} {floor.dram_phase_s[k]:.2f}/{floor.nvme_phase_s[k]:.2f}" for k in PHASES)
+    print(f"{a.config}: stock without offload {statistics.median(floor.dram_step_s):.2f} s / with NVMe offload "
+          f"{statistics.median(floor.nvme_step_s):.2f} s per step = {floor.floor_ratio:.3f} (the lowest step-time "
+          f"ratio against stock any placement reaches here); per phase no-offload/NVMe s: {phases}; losses "
+          f"{'equal' if floor.losses_equal else 'DIFFER'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
