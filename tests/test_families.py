@@ -14,7 +14,7 @@ from memascend.errors import UserError
 from memascend.models.loading import from_scratch_config
 
 MODEL_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "gpt_neox": "GPTNeoXForCausalLM", "phi": "PhiForCausalLM"}
+                 "gpt_neox": "GPTNeoXForCausalLM", "phi": "PhiForCausalLM", "gpt2": "GPT2LMHeadModel"}
 
 
 def _meta(fs: FromScratchConfig):
@@ -35,9 +35,9 @@ def test_every_family_has_a_model_class():
 def test_param_numel_is_the_real_models(arch, tied):
     """The closed form (the planner's NVMe sizes, the regression suite's x axis) counts what
     ``transformers`` builds, tied or untied, with and without grouped-query attention."""
-    kv = None if arch == "gpt_neox" else 2
+    kv = None if arch in ("gpt_neox", "gpt2") else 2
     fs = FromScratchConfig(arch=arch, hidden_size=96, num_layers=3, num_heads=6, num_kv_heads=kv,
-                           vocab_size=1000, tie_word_embeddings=tied)
+                           vocab_size=1000, max_position_embeddings=160, tie_word_embeddings=tied)
     model = _meta(fs)
     assert type(model).__name__ == MODEL_CLASSES[arch]
     assert _unique_numel(model) == fs.param_numel
@@ -68,6 +68,7 @@ def test_llama_config_is_unchanged():
     ("qwen2", {"attention_dropout"}),
     ("gpt_neox", {"attention_dropout", "hidden_dropout"}),
     ("phi", {"attention_dropout", "resid_pdrop", "embd_pdrop"}),
+    ("gpt2", {"attn_pdrop", "resid_pdrop", "embd_pdrop"}),
 ])
 def test_dropout_reaches_every_dropout_of_the_family(arch, keys):
     fs = FromScratchConfig(arch=arch, hidden_size=64, num_layers=1, num_heads=4, dropout=0.25)
@@ -77,14 +78,31 @@ def test_dropout_reaches_every_dropout_of_the_family(arch, keys):
     assert all(getattr(plain, k) == 0.0 for k in keys)
 
 
+def test_gpt2_layout():
+    """GPT-2: learned positions counted, the MLP width reaching ``n_inner``, and no dropout unless
+    asked for (its config class defaults every dropout to 0.1)."""
+    fs = FromScratchConfig(arch="gpt2", hidden_size=64, num_layers=2, num_heads=4, intermediate_size=96,
+                           max_position_embeddings=48, vocab_size=500)
+    model = _meta(fs)
+    assert model.transformer.wpe.weight.shape == (48, 64)
+    assert model.transformer.h[0].mlp.c_fc.weight.shape == (64, 96)
+    assert _unique_numel(model) == fs.param_numel
+    cfg = from_scratch_config(fs)
+    assert (cfg.n_inner, cfg.attn_pdrop, cfg.resid_pdrop, cfg.embd_pdrop) == (96, 0.0, 0.0, 0.0)
+
+
 def test_family_presets():
     """The regression suite's families: an untied ~67 M Mistral (the issue's case), a tied Qwen2 and
     an untied GPT-NeoX with dropout, each built as its own architecture."""
     shapes = {name: FROM_SCRATCH_PRESETS[name] for name in families.PRESETS}
     assert {n: (p.arch, p.tie_word_embeddings) for n, p in shapes.items()} == {
         "mistral-0.07b": ("mistral", False), "qwen2-0.1b": ("qwen2", True),
-        "gpt-neox-0.1b": ("gpt_neox", False), "phi-0.1b": ("phi", False)}
+        "gpt-neox-0.1b": ("gpt_neox", False), "phi-0.1b": ("phi", False), "gpt2-16m": ("gpt2", True)}
     assert 60e6 < shapes["mistral-0.07b"].param_numel < 70e6
+    gpt2 = shapes.pop("gpt2-16m")
+    assert round(gpt2.param_numel / 1e6, 1) == 16.0 and gpt2.dropout == 0.1
+    assert (gpt2.hidden_size, gpt2.num_layers, gpt2.num_heads) == (256, 4, 4) and gpt2.max_position_embeddings >= 1024
+    assert gpt2.param_numel == _unique_numel(_meta(gpt2))
     assert shapes["mistral-0.07b"].kv_heads < shapes["mistral-0.07b"].num_heads
     assert all(90e6 < p.param_numel < 110e6 for n, p in shapes.items() if n != "mistral-0.07b")
     assert shapes["gpt-neox-0.1b"].dropout > 0 and shapes["phi-0.1b"].dropout > 0
@@ -101,7 +119,7 @@ def test_parse_arch_and_dropout(tmp_path):
 
 
 @pytest.mark.parametrize("spec,message", [
-    ("arch=bert,hidden=64,layers=2,heads=4", r"unknown arch 'bert' \(known: llama, mistral, qwen2, gpt_neox, phi\)"),
+    ("arch=bert,hidden=64,layers=2,heads=4", r"unknown arch 'bert' \(known: llama, mistral, qwen2, gpt_neox, phi, gpt2\)"),
     ("arch=gpt_neox,hidden=64,layers=2,heads=4,kv_heads=2", "gpt_neox has no grouped-query attention"),
     ("hidden=64,layers=2,heads=4,dropout=1", r"dropout must be in \[0, 1\), got 1.0"),
     ("hidden=64,layers=2,heads=4,dropout=-0.1", r"dropout must be in \[0, 1\), got -0.1"),

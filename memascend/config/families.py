@@ -33,6 +33,11 @@ class Family:
         lm_head_bias: the output projection has a ``vocab_size`` bias.
         grouped_kv: accepts ``num_kv_heads`` < ``num_heads`` (grouped-query attention).
         dropout_keys: the config keys ``dropout`` sets.
+        attention_dropout_key: the one of ``dropout_keys`` on the attention weights (the others are
+            on the residual branches and the embedding).
+        position_embeddings: a learned ``max_position_embeddings x hidden_size`` position embedding
+            (GPT-2) instead of rotary positions.
+        mlp_width_key: the config keyword of the MLP width.
         extra: further config keywords (token ids of the built-in tokenizer).
     """
 
@@ -46,6 +51,9 @@ class Family:
     lm_head_bias: bool = False
     grouped_kv: bool = True
     dropout_keys: tuple[str, ...] = ("attention_dropout",)
+    attention_dropout_key: str = "attention_dropout"
+    position_embeddings: bool = False
+    mlp_width_key: str = "intermediate_size"
     extra: tuple[tuple[str, Any], ...] = (("bos_token_id", 1), ("eos_token_id", 2), ("pad_token_id", 2))
 
 
@@ -59,6 +67,11 @@ FAMILIES: dict[str, Family] = {
     # One LayerNorm per block feeding attention and MLP in parallel, partial rotary, lm_head bias.
     "phi": Family("PhiConfig", gated_mlp=False, qkv_bias=True, out_bias=True, mlp_bias=True, norm_bias=True,
                   norms_per_layer=1, lm_head_bias=True, dropout_keys=("attention_dropout", "resid_pdrop", "embd_pdrop")),
+    # Learned position embeddings, LayerNorms, fused qkv (c_attn) and GELU MLP (c_fc, c_proj), all
+    # with biases, tied by default; its config class defaults every dropout to 0.1.
+    "gpt2": Family("GPT2Config", gated_mlp=False, qkv_bias=True, out_bias=True, mlp_bias=True, norm_bias=True,
+                   grouped_kv=False, dropout_keys=("attn_pdrop", "resid_pdrop", "embd_pdrop"),
+                   attention_dropout_key="attn_pdrop", position_embeddings=True, mlp_width_key="n_inner"),
 }
 """``--from-scratch`` ``arch`` values and their layouts (``llama`` is the default)."""
 
@@ -75,6 +88,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Phi-2-shaped (one norm per block, lm_head bias), untied, with dropout.
     "phi-0.1b": dict(arch="phi", hidden_size=640, num_layers=8, num_heads=10, tie_word_embeddings=False,
                      dropout=0.1),
+    # GPT-2 small's layout at 16 M (12.6 M of it the tied 49,152 x 256 embedding), GPT-2's 1,024
+    # positions and dropout 0.1: a model whose own tensors are smaller than stock's swap buffers.
+    "gpt2-16m": dict(arch="gpt2", hidden_size=256, num_layers=4, num_heads=4, max_position_embeddings=1024,
+                     tie_word_embeddings=True, dropout=0.1),
 }
 """Sizes of the from-scratch presets of the non-Llama families (``memascend.config.FROM_SCRATCH_PRESETS``
 holds them with the Llama presets)."""
@@ -125,7 +142,8 @@ def default_intermediate(arch: str, hidden_size: int) -> int:
 def param_numel(fs: Any) -> int:
     """Parameter count (elements) of the from-scratch model ``fs``: tied input/output embeddings
     counted once, an untied output projection (``vocab_size x hidden_size``, plus its bias where
-    the family has one) on top."""
+    the family has one) on top, and learned position embeddings (``max_position_embeddings x
+    hidden_size``) where the family has them."""
     fam = family(fs.arch)
     h, i, v = fs.hidden_size, fs.mlp_size, fs.vocab_size
     kv = fs.kv_heads * (h // fs.num_heads)
@@ -134,29 +152,30 @@ def param_numel(fs: Any) -> int:
     norm = (2 if fam.norm_bias else 1) * h
     per_layer = attn + mlp + fam.norms_per_layer * norm
     embeddings = (1 if fs.tie_word_embeddings else 2) * v * h + (v if fam.lm_head_bias else 0)
+    embeddings += fs.max_position_embeddings * h if fam.position_embeddings else 0
     return embeddings + fs.num_layers * per_layer + norm
 
 
 def hf_config(fs: Any):
     """The ``transformers`` config (``LlamaConfig``, ``MistralConfig``, ...) of the from-scratch
-    model ``fs``; ``dropout`` goes to every dropout key of the family."""
+    model ``fs``; ``dropout`` goes to every dropout key of the family (0 included: GPT-2's class
+    defaults them to 0.1)."""
     import transformers
 
     fam = family(fs.arch)
     kwargs: dict[str, Any] = dict(
         vocab_size=fs.vocab_size,
         hidden_size=fs.hidden_size,
-        intermediate_size=fs.mlp_size,
         num_hidden_layers=fs.num_layers,
         num_attention_heads=fs.num_heads,
         max_position_embeddings=fs.max_position_embeddings,
         tie_word_embeddings=fs.tie_word_embeddings,
+        **{fam.mlp_width_key: fs.mlp_size},
         **dict(fam.extra),
     )
     if fam.grouped_kv:
         kwargs["num_key_value_heads"] = fs.kv_heads
-    if fs.dropout:  # left at each class's default (0.0) otherwise: the Llama config stays as it was
-        kwargs.update({key: fs.dropout for key in fam.dropout_keys})
+    kwargs.update({key: fs.dropout for key in fam.dropout_keys})  # 0.0 too: GPT-2's class default is 0.1
     return getattr(transformers, fam.config_class)(**kwargs)
 
 

@@ -1,6 +1,6 @@
 """From-scratch models: :class:`FromScratchConfig` (a random-weight model's shape), the named presets
 (:data:`FROM_SCRATCH_PRESETS`) and ``--from-scratch``'s parser (:func:`parse_from_scratch`). The
-families (Llama, Mistral, Qwen2, GPT-NeoX, Phi) and their parameter layouts are in
+families (Llama, Mistral, Qwen2, GPT-NeoX, Phi, GPT-2) and their parameter layouts are in
 :mod:`memascend.config.families`.
 """
 
@@ -41,7 +41,7 @@ class FromScratchConfig:
     """Whether the output projection (``lm_head``) shares the input embedding's weight (SmolLM2);
     ``False`` gives it its own ``vocab_size x hidden_size`` weight, as most production LLMs have."""
     arch: str = "llama"
-    """Architecture: ``llama``, ``mistral``, ``qwen2``, ``gpt_neox`` or ``phi`` (``transformers``' config classes)."""
+    """Architecture: ``llama``, ``mistral``, ``qwen2``, ``gpt_neox``, ``phi`` or ``gpt2`` (``transformers``' config classes)."""
     dropout: float = 0.0
     """Dropout probability in ``[0, 1)``, set on every dropout of the family (attention, residual, embedding)."""
 

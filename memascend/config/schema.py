@@ -83,9 +83,9 @@ class ModelConfig:
         "model", 2, "--from-scratch", metavar="SPEC", help=
         "Random-weight model instead of the model's weights: a preset (llama-tiny, llama-0.1b .. "
         "llama-3b; llama-7b and llama-70b with Llama-2's untied shapes and 32000-token vocabulary; "
-        "mistral-0.07b, qwen2-0.1b, gpt-neox-0.1b, phi-0.1b), "
+        "mistral-0.07b, qwen2-0.1b, gpt-neox-0.1b, phi-0.1b, gpt2-16m), "
         "'hidden=2048,layers=16,heads=32,vocab=49152,tie_word_embeddings=false' (also "
-        "arch=llama|mistral|qwen2|gpt_neox|phi [default: llama] and dropout=0.1 [default: 0]), or a "
+        "arch=llama|mistral|qwen2|gpt_neox|phi|gpt2 [default: llama] and dropout=0.1 [default: 0]), or a "
         ".toml/.json file"))
     """If set, a randomly initialised Llama of this shape replaces ``name_or_path``'s weights
     (the tokenizer still comes from ``name_or_path``)."""

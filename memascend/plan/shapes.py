@@ -36,6 +36,10 @@ class ModelDims:
             weights).
         layer_norm: the blocks normalise with LayerNorms (GPT-NeoX, Phi) instead of RMSNorms (Llama).
         norms_per_layer: norms in a block (Phi: one, read by attention and MLP in parallel).
+        sequential_norms: a LayerNorm block whose second norm reads the residual after attention
+            (GPT-2), so each norm keeps its own input (GPT-NeoX's parallel block and Phi: one shared).
+        qkv_views: q, k and v are views of one fused projection's output with no rotary embedding
+            to copy them (GPT-2's ``c_attn``): SDPA's flash path keeps one ``e*h`` more.
         mlp_saved_tensors: tensors of the MLP's width autograd keeps per token (SwiGLU 4; a native
             GELU 2; the tanh GELU written in Python, ``gelu_new``, 5).
         attention_dropout / hidden_dropout: dropout probabilities on the attention weights and on the
@@ -60,6 +64,8 @@ class ModelDims:
     trainable_numels: tuple[int, ...] | None = None
     layer_norm: bool = False
     norms_per_layer: int = 2
+    sequential_norms: bool = False
+    qkv_views: bool = False
     mlp_saved_tensors: int = 4
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
@@ -101,7 +107,8 @@ def model_dims(cfg: RunConfig) -> ModelDims:
     kv_heads = getattr(hf_cfg, "num_key_value_heads", None) or heads
     return ModelDims(shape.total_numel, shape.param_numels, shape.module_param_counts, h,
                      hf_cfg.num_hidden_layers, heads, hf_cfg.vocab_size,
-                     getattr(hf_cfg, "intermediate_size", None), kv_heads * head_dim, tied,
+                     getattr(hf_cfg, "intermediate_size", None) or getattr(hf_cfg, "n_inner", None),
+                     kv_heads * head_dim, tied,
                      **_layer_layout(meta, out), trainable_numels=shape.trainable_numels, **_block_kind(hf_cfg),
                      max_positions=getattr(hf_cfg, "max_position_embeddings", None) or getattr(hf_cfg, "n_positions", None))
 
@@ -119,28 +126,34 @@ def _block_kind(hf_cfg) -> dict:
     from memascend.config.families import FAMILIES
 
     fam = FAMILIES.get(getattr(hf_cfg, "model_type", ""))
-    act = getattr(hf_cfg, "hidden_act", "silu")
+    act = getattr(hf_cfg, "hidden_act", None) or getattr(hf_cfg, "activation_function", None) or "silu"
     if fam is None or fam.gated_mlp:
         mlp = 4
     else:
         mlp = MLP_SAVED_TENSORS_PYTHON_GELU if act in ("gelu_new", "gelu_fast", "gelu_python") else 2
-    hidden_keys = [k for k in (fam.dropout_keys if fam else ()) if k not in ("attention_dropout", "embd_pdrop")]
-    return dict(layer_norm=bool(fam and fam.norm_bias), norms_per_layer=fam.norms_per_layer if fam else 2,
-                mlp_saved_tensors=mlp, attention_dropout=float(getattr(hf_cfg, "attention_dropout", 0.0) or 0.0),
+    attention_key = fam.attention_dropout_key if fam else "attention_dropout"
+    hidden_keys = [k for k in (fam.dropout_keys if fam else ()) if k not in (attention_key, "embd_pdrop")]
+    layer_norm = bool(fam and fam.norm_bias)
+    return dict(layer_norm=layer_norm, norms_per_layer=fam.norms_per_layer if fam else 2,
+                sequential_norms=layer_norm and fam.norms_per_layer == 2
+                and not getattr(hf_cfg, "use_parallel_residual", False),
+                qkv_views=bool(fam and fam.position_embeddings),
+                mlp_saved_tensors=mlp, attention_dropout=float(getattr(hf_cfg, attention_key, 0.0) or 0.0),
                 hidden_dropout=max((float(getattr(hf_cfg, k, 0.0) or 0.0) for k in hidden_keys), default=0.0))
 
 
 def _layer_layout(meta, out) -> dict:
     """Where the decoder layers and the vocabulary projection sit among the parameters of a model
     (tied weights once, registration order): ``layer_start``, ``layer_param_count`` (of the module
-    list every family keeps its blocks in, ``*.layers``) and ``projection_index``; empty where the
-    model has no such list."""
+    list every family keeps its blocks in, ``*.layers``, GPT-2's ``transformer.h``) and
+    ``projection_index``; empty where the model has no such list."""
     import torch
 
     params = list({id(p): p for p in meta.parameters()}.values())
     index = {id(p): i for i, p in enumerate(params)}
     blocks = next((m for name, m in meta.named_modules()
-                   if name.endswith("layers") and isinstance(m, torch.nn.ModuleList) and len(m)), None)
+                   if (name.endswith("layers") or name.endswith(".h")) and isinstance(m, torch.nn.ModuleList) and len(m)),
+                  None)
     if blocks is None:
         return {}
     first = list(blocks[0].parameters())
@@ -238,9 +251,10 @@ def activation_parts(dims: ModelDims, micro_batch: int, seq_len: int, dtype_byte
       and the attention output; the SwiGLU MLP's gate, up, ``silu(gate)`` and product; the flash
       kernel's fp32 log-sum-exp per head;
     * the other families' blocks (:class:`ModelDims` ``layer_norm``, ``norms_per_layer``,
-      ``mlp_saved_tensors``, dropout): a LayerNorm block keeps its input once and per norm the
-      output and ``2*e`` of statistics, and its attention one more ``e*h`` (the output copied
-      before the dense projection); the MLP ``mlp_saved_tensors * e*i``; dropout on the residual
+      ``sequential_norms``, ``qkv_views``, ``mlp_saved_tensors``, dropout): a LayerNorm block keeps
+      its input once (GPT-2's sequential block: each norm's input) and per norm the output and
+      ``2*e`` of statistics, and its attention one more ``e*h`` (the output copied before the
+      dense projection; GPT-2's fused q/k/v views one more in the flash path); the MLP ``mlp_saved_tensors * e*i``; dropout on the residual
       branches one ``e*h`` mask each (and the embedding's); dropout on the attention weights makes
       SDPA take its math path, which keeps fp32 q, k, v (``12*h``) and three fp32 ``s x s``
       tensors per head (``12*a*s``: memory quadratic in ``s``) instead of the flash kernel's
@@ -258,7 +272,7 @@ def activation_parts(dims: ModelDims, micro_batch: int, seq_len: int, dtype_byte
     bytes measured) and at h 1024, kv 512, i 2816; checkpointed layers exactly ``e*h``; the
     vocabulary term 12.0 bytes per entry per token in bf16 and fp32, linear in ``s`` from 1024 to
     4096 tokens. The other families' terms counted with saved-tensor hooks (transformers 5.24,
-    2 x 256 tokens, bf16 and fp32): the from-scratch Mistral, Qwen2, GPT-NeoX and Phi presets, with
+    2 x 256 tokens, bf16 and fp32): the from-scratch Mistral, Qwen2, GPT-NeoX, Phi and GPT-2 presets, with
     and without dropout, within 0.2 % of the tensors autograd keeps.
     """
     t, h, a = micro_batch * seq_len, dims.hidden_size, dims.num_heads
@@ -268,9 +282,10 @@ def activation_parts(dims: ModelDims, micro_batch: int, seq_len: int, dtype_byte
     if dims.attention_dropout > 0:  # SDPA's math path: fp32 q, k, v and three s x s fp32 tensors per head
         attention = _FP32 * (3 * h + 3 * a * seq_len) + e * h
     else:  # the flash kernel: q, k, v, the output and the fp32 log-sum-exp per head
-        attention = e * (2 * h + 2 * kv) + 4 * a + (e * h if dims.layer_norm else 0)
+        attention = e * (2 * h + 2 * kv) + 4 * a + (e * h if dims.layer_norm else 0) + (e * h if dims.qkv_views else 0)
     if dims.layer_norm:  # the block's input (shared by parallel norms), each norm's output, its mean and rstd
-        norms, final_norm = e * h + dims.norms_per_layer * (e * h + 2 * e), 2 * e * h + 2 * e
+        inputs = dims.norms_per_layer if dims.sequential_norms else 1
+        norms, final_norm = inputs * e * h + dims.norms_per_layer * (e * h + 2 * e), 2 * e * h + 2 * e
     else:  # each RMSNorm's fp32 input and its normalised and weighted outputs
         norms = dims.norms_per_layer * (2 * e * h + 4 * h)
         final_norm = 2 * e * h + 4 * h

@@ -81,7 +81,7 @@ def _saved_bytes(spec: str, dtype, micro_batch: int, seq_len: int) -> tuple[int,
     return sum(seen.values()) - micro_batch * seq_len * hf_cfg.vocab_size * 4, hf_cfg
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "gpt_neox", "phi"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "gpt_neox", "phi", "gpt2"])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_activation_terms_match_autograds_saved_tensors(arch, dropout):
     import torch
