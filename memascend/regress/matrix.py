@@ -304,6 +304,11 @@ def _cpu_full() -> Matrix:
     for preset in FAMILY_PRESETS:
         configs.append(BenchConfig(name=f"{preset}-bf16-256x2", from_scratch=preset, micro_batch=2,
                                    thresholds=SMOLLM2_THRESHOLDS))
+    # A 16 M GPT-2 shape (tied, learned positions, dropout 0.1): a model smaller than stock's swap
+    # buffers, held to the same targets. The loss 128 tokens at a time in both engines: at 2 x 256
+    # the full fp32 logits (512 x 49,152, several copies) are most of memascend's peak.
+    configs.append(BenchConfig(name=f"{SMALL_FAMILY_PRESET}-bf16-256x2-chunk128", from_scratch=SMALL_FAMILY_PRESET,
+                               micro_batch=2, loss_chunk_tokens=128, thresholds=SMOLLM2_THRESHOLDS))
     for seq in (1024, 4096):
         configs.append(BenchConfig(name=f"llama-0.1b-bf16-{seq}x1", from_scratch="llama-0.1b", seq_len=seq,
                                    micro_batch=1, steps=3, activation_checkpointing=True,
@@ -312,7 +317,7 @@ def _cpu_full() -> Matrix:
         name="cpu-full",
         description="scaling story on the CPU: SmolLM2-135M (bf16, fp32, 2 ranks, 2 simulated nodes), "
                     "from-scratch Llama 0.1B-3B, sequence lengths 256-4096, and from-scratch Mistral, Qwen2, "
-                    "GPT-NeoX and Phi of ~0.1B; several hours on a 2-core CPU",
+                    "GPT-NeoX and Phi of ~0.1B, a 16M GPT-2; several hours on a 2-core CPU",
         configs=tuple(configs),
     )
 
@@ -354,6 +359,11 @@ def _gpu() -> Matrix:
 FAMILY_PRESETS = ("mistral-0.07b", "qwen2-0.1b", "gpt-neox-0.1b", "phi-0.1b")
 """From-scratch presets of other families than Llama in ``cpu-full`` (bf16, 2 x 256 tokens,
 params and optimizer on NVMe, :data:`SMOLLM2_THRESHOLDS`)."""
+
+
+SMALL_FAMILY_PRESET = "gpt2-16m"
+"""The small-model row of ``cpu-full`` (bf16, 2 x 256 tokens, ``--loss-chunk-tokens 128`` in both engines,
+:data:`SMOLLM2_THRESHOLDS`)."""
 
 
 SCALING_PRESETS = ("llama-tiny", "llama-0.1b", "llama-0.3b", "llama-0.5b", "llama-1b", "llama-2b", "llama-3b")

@@ -41,6 +41,23 @@ def test_cpu_full_spans_models_and_sequence_lengths():
     assert {c.dtype for c in get_matrix("gpu").configs} == {"bf16", "fp16"}
 
 
+def test_cpu_full_has_the_small_gpt2_row_with_the_chunked_loss_in_both_engines():
+    """The 16 M GPT-2 (dropout 0.1) at 2 x 256, bf16, held to the memory core's targets, with
+    ``--loss-chunk-tokens 128`` given to both engines (so losses stay comparable bit for bit)."""
+    from memascend.config import FROM_SCRATCH_PRESETS
+
+    (row,) = get_matrix("cpu-full").select("gpt2-16m-*")
+    assert (row.from_scratch, row.dtype, row.micro_batch, row.seq_len, row.loss_chunk_tokens) == (
+        "gpt2-16m", "bf16", 2, 256, 128)
+    assert FROM_SCRATCH_PRESETS[row.from_scratch].dropout == 0.1
+    assert (row.thresholds.max_peak_rss_ratio, row.thresholds.max_peak_locked_ratio, row.thresholds.bitwise_losses) == (
+        0.40, 0.25, True)
+    args = {e: row.finetune_args(engine=e, output_dir="o", nvme_path="s") for e in ("baseline", "memascend")}
+    assert all(a[a.index("--loss-chunk-tokens") + 1] == "128" for a in args.values())
+    assert [(x, y) for x, y in zip(args["baseline"], args["memascend"], strict=True) if x != y] == [
+        ("baseline", "memascend")]
+
+
 def test_engines_get_identical_arguments_except_engine_and_output():
     cfg = get_matrix("smoke").configs[2]
     a = cfg.finetune_args(engine="baseline", output_dir="o/b", nvme_path="swap")
