@@ -121,7 +121,7 @@ CASES: tuple[Case, ...] = (
          "--from-scratch: value of 'tie_word_embeddings' must be true or false, got 'maybe'"),
     Case("from-scratch-unknown-arch", "a from-scratch architecture memascend does not build", "finetune",
          ("--from-scratch", "arch=bert,hidden=64,layers=2,heads=4"),
-         "from-scratch model: unknown arch 'bert' (known: llama, mistral, qwen2, gpt_neox, phi)"),
+         "from-scratch model: unknown arch 'bert' (known: llama, mistral, qwen2, gpt_neox, phi, gpt2)"),
     Case("from-scratch-neox-kv-heads", "grouped-query attention on an architecture without it", "finetune",
          ("--from-scratch", "arch=gpt_neox,hidden=64,layers=2,heads=4,kv_heads=2"),
          "from-scratch model: arch gpt_neox has no grouped-query attention: num_kv_heads 2 must equal num_heads 4"),

@@ -14,7 +14,7 @@ from memascend.config import FROM_SCRATCH_PRESETS
 from memascend.models.loading import from_scratch_config
 
 
-@pytest.mark.parametrize("preset", ["llama-0.1b", "mistral-0.07b", "qwen2-0.1b", "gpt-neox-0.1b", "phi-0.1b"])
+@pytest.mark.parametrize("preset", ["llama-0.1b", "mistral-0.07b", "qwen2-0.1b", "gpt-neox-0.1b", "phi-0.1b", "gpt2-16m"])
 def test_from_scratch_models_use_sdpa(preset):
     from transformers import AutoModelForCausalLM
 
