@@ -55,3 +55,12 @@ def test_activation_swap_with_a_dram_allowance_plan_within_15_percent():
     cfg = build_run_config({}, {"lora": {"rank": 16, "target_modules": ["all-linear"]}, "train": {"loss_chunk_tokens": 256}})
     plan = plan_run(cfg, memascend_settings={"enable_activation_swap": True, "activation_dram_bytes": 256 << 20})
     assert abs(plan["memascend"].peak_rss_bytes / 2**20 / 1381 - 1) < 0.15
+
+
+def test_activation_swap_plan_of_the_lora_llama_05b_row_within_15_percent():
+    # the lora matrix's second row (baselines/cpu-2c-24g/lora/results.json, memascend peak RSS 1135.9 MiB):
+    # llama-0.5b from scratch, 1 x 256, activation checkpointing, LoRA rank 16 on every linear layer, swap on
+    cfg = build_run_config({}, {"model": {"from_scratch": "llama-0.5b"}, "lora": {"rank": 16, "target_modules": ["all-linear"]},
+                                "train": {"micro_batch": 1, "activation_checkpointing": True}, "data": {"seq_len": 256}})
+    plan = plan_run(cfg, memascend_settings={"enable_activation_swap": True})
+    assert abs(plan["memascend"].peak_rss_bytes / 2**20 / 1135.9 - 1) < 0.15
