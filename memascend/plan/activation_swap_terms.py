@@ -20,8 +20,10 @@ Three parts, per rank, at the start of backward:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from memascend.config import RunConfig
 from memascend.plan.calibration import (
     HEAP_BYTES_PER_SMALL_SAVED_BYTE,
     HOST_BLOCK_CACHE_REGION_BYTES,
@@ -136,3 +138,22 @@ def swap_terms(act: Activations, dims: ModelDims, micro_batch: int, seq_len: int
     in_use = sum(blocks)
     slack = max(0, cache_regions_bytes(blocks) - in_use)
     return SwapTerms(in_dram, small, int(small * HEAP_BYTES_PER_SMALL_SAVED_BYTE), slack)
+
+
+def add_swap_terms(add: Callable[..., None], act: Activations, dims: ModelDims, cfg: RunConfig, e: int,
+                   dram_allowance_bytes: int | None) -> int | None:
+    """Add the heap and region-slack terms of :func:`swap_terms` for ``cfg``'s micro-batch (backward
+    phase, through the planner's ``add(name, bytes, locked, source, phase)``) and return the eligible
+    saved bytes left in DRAM (``None``: the swap changes nothing, nothing was added)."""
+    from memascend.io.activation_swap import DEFAULT_MIN_BYTES, DEFAULT_READ_AHEAD_BYTES
+
+    terms = swap_terms(act, dims, cfg.train.micro_batch, cfg.data.seq_len, e, cfg.train.activation_checkpointing,
+                       min_bytes=DEFAULT_MIN_BYTES, read_ahead_bytes=DEFAULT_READ_AHEAD_BYTES,
+                       dram_allowance_bytes=dram_allowance_bytes, lora_rank=cfg.lora.rank if cfg.lora.enabled else None)
+    if terms is None:
+        return None
+    add("saved tensors under the swap's min_bytes and the heap pages they keep (activation_swap)",
+        terms.heap_bytes, False, "glibc heap (HEAP_BYTES_PER_SMALL_SAVED_BYTE)", "backward")
+    add("host block cache region slack (blocks under a region packed into 64 MiB regions)",
+        terms.cache_slack_bytes, False, "host_cache regions (activation_swap_terms.cache_regions_bytes)", "backward")
+    return terms.saved_in_dram_bytes

@@ -210,22 +210,13 @@ def _add_forward_backward(add, dims: ModelDims, cfg: RunConfig, e: int, w: int, 
         add("fp32 logits kept in the heap", act.logits, False, src)
     saved = act.saved
     if swap_activations and trimmed:
-        from memascend.io.activation_swap import DEFAULT_MIN_BYTES, DEFAULT_READ_AHEAD_BYTES
-        from memascend.plan.activation_swap_terms import swap_terms
+        from memascend.plan.activation_swap_terms import add_swap_terms
 
-        terms = swap_terms(act, dims, cfg.train.micro_batch, cfg.data.seq_len, e, cfg.train.activation_checkpointing,
-                           min_bytes=DEFAULT_MIN_BYTES, read_ahead_bytes=DEFAULT_READ_AHEAD_BYTES,
-                           dram_allowance_bytes=activation_dram_bytes,
-                           lora_rank=cfg.lora.rank if cfg.lora.enabled else None)
-        if terms is not None:
-            saved = terms.saved_in_dram_bytes
+        in_dram = add_swap_terms(add, act, dims, cfg, e, activation_dram_bytes)
+        if in_dram is not None:
+            saved = in_dram
             src = ("autograd saved tensors (activation_parts), on NVMe beyond the swap's read-ahead and DRAM "
                    "allowance (activation_swap)")
-            add("saved tensors under the swap's min_bytes and the heap pages they keep (activation_swap)",
-                terms.heap_bytes, False, "glibc heap (HEAP_BYTES_PER_SMALL_SAVED_BYTE)", "backward")
-            add("host block cache region slack (blocks under a region packed into 64 MiB regions)",
-                terms.cache_slack_bytes, False, "host_cache regions (activation_swap_terms.cache_regions_bytes)",
-                "backward")
     transient = (0 if saved_kept else saved) + max(0 if logits_kept else act.logits,
                                                    0 if saved_kept else act.recompute)
     what = "fp32 logits at the start of backward" if saved_kept else \
