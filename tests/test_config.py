@@ -260,3 +260,14 @@ def test_the_memascend_section_is_parsed_when_the_config_is_built(tmp_path):
         build_run_config({}, {"deepspeed_config": str(ds)})
     with pytest.raises(UserError, match="DeepSpeed config not found"):
         build_run_config({}, {"deepspeed_config": str(tmp_path / "missing.json")})
+
+
+def test_activation_dram_bytes_is_a_size_or_zero():
+    from memascend.config.settings import MemAscendSettings
+
+    assert MemAscendSettings(activation_dram_bytes="2GiB").activation_dram_bytes == 2 << 30
+    assert MemAscendSettings.from_mapping({"activation_dram_bytes": 0}).activation_dram_bytes == 0
+    assert MemAscendSettings().activation_dram_bytes is None
+    for bad in (-1, True, "lots", 1.5):
+        with pytest.raises(UserError, match="activation_dram_bytes"):
+            MemAscendSettings(activation_dram_bytes=bad)

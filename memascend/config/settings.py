@@ -193,6 +193,14 @@ class MemAscendSettings:
         activation_swap_bytes: the activation store file's size (bytes; preallocated). ``None``: a
             quarter of the swap folder's free space, at most 16 GiB. Tensors that do not fit stay in
             DRAM (reported as ``kept_bytes``).
+        activation_dram_bytes: bytes of each training forward pass's swappable saved tensors kept in
+            host memory by the activation swap (``enable_activation_swap``); only the rest goes to
+            NVMe. The latest tensors of the pass are the ones kept (the backward pass needs them
+            first), the earlier ones are written as the pass goes on
+            (:mod:`memascend.io.activation_swap`). ``None`` or 0: every eligible tensor is written.
+            With ``host_memory_budget`` and the swap on, ``None`` takes what the budget leaves
+            after the chosen placement (:func:`memascend.plan.budget.choose_for_budget`). Losses do
+            not depend on it.
         fix_unaligned_gradient_io: a correctness fix, not an optimization, on for both engines:
             read and write the optimizer's swapped gradient fragments through an aligned bounce
             buffer where the fragment's host address is not O_DIRECT-aligned; stock DeepSpeed
@@ -242,6 +250,7 @@ class MemAscendSettings:
         "and read them back in the backward pass (bit-identical; costs their bytes in NVMe writes and "
         'reads per step); the "memascend" section\'s enable_activation_swap key does the same [default: off]'))
     activation_swap_bytes: int | None = None
+    activation_dram_bytes: int | None = None
     fix_unaligned_gradient_io: bool = True
     fix_exact_resume: bool = True
 
@@ -294,6 +303,17 @@ class MemAscendSettings:
                 raise UserError(f'memascend setting activation_swap_bytes must be a size of at least 1MiB such as "8GiB", '
                                 f"got {act!r}")
             object.__setattr__(self, "activation_swap_bytes", act_bytes)
+        act_dram = self.activation_dram_bytes
+        if act_dram is not None:
+            try:
+                act_dram_bytes = parse_size_bytes(act_dram) if isinstance(act_dram, (int, str)) \
+                    and not isinstance(act_dram, bool) else -1
+            except UserError as exc:
+                raise UserError(f"memascend setting activation_dram_bytes: {exc}") from None
+            if act_dram_bytes < 0:
+                raise UserError(f'memascend setting activation_dram_bytes must be a size such as "2GiB" (0: none), '
+                                f"got {act_dram!r}")
+            object.__setattr__(self, "activation_dram_bytes", act_dram_bytes)
         opt_dram = self.optimizer_dram_numel
         if opt_dram is not None and (isinstance(opt_dram, bool) or not isinstance(opt_dram, int) or opt_dram < 0):
             raise UserError(f"memascend setting optimizer_dram_numel must be an integer >= 0 (elements), got {opt_dram!r}")

@@ -11,6 +11,16 @@ hook reads it back (reads for the tensors the backward pass needs next are issue
 consumes them in about the reverse order). The backward pass sees the same values, dtypes, shapes and
 strides, so losses and gradients are bit-identical to a run without it.
 
+A DRAM allowance (``dram_bytes``) keeps up to that many bytes of each forward pass's swappable saved
+tensors in host memory: the *latest* ones. Every eligible tensor first joins a window of tensors held
+in DRAM; when the window's bytes pass the allowance, its oldest tensors are written to the store. At
+the end of the forward pass the window holds the tail of the pass (the loss's fp32 tensors, the last
+layers), which the backward pass consumes first: it starts on tensors already in memory while the
+read-ahead fetches the earlier ones, instead of waiting on reads from its first op, as it would if the
+*first* bytes of the pass were kept (those are needed last, so they would sit in DRAM through the
+whole backward pass while its start waits on the store). Holding a tensor until it leaves the window
+delays its write by at most the allowance; nothing else changes.
+
 Not swapped (handed back to autograd as they are): parameters and their views (ZeRO-3 swaps those
 itself), tensors under ``min_bytes``, non-CPU tensors, tensors that do not own their whole storage (a
 view of a larger buffer: writing it would free nothing), and tensors that do not fit in the store
@@ -65,6 +75,13 @@ class ActivationSwapStats:
         swapped_tensors: tensors written.
         peak_stored_bytes: most bytes of saved tensors in the store at once.
         capacity_bytes: the store's data capacity.
+        dram_allowance_bytes: the DRAM allowance per forward pass (0: every eligible tensor is written).
+        forwards: forward passes run under the hooks.
+        dram_bytes: eligible saved tensors held in DRAM by the allowance at the end of each forward
+            pass, summed over the passes (``dram_bytes / forwards``: the mean per pass).
+        max_forward_dram_bytes: the most of them at the end of one forward pass.
+        max_forward_swapped_bytes: the most bytes written to the store by one forward pass (its
+            tensors that left the window, or all eligible ones without an allowance).
     """
 
     written_bytes: int = 0
@@ -73,22 +90,31 @@ class ActivationSwapStats:
     swapped_tensors: int = 0
     peak_stored_bytes: int = 0
     capacity_bytes: int = 0
+    dram_allowance_bytes: int = 0
+    forwards: int = 0
+    dram_bytes: int = 0
+    max_forward_dram_bytes: int = 0
+    max_forward_swapped_bytes: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
 
 
 class _Swapped:
-    """One saved tensor in the store: what the unpack hook reads back. Frees its extent when autograd
-    drops it (the graph is freed after backward)."""
+    """One eligible saved tensor: held in DRAM (``held``: in the allowance's window; or kept, the store
+    being full: ``key`` is ``None``), or in the store (``key``), what the unpack hook reads back. Frees
+    its extent when autograd drops it (the graph is freed after backward)."""
 
-    __slots__ = ("__weakref__", "dtype", "key", "loaded", "nbytes", "owner", "shape", "ticket", "tensor")
+    __slots__ = ("__weakref__", "dtype", "freed", "held", "key", "loaded", "nbytes", "owner", "shape", "ticket",
+                 "tensor")
 
-    def __init__(self, owner: ActivationSwapper, key: str, flat: torch.Tensor, shape: tuple[int, ...],
-                 ticket: Ticket) -> None:
-        self.owner, self.key, self.ticket, self.shape = owner, key, ticket, shape
+    def __init__(self, owner: ActivationSwapper, flat: torch.Tensor, shape: tuple[int, ...]) -> None:
+        self.owner, self.shape = owner, shape
+        self.key: str | None = None  # the store extent's key once written
+        self.ticket: Ticket | None = None
         self.tensor: torch.Tensor | None = flat  # the saved tensor's bytes, held until the write completes
         self.loaded: torch.Tensor | None = None
+        self.held = self.freed = False
         self.dtype, self.nbytes = flat.dtype, flat.numel() * flat.element_size()
 
     def __del__(self) -> None:
@@ -105,6 +131,8 @@ class ActivationSwapper:
         path: the store file to create (in the run's swap folder); unlinked once open.
         capacity_bytes: the file's size (preallocated).
         min_bytes, write_behind_bytes, read_ahead_bytes: see the module constants.
+        dram_bytes: bytes of each forward pass's eligible saved tensors kept in DRAM, the latest ones
+            (see the module docstring); 0 or ``None``: every eligible tensor is written.
         meter: called as ``meter(read_bytes=, write_bytes=, wait_s=)`` for every transfer submitted
             and every wait (the seam's swap I/O meter, so the bytes show in the per-phase swap I/O).
 
@@ -114,14 +142,15 @@ class ActivationSwapper:
 
     def __init__(self, path: str | os.PathLike, capacity_bytes: int, *, min_bytes: int = DEFAULT_MIN_BYTES,
                  write_behind_bytes: int = DEFAULT_WRITE_BEHIND_BYTES,
-                 read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES,
+                 read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES, dram_bytes: int | None = None,
                  meter: Callable[..., None] | None = None) -> None:
         self.path = Path(path)
         self.store = TensorStore.create(self.path, size_bytes=int(capacity_bytes))
         self.path.unlink()  # the open descriptor keeps it: no file is left behind, whatever ends the process
         self.min_bytes, self.write_behind_bytes, self.read_ahead_bytes = min_bytes, write_behind_bytes, read_ahead_bytes
         self._meter = meter or (lambda **_: None)
-        self.stats = ActivationSwapStats(capacity_bytes=self.store.capacity_bytes)
+        self.dram_bytes = int(dram_bytes or 0)
+        self.stats = ActivationSwapStats(capacity_bytes=self.store.capacity_bytes, dram_allowance_bytes=self.dram_bytes)
         self._lock = threading.RLock()
         self._keys = itertools.count()
         self._writing: collections.deque[weakref.ref[_Swapped]] = collections.deque()  # writes in flight, oldest first
@@ -129,6 +158,9 @@ class ActivationSwapper:
         self._stored_bytes = 0
         self._order: list[weakref.ref[_Swapped]] = []  # this forward's handles in pack order
         self._same: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[_Swapped]]] = {}  # id(tensor) -> handle
+        self._held: collections.deque[weakref.ref[_Swapped]] = collections.deque()  # the DRAM window, oldest first
+        self._held_bytes = 0
+        self._forward_written_bytes = 0
         self._installed: torch.autograd.graph.saved_tensors_hooks | None = None
 
     # ---------------------------------------------------------------- hooks
@@ -141,6 +173,13 @@ class ActivationSwapper:
         """Install the hooks (a new forward pass: the read-ahead order starts again)."""
         if self._installed is not None:
             self.end()
+        with self._lock:
+            for ref in self._held:  # the previous pass's tail leaves the window (it stays in DRAM)
+                handle = ref()
+                if handle is not None:
+                    handle.held = False
+            self._held.clear()
+            self._held_bytes = self._forward_written_bytes = 0
         self._order, self._same = [], {}
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
@@ -154,6 +193,12 @@ class ActivationSwapper:
         if hooks is not None:
             hooks.__exit__(None, None, None)
         with self._lock:
+            if hooks is not None:
+                st = self.stats
+                st.forwards += 1
+                st.dram_bytes += self._held_bytes
+                st.max_forward_dram_bytes = max(st.max_forward_dram_bytes, self._held_bytes)
+                st.max_forward_swapped_bytes = max(st.max_forward_swapped_bytes, self._forward_written_bytes)
             for ref in list(self._writing):
                 handle = ref()
                 if handle is not None:
@@ -186,32 +231,50 @@ class ActivationSwapper:
             seen = self._same.get(id(t))
             if seen is not None and seen[0]() is t:
                 same = seen[1]()
-                if same is not None and same.key is not None:
+                if same is not None and not same.freed:
                     return same
-            key = f"a{next(self._keys)}"
-            flat = t.detach().view(-1)  # contiguous and owning its storage (_eligible)
-            try:
-                ticket = self.store.submit_write(key, flat)
-            except StoreFullError:
-                self.stats.kept_bytes += t.numel() * t.element_size()
-                return t
-            handle = _Swapped(self, key, flat, tuple(t.shape), ticket)
-            self._meter(write_bytes=handle.nbytes)
+            handle = _Swapped(self, t.detach().view(-1), tuple(t.shape))  # contiguous, owns its storage (_eligible)
             self._same[id(t)] = (weakref.ref(t), weakref.ref(handle))
             self._order.append(weakref.ref(handle))
-            self._writing.append(weakref.ref(handle))
-            self._writing_bytes += handle.nbytes
-            self._stored_bytes += handle.nbytes
-            self.stats.written_bytes += handle.nbytes
-            self.stats.swapped_tensors += 1
-            self.stats.peak_stored_bytes = max(self.stats.peak_stored_bytes, self._stored_bytes)
-            while self._writing_bytes > self.write_behind_bytes and len(self._writing) > 1:
-                oldest = self._writing[0]()
-                if oldest is None:
-                    self._writing.popleft()
-                else:
-                    self._finish_write(oldest)
+            if not self.dram_bytes:
+                self._write(handle)
+                return handle
+            handle.held = True
+            self._held.append(weakref.ref(handle))
+            self._held_bytes += handle.nbytes
+            while self._held_bytes > self.dram_bytes and self._held:  # the oldest leave the window
+                oldest = self._held.popleft()()
+                if oldest is not None and oldest.held:
+                    oldest.held = False
+                    self._held_bytes -= oldest.nbytes
+                    self._write(oldest)
         return handle
+
+    def _write(self, handle: _Swapped) -> None:
+        """Submit ``handle``'s write (a full store keeps it in DRAM); past the write-behind bytes, wait
+        for the oldest writes."""
+        key = f"a{next(self._keys)}"
+        assert handle.tensor is not None
+        try:
+            handle.ticket = self.store.submit_write(key, handle.tensor)
+        except StoreFullError:
+            self.stats.kept_bytes += handle.nbytes
+            return
+        handle.key = key
+        self._meter(write_bytes=handle.nbytes)
+        self._writing.append(weakref.ref(handle))
+        self._writing_bytes += handle.nbytes
+        self._stored_bytes += handle.nbytes
+        self.stats.written_bytes += handle.nbytes
+        self._forward_written_bytes += handle.nbytes
+        self.stats.swapped_tensors += 1
+        self.stats.peak_stored_bytes = max(self.stats.peak_stored_bytes, self._stored_bytes)
+        while self._writing_bytes > self.write_behind_bytes and len(self._writing) > 1:
+            oldest = self._writing[0]()
+            if oldest is None:
+                self._writing.popleft()
+            else:
+                self._finish_write(oldest)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Swapped):
@@ -276,7 +339,14 @@ class ActivationSwapper:
     def _release(self, handle: _Swapped) -> None:
         """Autograd dropped ``handle``: free its extent (after any transfer in flight)."""
         with self._lock:
+            if handle.freed:
+                return
+            handle.freed = True
+            if handle.held:  # in the DRAM window: nothing in the store
+                handle.held = False
+                self._held_bytes -= handle.nbytes
             if handle.key is None or self.store is None:
+                handle.loaded = handle.tensor = None
                 return
             if handle.ticket is not None:
                 if handle.ticket.op == "write":

@@ -9,7 +9,11 @@ stages, each planned with :func:`memascend.plan.model.plan_engine` (memascend's 
    the fp32 optimizer state of the next one (``optimizer_dram_numel``), whichever removes more planned
    NVMe bytes per step (:class:`memascend.plan.placement.Placement`) per byte of DRAM it adds;
 2. the lean knobs of :data:`KNOBS` (parameter pool, prefetch depth, optimizer chunk) at the placements
-   that fit.
+   that fit;
+3. with the activation swap on (``enable_activation_swap``) and no ``activation_dram_bytes`` given,
+   what the budget leaves after the chosen placement keeps the latest saved tensors of each forward
+   pass in DRAM (:func:`activation_allowance`): less than the next point of the fill order needs, so
+   it takes nothing from the placement, and it removes their NVMe writes and reads.
 
 A choice fits when its planned peak host RSS (locked memory included) is at most the budget less
 :data:`BUDGET_HEADROOM_FRACTION` (the planner's stated accuracy). Of the fitting ones the one with the
@@ -44,7 +48,7 @@ from memascend.errors import UserError
 from memascend.plan.model import EnginePlan, plan_engine
 from memascend.plan.placement import Placement, plan_placement
 from memascend.plan.shapes import ModelDims, model_dims
-from memascend.units import DTYPE_BYTES, GIB
+from memascend.units import DTYPE_BYTES, GIB, MIB
 
 BUDGET_HEADROOM_FRACTION = 0.10
 """Part of the budget left free: a choice is kept only if its planned peak RSS is at most
@@ -391,8 +395,32 @@ def choose_for_budget(cfg: RunConfig, budget_bytes: int, world_size: int = 1,
             if p is not None and (p.optimizer_read_bytes / bw.read_bytes_per_s
                                   + (p.optimizer_write_bytes + p.param_write_bytes) / bw.write_bytes_per_s) >= best[3]:
                 break
-    values, settings, plan, cost = best
+    values, settings, plan, cost = activation_allowance(planner, best, usable)
     return BudgetChoice(values, settings, plan, cost, budget_bytes)
+
+
+def activation_allowance(planner: _Planner, chosen: tuple[dict[str, Any], MemAscendSettings, EnginePlan, float],
+                         usable: int) -> tuple[dict[str, Any], MemAscendSettings, EnginePlan, float]:
+    """``chosen`` with ``activation_dram_bytes`` set to the budget's headroom (``usable`` less the
+    planned peak, per rank) where the activation swap is on and the setting was not given; planned
+    again, and lowered by what the plan overshoots until it fits (the cache's regions round the kept
+    bytes up). Unchanged otherwise, or where less than the swapper's ``min_bytes`` is left."""
+    from memascend.io.activation_swap import DEFAULT_MIN_BYTES
+
+    values, settings, plan, _ = chosen
+    if not getattr(settings, "enable_activation_swap", False) or getattr(settings, "activation_dram_bytes", 0) \
+            is not None:
+        return chosen
+    allowance = (usable - plan.peak_rss_bytes) // planner.w
+    for _ in range(4):
+        allowance -= allowance % MIB  # whole MiB
+        if allowance < DEFAULT_MIN_BYTES:
+            break
+        trial = planner({**values, "activation_dram_bytes": allowance})
+        if trial[2].peak_rss_bytes <= usable:
+            return trial
+        allowance -= math.ceil((trial[2].peak_rss_bytes - usable) / planner.w)
+    return chosen
 
 
 def _refusal(cfg: RunConfig, budget_bytes: int, world_size: int, planned, flag: str) -> UserError:

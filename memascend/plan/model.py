@@ -182,14 +182,16 @@ class EnginePlan:
 
 
 def _add_forward_backward(add, dims: ModelDims, cfg: RunConfig, e: int, w: int, trimmed: bool, *,
-                          swap_activations: bool = False) -> None:
+                          swap_activations: bool = False, activation_dram_bytes: int | None = None) -> None:
     """The forward/backward consumers of one rank: activations, the vocabulary projection's weight
     gradient and, on several ranks, the gathered parameters.
 
     With ``swap_activations`` (``enable_activation_swap``) the saved layer tensors of at least the
-    swapper's ``min_bytes`` are on NVMe at the start of backward: what stays is its read-ahead plus
-    the largest saved tensor (the one being used); the loss's fp32 tensors are counted as without it
-    (the log-softmax is read back beside its gradient).
+    swapper's ``min_bytes`` are on NVMe at the start of backward: what stays is its read-ahead, the
+    largest saved tensor (the one being used) and the DRAM allowance (``activation_dram_bytes``), the
+    saved tensors under ``min_bytes`` with the heap pages they keep, and the host block cache's region
+    slack (:mod:`memascend.plan.activation_swap_terms`); the loss's fp32 tensors are counted as
+    without it (the log-softmax is read back beside its gradient).
 
     Where freed memory is not handed back (stock), the tensors below
     :data:`GLIBC_MMAP_THRESHOLD_MAX_BYTES` stay in the heap after the first step and are modelled
@@ -208,12 +210,13 @@ def _add_forward_backward(add, dims: ModelDims, cfg: RunConfig, e: int, w: int, 
         add("fp32 logits kept in the heap", act.logits, False, src)
     saved = act.saved
     if swap_activations and trimmed:
-        from memascend.io.activation_swap import DEFAULT_MIN_BYTES, DEFAULT_READ_AHEAD_BYTES
+        from memascend.plan.activation_swap_terms import add_swap_terms
 
-        in_dram = DEFAULT_READ_AHEAD_BYTES + act.largest_saved_tensor
-        if act.largest_saved_tensor >= DEFAULT_MIN_BYTES and in_dram < saved:
+        in_dram = add_swap_terms(add, act, dims, cfg, e, activation_dram_bytes)
+        if in_dram is not None:
             saved = in_dram
-            src = "autograd saved tensors (activation_parts), on NVMe beyond the swap's read-ahead (activation_swap)"
+            src = ("autograd saved tensors (activation_parts), on NVMe beyond the swap's read-ahead and DRAM "
+                   "allowance (activation_swap)")
     transient = (0 if saved_kept else saved) + max(0 if logits_kept else act.logits,
                                                    0 if saved_kept else act.recompute)
     what = "fp32 logits at the start of backward" if saved_kept else \
@@ -437,7 +440,8 @@ def plan_engine(cfg: RunConfig, dims: ModelDims, run: ResolvedRun, world_size: i
         slab = _bounce_slab_numel(swapped_groups, _swap_align_bytes(cfg.offload.nvme_path))
         add("gradient bounce slab (unaligned fragments)", slab * _FP32, True,
             "aligned_io.read_fragments (fix_unaligned_gradient_io)", "step")
-    _add_forward_backward(add, dims, cfg, e, w, trimmed, swap_activations=ma and settings.enable_activation_swap)
+    _add_forward_backward(add, dims, cfg, e, w, trimmed, swap_activations=ma and settings.enable_activation_swap,
+                          activation_dram_bytes=getattr(settings, "activation_dram_bytes", None))
     if ma and getattr(settings, "enable_host_block_cache", False):
         comps.extend(_host_block_cache_in_step(comps))
     nvme = nvme_swap_bytes(dims.total_numel, e, op.get("device") == "nvme", oo.get("device") == "nvme",

@@ -33,3 +33,25 @@ def test_swapped_activations_give_stock_losses(tmp_path, baseline_losses_hex):
     forward_written = sum(step["phase_io"]["forward_s"]["write_bytes"] for step in report["steps"])
     assert forward_written == moved["written_bytes"]
     assert sum(step["phase_io"]["backward_s"]["read_bytes"] for step in report["steps"]) >= moved["read_bytes"]
+
+
+
+def test_a_dram_allowance_reaches_the_swapper_and_gives_stock_losses(tmp_path, baseline_losses_hex):
+    # The "memascend" section's activation_dram_bytes: at these sizes a micro-batch saves one eligible
+    # tensor (its 12 MiB of fp32 logits), which the allowance keeps in DRAM, so nothing is written;
+    # which tensors of a longer pass stay and which go is tests/io/test_activation_swap.py's.
+    allowance = 64 << 20
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"memascend": {"enable_activation_swap": True, "activation_dram_bytes": allowance}}))
+    out, swap = tmp_path / "out", tmp_path / "swap"
+    proc = run_cli(["finetune", *ARGS, "--deepspeed-config", str(ds), "--output", str(out), "--nvme-path", str(swap)],
+                   tmp_path, timeout_s=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["memascend_settings"]["activation_dram_bytes"] == allowance
+    assert [step["loss"].hex() for step in report["steps"]] == baseline_losses_hex
+    moved = report["memory_breakdown"]["activation_swap"]
+    assert moved["dram_allowance_bytes"] == allowance and moved["forwards"] == 4
+    assert moved["dram_bytes"] >= 4 * 64 * 49152 * 4 and moved["max_forward_dram_bytes"] <= allowance
+    assert moved["written_bytes"] == moved["read_bytes"] == moved["max_forward_swapped_bytes"] == 0
+    assert not list(swap.rglob("memascend-activations-*"))

@@ -111,3 +111,75 @@ def test_a_full_store_keeps_tensors_in_memory(tmp_path):
         assert sw.stats.kept_bytes > 0 and sw.stats.written_bytes > 0
     finally:
         sw.close()
+
+
+def _tally_pack(swapper):
+    """Wrap the swapper's pack hook: the bytes of each eligible saved tensor, in pack order."""
+    sizes, pack = [], swapper._pack
+
+    def tally(t):
+        out = pack(t)
+        if out is not t and (not sizes or sizes[-1][1] is not out):
+            sizes.append((t.numel() * t.element_size(), out))
+        return out
+
+    swapper._pack = tally
+    return sizes
+
+
+def test_a_dram_allowance_keeps_the_latest_tensors_and_writes_the_rest(tmp_path):
+    allowance = 3 * (512 << 10)  # three of the 512 KiB saved tensors of _mlp at 512 x 256
+    sw = ActivationSwapper(tmp_path / "act.store", 64 * MIB, min_bytes=64 << 10, write_behind_bytes=MIB,
+                           read_ahead_bytes=MIB, dram_bytes=allowance)
+    try:
+        layers, x = _mlp(), torch.randn(512, 256)
+        want_loss, want_grads = _step(layers, x)
+        sizes = _tally_pack(sw)
+        for layer in layers:
+            layer.zero_grad()
+        h = x
+        with sw.hooks():
+            for layer in layers:
+                h = torch.nn.functional.gelu(layer(h))
+            loss = torch.log_softmax(h, -1).sum()
+        handles = [out for _, out in sizes]
+        total = sum(n for n, _ in sizes)
+        # the tail of the pass stays in DRAM, within the allowance; everything before it was written
+        tail, in_dram = 0, []
+        for n, handle in reversed(sizes):
+            if tail + n > allowance:
+                break
+            tail += n
+            in_dram.append(handle)
+        assert tail > 0 and all(hd.key is None and hd.tensor is not None for hd in in_dram)
+        written = [hd for hd in handles if all(hd is not k for k in in_dram)]
+        assert written and all(hd.key is not None for hd in written)
+        assert sw.stats.max_forward_dram_bytes == tail and sw.stats.dram_bytes == tail
+        assert sw.stats.max_forward_swapped_bytes == sw.stats.written_bytes == total - tail
+        assert sw.stats.forwards == 1 and sw.stats.dram_allowance_bytes == allowance
+        loss.backward()
+        assert torch.equal(loss.detach(), want_loss)
+        assert all(torch.equal(p.grad, g) for p, g in zip((p for la in layers for p in la.parameters()), want_grads))
+        del sw._pack  # the tally (and the handles it lists) goes
+        del loss, h, handles, written, in_dram, sizes, handle
+        gc.collect()
+        assert sw.store.used_bytes == 0 and sw._held_bytes == 0
+        for _ in range(2):  # the window starts again at each forward pass
+            loss, grads = _step(layers, x, sw)
+            assert torch.equal(loss, want_loss) and all(torch.equal(a, b) for a, b in zip(grads, want_grads))
+        assert sw.stats.forwards == 3 and sw.stats.dram_bytes == 3 * tail
+    finally:
+        sw.close()
+
+
+def test_an_allowance_above_the_pass_writes_nothing(tmp_path):
+    sw = ActivationSwapper(tmp_path / "act.store", 64 * MIB, min_bytes=64 << 10, dram_bytes=64 * MIB)
+    try:
+        layers, x = _mlp(), torch.randn(512, 256)
+        want_loss, want_grads = _step(layers, x)
+        loss, grads = _step(layers, x, sw)
+        assert torch.equal(loss, want_loss) and all(torch.equal(a, b) for a, b in zip(grads, want_grads))
+        assert sw.stats.written_bytes == sw.stats.read_bytes == 0
+        assert sw.stats.max_forward_dram_bytes >= 12 * (512 << 10)
+    finally:
+        sw.close()

@@ -117,3 +117,23 @@ def test_the_choice_in_a_forked_process_matches_and_refuses_alike():
     assert values == choose_for_budget(cfg, 8 * GIB).values and line.startswith("host memory budget 8.00 GiB")
     with pytest.raises(UserError, match="is below the smallest workable budget"):
         budget_mod.choose_values_isolated(_cfg("llama-tiny", host_memory_budget="1MiB"))
+
+
+def test_with_the_activation_swap_the_headroom_keeps_activations_in_dram():
+    cfg = build_run_config({}, {"lora": {"rank": 16, "target_modules": ["all-linear"]}, "train": {"loss_chunk_tokens": 256}})
+    dims = model_dims(cfg)
+    swap = dataclasses.replace(cfg, memascend=MemAscendSettings(enable_activation_swap=True))
+    budget = 2 * GIB
+    choice = choose_for_budget(swap, budget, dims=dims)
+    allowance = choice.values["activation_dram_bytes"]
+    usable = (1 - BUDGET_HEADROOM_FRACTION) * budget
+    assert choice.settings.activation_dram_bytes == allowance > 0
+    assert choice.plan.peak_rss_bytes <= usable < choice.plan.peak_rss_bytes + 2 * 64 * (1 << 20)  # the rest: rounding
+    assert f"activation_dram_bytes={allowance}" in choice.describe()
+    # the same placement and knobs as without the allowance: it only takes what they leave
+    without = choose_for_budget(dataclasses.replace(cfg, memascend=MemAscendSettings(
+        enable_activation_swap=True, activation_dram_bytes=0)), budget, dims=dims)
+    assert {k: v for k, v in choice.values.items() if k != "activation_dram_bytes"} == without.values
+    assert "activation_dram_bytes" not in without.values and without.settings.activation_dram_bytes == 0
+    # without the swap nothing is added
+    assert "activation_dram_bytes" not in choose_for_budget(cfg, budget, dims=dims).values

@@ -3,11 +3,12 @@ partitions but have no fp32 master copy, Adam moments, gradient partition or wei
 on this host (SmolLM2-135M, rank 16 on every linear layer, bf16 4 x 256, ``memascend finetune --lora-rank
 16 --lora-target-modules all-linear --steps 5``, the optimizer's chunk sized from the adapters):
 stock 3.60 GiB peak RSS / 1.02 GiB locked, memascend 2.09 / 0.0775; with ``--swap-activations
---loss-chunk-tokens 256`` (``--loss-chunk-tokens 256`` for stock) stock 3.31 / 1.02, memascend 1.14 / 0.0775."""
+--loss-chunk-tokens 256`` (``--loss-chunk-tokens 256`` for stock) stock 3.31 / 1.02, memascend 1.14 / 0.0775
+(1.15 GiB rerun with ``memascend finetune --lora-rank 16 --lora-target-modules all-linear --steps 4
+--offload-param nvme --offload-optimizer nvme --eval-blocks 0 --no-save-model --swap-activations
+--loss-chunk-tokens 256``)."""
 
 from __future__ import annotations
-
-import pytest
 
 from memascend.config import build_run_config
 from memascend.plan.model import plan_run
@@ -33,10 +34,8 @@ def test_frozen_parameters_have_no_optimizer_terms():
         assert abs(lora[engine].peak_locked_bytes / 2**30 / locked_gib - 1) < 0.15, engine
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: with activation swap the planner counts the swapper's read-ahead, "
-                   "the largest saved tensor and the chunked loss's logits (0.84 GiB planned) but the run peaks at "
-                   "1.14 GiB: the host block cache's region slack and the heap's small tensors are not modelled")
 def test_activation_swap_plan_within_15_percent():
+    # measured: the swap + chunked-loss run above, rerun with this planner's terms (1.15 GiB; 1.14 before)
     swap_cfg = build_run_config({}, {"lora": {"rank": 16, "target_modules": ["all-linear"]},
                                      "train": {"loss_chunk_tokens": 256}, "enable_activation_swap": True})
     assert swap_cfg.memascend.enable_activation_swap
@@ -44,4 +43,24 @@ def test_activation_swap_plan_within_15_percent():
     assert plan["memascend"].peak_rss_bytes < plan_run(build_run_config(
         {}, {"lora": {"rank": 16, "target_modules": ["all-linear"]}, "train": {"loss_chunk_tokens": 256}}))[
         "memascend"].peak_rss_bytes
-    assert abs(plan["memascend"].peak_rss_bytes / 2**30 / 1.14 - 1) < 0.15
+    assert abs(plan["memascend"].peak_rss_bytes / 2**30 / 1.15 - 1) < 0.15
+    names = " ".join(c.name for c in plan["memascend"].components)
+    assert "region slack" in names and "under the swap's min_bytes" in names
+
+
+def test_activation_swap_with_a_dram_allowance_plan_within_15_percent():
+    # measured: the run above with the section {"enable_activation_swap": true, "activation_dram_bytes":
+    # 268435456} (--deepspeed-config) in place of --swap-activations: 1.35 GiB (1381 MiB), 255 MiB of
+    # saved tensors per forward kept in DRAM, 732 MiB written
+    cfg = build_run_config({}, {"lora": {"rank": 16, "target_modules": ["all-linear"]}, "train": {"loss_chunk_tokens": 256}})
+    plan = plan_run(cfg, memascend_settings={"enable_activation_swap": True, "activation_dram_bytes": 256 << 20})
+    assert abs(plan["memascend"].peak_rss_bytes / 2**20 / 1381 - 1) < 0.15
+
+
+def test_activation_swap_plan_of_the_lora_llama_05b_row_within_15_percent():
+    # the lora matrix's second row (baselines/cpu-2c-24g/lora/results.json, memascend peak RSS 1135.9 MiB):
+    # llama-0.5b from scratch, 1 x 256, activation checkpointing, LoRA rank 16 on every linear layer, swap on
+    cfg = build_run_config({}, {"model": {"from_scratch": "llama-0.5b"}, "lora": {"rank": 16, "target_modules": ["all-linear"]},
+                                "train": {"micro_batch": 1, "activation_checkpointing": True}, "data": {"seq_len": 256}})
+    plan = plan_run(cfg, memascend_settings={"enable_activation_swap": True})
+    assert abs(plan["memascend"].peak_rss_bytes / 2**20 / 1135.9 - 1) < 0.15

@@ -354,7 +354,8 @@ def _patch_engine_forward(settings: MemAscendSettings) -> None:
     _registry.patch(DeepSpeedEngine, "forward", step_memory.make_engine_forward(
         DeepSpeedEngine.forward, trim=settings.enable_malloc_policy,
         install_host_cache=settings.enable_host_block_cache, enable_thp=settings.enable_torch_thp,
-        activation_swap=settings.enable_activation_swap, activation_swap_bytes=settings.activation_swap_bytes))
+        activation_swap=settings.enable_activation_swap, activation_swap_bytes=settings.activation_swap_bytes,
+        activation_dram_bytes=settings.activation_dram_bytes))
     if settings.enable_activation_swap:
         _registry.patch(DeepSpeedEngine, "backward", step_memory.make_engine_backward(DeepSpeedEngine.backward))
 

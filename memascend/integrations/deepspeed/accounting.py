@@ -154,7 +154,8 @@ def memory_breakdown(engine: Any, summary: Mapping[str, Any], samples: Sequence[
         at the end of the run, ``None`` when it was never installed: ``peak_reserved_bytes``
         mapped against ``peak_in_use_bytes`` live, the difference being its fragmentation);
         ``activation_swap`` (:func:`.activations.stats`: bytes of saved tensors written to and read
-        back from the swap folder, ``None`` without ``enable_activation_swap``);
+        back from the swap folder, and those the DRAM allowance kept per forward pass, ``None``
+        without ``enable_activation_swap``);
         ``unattributed_bytes``: peak RSS minus runtime, the locked
         bytes at the peak sample (the whole locked peak without samples), resident stage-3
         buffers, the optimizer state in DRAM and the step transient. The stage-3 buffers are

@@ -41,8 +41,9 @@ def swap_folder(engine: Any) -> Path | None:
     return None
 
 
-def swapper_for(engine: Any, capacity_bytes: int | None) -> Any:
-    """The process's swapper, made on first use in ``engine``'s swap folder; ``None`` where there is none."""
+def swapper_for(engine: Any, capacity_bytes: int | None, dram_bytes: int | None = None) -> Any:
+    """The process's swapper, made on first use in ``engine``'s swap folder (``dram_bytes``: the bytes
+    of each forward pass's saved tensors it keeps in DRAM); ``None`` where there is none."""
     global _swapper, _warned, _last_stats
     if _swapper is not None:
         return _swapper
@@ -60,7 +61,7 @@ def swapper_for(engine: Any, capacity_bytes: int | None) -> Any:
     path = folder / f"memascend-activations-{os.getpid()}.store"
     from memascend.integrations.deepspeed.io_meter import METER
 
-    _swapper = ActivationSwapper(path, capacity_bytes, meter=METER.add)
+    _swapper = ActivationSwapper(path, capacity_bytes, dram_bytes=dram_bytes, meter=METER.add)
     _last_stats = None
     atexit.register(close)
     return _swapper

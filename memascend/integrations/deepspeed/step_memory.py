@@ -174,7 +174,7 @@ def make_partition_grads(original: Any, settings: MemAscendSettings | None = Non
 
 def make_engine_forward(original: Any, *, trim: bool = True, install_host_cache: bool = False,
                         enable_thp: bool = True, activation_swap: bool = False,
-                        activation_swap_bytes: int | None = None) -> Any:
+                        activation_swap_bytes: int | None = None, activation_dram_bytes: int | None = None) -> Any:
     """Wrap ``DeepSpeedEngine.forward``: what memascend does when a forward begins.
 
     Args:
@@ -194,6 +194,8 @@ def make_engine_forward(original: Any, *, trim: bool = True, install_host_cache:
             activation swapper (``enable_activation_swap``, :mod:`.activations`), of
             ``activation_swap_bytes``: the model's forward and the loss a trainer computes from its
             outputs (TRL, for one, computes it outside the engine's forward).
+        activation_dram_bytes: bytes of each forward pass's saved tensors the swapper keeps in DRAM
+            (the latest ones; ``activation_dram_bytes``; ``None``: none).
     """
 
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -208,7 +210,7 @@ def make_engine_forward(original: Any, *, trim: bool = True, install_host_cache:
         if activation_swap and training and torch.is_grad_enabled():
             from memascend.integrations.deepspeed import activations
 
-            swapper = activations.swapper_for(self, activation_swap_bytes)
+            swapper = activations.swapper_for(self, activation_swap_bytes, activation_dram_bytes)
             if swapper is not None:
                 swapper.begin()  # until the engine's backward: the loss a trainer computes outside too
                 try:
