@@ -145,7 +145,7 @@ class MemAscendSettings:
         enable_host_block_cache: put the host block cache (:mod:`memascend.memory.host_cache`) in
             front of torch's CPU allocator from the engine's first forward (model and engine
             construction allocate each tensor once and stay on torch's allocator) until
-            :func:`memascend.integrations.deepspeed.revert`: host tensors of 1 MiB or more take
+            :func:`memascend.integrations.deepspeed.revert`: host tensors of 64 KiB or more take
             best-fit blocks of a cache that keeps their pages, so each step's activations and
             gradient temporaries reuse resident memory instead of being unmapped by glibc and
             faulted in (and zeroed) again the next step. Transparent hugepages on the cache's

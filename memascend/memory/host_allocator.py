@@ -14,7 +14,7 @@ threshold, a trim threshold, two arenas (:class:`MallocPolicy`), and ``malloc_tr
 points where a step stops needing memory (:mod:`memascend.integrations.deepspeed.step_memory`). The
 mmap threshold trades time for memory: a lower one maps and unmaps more blocks (page faults at
 every step), a higher one keeps more freed memory resident in the heap. With the host block cache
-(:mod:`memascend.memory.host_cache`) torch's tensors of 1 MiB or more do not come from glibc at
+(:mod:`memascend.memory.host_cache`) torch's tensors of 64 KiB or more do not come from glibc at
 all, and this policy is left with the smaller ones and the libraries' own allocations. None of it
 changes a computed value. The measured trade is in ``baselines/<profile>/ablation/``.
 

@@ -46,7 +46,7 @@ GLIBC_MMAP_THRESHOLD_MAX_BYTES = 32 << 20
 rises with every freed mmapped block up to this size. A tensor below it comes from the heap and its
 pages stay resident after it is freed (stock never trims), so stock's forward/backward tensors under
 it are resident from the first step on; larger ones are mmapped and unmapped on free (transient)."""
-HOST_BLOCK_CACHE_THRESHOLD_BYTES = 1 << 20
+HOST_BLOCK_CACHE_THRESHOLD_BYTES = 64 << 10
 """Smallest host tensor memascend's host block cache serves (``memascend.memory.host_cache.DEFAULT_THRESHOLD_BYTES``,
 restated so that planning never loads the cache's C++ op; a test keeps the two equal). With the cache
 in force and the malloc policy off, only model-build tensors below it stay in glibc's heap."""

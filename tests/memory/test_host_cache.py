@@ -32,6 +32,21 @@ def test_large_tensors_come_from_the_cache_small_ones_do_not(cache):
     assert stats["requested_bytes"] >= THRESHOLD_BYTES
 
 
+def test_by_default_a_one_sequence_hidden_state_comes_from_the_cache(cache):
+    # install() without a threshold (as the seam's first forward calls it): a 16-bit hidden state of
+    # one 256-token sequence of a 1280-wide model (640 KiB) is served by the cache, not glibc's heap
+    assert host_cache.DEFAULT_THRESHOLD_BYTES == 64 << 10
+    cache.install()
+    try:
+        hidden = torch.empty((256, 1280), dtype=torch.bfloat16)
+        at_threshold = torch.empty(host_cache.DEFAULT_THRESHOLD_BYTES, dtype=torch.uint8)
+        below = torch.empty(host_cache.DEFAULT_THRESHOLD_BYTES - 1, dtype=torch.uint8)
+        assert cache.owns(hidden) and cache.owns(at_threshold) and not cache.owns(below)
+        assert cache.stats()["threshold_bytes"] == host_cache.DEFAULT_THRESHOLD_BYTES
+    finally:
+        cache.install(THRESHOLD_BYTES)
+
+
 def test_a_freed_block_is_reused_at_the_same_address_without_new_regions(cache):
     shape = (3 * MiB // 4,)  # 3 MiB of fp32
     first = torch.empty(shape)
