@@ -2,7 +2,7 @@
 ``baselines/<profile>/speed/results.json`` and ``speed/<rows>/results.json`` (rows run on their own),
 memascend against stock ZeRO-Infinity in the same run at the default host-memory budget and with a
 budget spent as a DRAM cache, and ``speed/compute-floor.json`` (``python3 -m benchmarks.compute_floor``:
-stock without offload against stock with NVMe offload, the lowest ratio any placement reaches). Times
+stock with everything in DRAM against stock with NVMe offload, the lowest ratio any placement reaches). Times
 are seconds per step (medians of alternating pairs), ratios memascend / stock."""
 
 from __future__ import annotations
@@ -72,8 +72,9 @@ def floor_note(b: Baselines) -> str:
     """The compute floor of the default job on this host, from :data:`FLOOR`."""
     f = b.json(FLOOR)
     dram, nvme = f["dram_phase_s"], f["nvme_phase_s"]
-    return (f"Stock DeepSpeed with nothing offloaded (every parameter, gradient and optimizer state in "
-            f"DRAM, no swap) against stock with NVMe offload on `{f['config']}`, {f['repeats']} alternating "
+    return (f"Stock DeepSpeed with everything in DRAM (`--offload-param cpu --offload-optimizer cpu`: every "
+            f"parameter, gradient and optimizer state in host memory, the same CPU Adam, no swap) against "
+            f"stock with NVMe offload on `{f['config']}`, {f['repeats']} alternating "
             f"runs each (`python3 -m benchmarks.compute_floor`): {statistics.median(f['dram_step_s']):.2f} / "
             f"{statistics.median(f['nvme_step_s']):.2f} s per step = {f['floor_ratio']:.3f}, the lowest step-time "
             f"ratio against stock that any placement of the same state reaches on this host (forward "
