@@ -1,13 +1,15 @@
-"""The compute floor of a speed row: stock ZeRO-3 with nothing offloaded against stock ZeRO-Infinity.
+"""The compute floor of a speed row: stock ZeRO-3 with everything in DRAM against stock ZeRO-Infinity.
 
 An offload system that keeps DeepSpeed's math (bit-identical losses) cannot run a step faster than
-the same step with no offload at all: every parameter, gradient and optimizer state in host memory,
-no swap in/out, no NVMe. This benchmark measures that bound on this host for a row of the ``speed``
-matrix (:mod:`memascend.regress.matrix`): stock DeepSpeed (``--engine baseline``) on the row's own
+the same step with nothing on NVMe: every parameter, gradient and optimizer state in host memory, no
+swap in/out. This benchmark measures that bound on this host for a row of the ``speed`` matrix
+(:mod:`memascend.regress.matrix`): stock DeepSpeed (``--engine baseline``) on the row's own
 configuration (parameters and optimizer on NVMe) and on the same configuration with
-``--offload-param none --offload-optimizer none``, in alternating order, ``--repeats`` runs each.
+``--offload-param cpu --offload-optimizer cpu`` (ZeRO-Offload to host memory: the same
+``DeepSpeedCPUAdam``, so the same losses; without offload DeepSpeed steps with another Adam whose
+losses differ from the third step), in alternating order, ``--repeats`` runs each.
 
-The ratio it prints, median step time without offload / median step time with NVMe offload, is the
+The ratio it prints, median step time in DRAM / median step time with NVMe offload, is the
 smallest step-time ratio against stock that any placement of the same state can reach on this host
 (a DRAM cache of everything included); a speed target below it cannot be met here. Both engines'
 forward and backward are the same computation, so the per-phase medians show where the floor lies.
@@ -32,13 +34,13 @@ PHASES = ("forward_s", "backward_s", "optimizer_step_s")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Floor:
-    """Stock without offload against stock with NVMe offload, over the repeats of one configuration.
+    """Stock with everything in DRAM against stock with NVMe offload, over the repeats of one configuration.
 
     Attributes:
         nvme_step_s: each NVMe-offload run's median step time (s).
-        dram_step_s: each no-offload run's median step time (s), same order.
+        dram_step_s: each DRAM (CPU offload) run's median step time (s), same order.
         nvme_phase_s: median over the NVMe runs of each phase's median time (s), keys :data:`PHASES`.
-        dram_phase_s: the same for the no-offload runs.
+        dram_phase_s: the same for the DRAM runs.
         losses_equal: every run's per-step losses equal the first NVMe run's, bit for bit.
     """
 
@@ -50,7 +52,7 @@ class Floor:
 
     @property
     def floor_ratio(self) -> float:
-        """Median no-offload step time / median NVMe step time: the lowest step-time ratio against
+        """Median DRAM step time / median NVMe step time: the lowest step-time ratio against
         stock that keeping the whole state in host memory reaches on this host."""
         return statistics.median(self.dram_step_s) / statistics.median(self.nvme_step_s)
 
@@ -65,13 +67,13 @@ def _phase_medians(reports: list[dict]) -> dict[str, float]:
 
 
 def compare(nvme_reports: list[dict], dram_reports: list[dict]) -> Floor:
-    """The floor from ``report.json`` documents of NVMe-offload runs and no-offload runs.
+    """The floor from ``report.json`` documents of NVMe-offload runs and DRAM runs.
 
     Raises:
         UserError: no reports, or different numbers of each.
     """
     if not nvme_reports or len(nvme_reports) != len(dram_reports):
-        raise UserError(f"need as many no-offload runs as NVMe runs (got {len(dram_reports)} and {len(nvme_reports)})")
+        raise UserError(f"need as many DRAM runs as NVMe runs (got {len(dram_reports)} and {len(nvme_reports)})")
     reference = [s["loss"] for s in nvme_reports[0]["steps"]]
     return Floor(
         nvme_step_s=[float(r["median_step_s"]) for r in nvme_reports],
@@ -102,7 +104,7 @@ def run(output: Path, nvme_path: Path, *, config: str, repeats: int, timeout_s: 
     if config not in rows:
         raise UserError(f"--config {config!r} is not a row of the speed matrix ({', '.join(rows)})")
     cfg = rows[config]
-    dram = dataclasses.replace(cfg, offload_param="none", offload_optimizer="none")
+    dram = dataclasses.replace(cfg, offload_param="cpu", offload_optimizer="cpu")
     runs: dict[str, list[dict]] = {"nvme": [], "dram": []}
     for r in range(repeats):
         for kind in (("nvme", "dram") if r % 2 == 0 else ("dram", "nvme")):
@@ -135,9 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"config": a.config, "repeats": a.repeats, **floor.to_dict()}
     (a.output / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
     phases = " ".join(f"{k.removesuffix('_s')} {floor.dram_phase_s[k]:.2f}/{floor.nvme_phase_s[k]:.2f}" for k in PHASES)
-    print(f"{a.config}: stock without offload {statistics.median(floor.dram_step_s):.2f} s / with NVMe offload "
+    print(f"{a.config}: stock with everything in DRAM {statistics.median(floor.dram_step_s):.2f} s / with NVMe offload "
           f"{statistics.median(floor.nvme_step_s):.2f} s per step = {floor.floor_ratio:.3f} (the lowest step-time "
-          f"ratio against stock any placement reaches here); per phase no-offload/NVMe s: {phases}; losses "
+          f"ratio against stock any placement reaches here); per phase DRAM/NVMe s: {phases}; losses "
           f"{'equal' if floor.losses_equal else 'DIFFER'}")
     return 0
 

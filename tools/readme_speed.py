@@ -1,14 +1,20 @@
 """The renderers of the ``speed`` matrix's generated blocks (:mod:`tools.readme`): the committed
-``baselines/<profile>/speed/results.json``, memascend against stock ZeRO-Infinity in the same run at
-the default host-memory budget and with a budget spent as a DRAM cache. Times are seconds per step
-(medians of alternating pairs), ratios memascend / stock."""
+``baselines/<profile>/speed/results.json`` and ``speed/<rows>/results.json`` (rows run on their own),
+memascend against stock ZeRO-Infinity in the same run at the default host-memory budget and with a
+budget spent as a DRAM cache, and ``speed/compute-floor.json`` (``python3 -m benchmarks.compute_floor``:
+stock with everything in DRAM against stock with NVMe offload, the lowest ratio any placement reaches). Times
+are seconds per step (medians of alternating pairs), ratios memascend / stock."""
 
 from __future__ import annotations
+
+import statistics
 
 from memascend.regress.output import _md
 from tools.readme_blocks import Baselines, gib
 
 RESULTS = "speed/results.json"
+"""The matrix's first run; rows run on their own lie in ``speed/<folder>/results.json``."""
+FLOOR = "speed/compute-floor.json"
 HEADERS = ["row", "memascend budget", "step s (stock / memascend)", "time ratio", "forward / backward / step ratio",
            "peak RSS GiB (ratio)", "swap MiB per step (ratio)", "losses"]
 
@@ -22,10 +28,16 @@ def _phase_ratios(r) -> str:
     return " / ".join(f"{m[p] / b[p]:.2f}" if b[p] else "-" for p in ("forward_s", "backward_s", "optimizer_step_s"))
 
 
+def _results(b: Baselines) -> list:
+    """Every committed speed result: :data:`RESULTS`, then ``speed/*/results.json`` by folder name."""
+    extra = sorted(p.relative_to(b.root).as_posix() for p in (b.root / "speed").glob("*/results.json"))
+    return [r for rel in (RESULTS, *extra) for r in b.results(rel)]
+
+
 def speed_table(b: Baselines) -> str:
     """One row per configuration: step times and ratio, phase ratios, peak RSS, swap bytes, losses."""
     rows = []
-    for r in b.results(RESULTS):
+    for r in _results(b):
         base, mine = r.baseline, r.memascend
         bb, mb = base.swap_bytes_per_step, mine.swap_bytes_per_step
         rows.append([r.config.name, _budget(r), f"{base.median_step_s:.2f} / {mine.median_step_s:.2f}",
@@ -40,7 +52,7 @@ def speed_table(b: Baselines) -> str:
 def speed_notes(b: Baselines) -> str:
     """The targets each row was held to and whether it met them, and what bounds the budget row."""
     lines = []
-    for r in b.results(RESULTS):
+    for r in _results(b):
         failed = [c for c in r.checks if not c.ok and not c.name.startswith("golden.")]
         passed = [c for c in r.checks if c.ok and c.limit is not None and c.measured is not None]
         status = "; ".join(f"{c.name} {c.measured:.3f} over its limit {c.limit:.2f}" for c in failed) or "every check met"
@@ -54,3 +66,18 @@ def speed_notes(b: Baselines) -> str:
                          f"{mine['optimizer_step_s']:.2f} s ({mine['optimizer_step_s'] / base.median_phase_s['optimizer_step_s']:.2f}x "
                          "stock's): on this CPU host the computation, identical in both engines, bounds the ratio.")
     return "\n".join(lines)
+
+
+def floor_note(b: Baselines) -> str:
+    """The compute floor of the default job on this host, from :data:`FLOOR`."""
+    f = b.json(FLOOR)
+    dram, nvme = f["dram_phase_s"], f["nvme_phase_s"]
+    return (f"Stock DeepSpeed with everything in DRAM (`--offload-param cpu --offload-optimizer cpu`: every "
+            f"parameter, gradient and optimizer state in host memory, the same CPU Adam, no swap) against "
+            f"stock with NVMe offload on `{f['config']}`, {f['repeats']} alternating "
+            f"runs each (`python3 -m benchmarks.compute_floor`): {statistics.median(f['dram_step_s']):.2f} / "
+            f"{statistics.median(f['nvme_step_s']):.2f} s per step = {f['floor_ratio']:.3f}, the lowest step-time "
+            f"ratio against stock that any placement of the same state reaches on this host (forward "
+            f"{dram['forward_s']:.2f} / {nvme['forward_s']:.2f} s, backward {dram['backward_s']:.2f} / "
+            f"{nvme['backward_s']:.2f} s, optimizer step {dram['optimizer_step_s']:.2f} / "
+            f"{nvme['optimizer_step_s']:.2f} s; losses {'bit-identical' if f['losses_equal'] else 'differ'}).")
