@@ -64,6 +64,7 @@ BLOCKS: dict[str, Callable[[rb.Baselines], str]] = {
     "frameworks-notes": rf.frameworks_notes,
     "speed-table": rs.speed_table,
     "speed-notes": rs.speed_notes,
+    "speed-floor": rs.floor_note,
     "memascend-settings": config_reference.settings_reference,
     "run-settings": config_reference.run_settings_reference,
 }
