@@ -2,7 +2,7 @@
 ``baselines/<profile>/speed/results.json`` and ``speed/<rows>/results.json`` (rows run on their own),
 memascend against stock ZeRO-Infinity in the same run at the default host-memory budget and with a
 budget spent as a DRAM cache, and ``speed/compute-floor.json`` (``python3 -m benchmarks.compute_floor``:
-stock with everything in DRAM against stock with NVMe offload, the lowest ratio any placement reaches). Times
+stock with everything in DRAM against stock with NVMe offload: what host memory buys stock itself). Times
 are seconds per step (medians of alternating pairs), ratios memascend / stock."""
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def speed_notes(b: Baselines) -> str:
             lines.append(f"  With no swap bytes left its step is forward and backward compute ({compute:.2f} s, "
                          f"{compute / base.median_step_s:.2f}x stock's whole step) plus an optimizer step of "
                          f"{mine['optimizer_step_s']:.2f} s ({mine['optimizer_step_s'] / base.median_phase_s['optimizer_step_s']:.2f}x "
-                         "stock's): on this CPU host the computation, identical in both engines, bounds the ratio.")
+                         "stock's): with no NVMe traffic left, the computation is what remains of the step.")
     return "\n".join(lines)
 
 
@@ -76,8 +76,8 @@ def floor_note(b: Baselines) -> str:
             f"parameter, gradient and optimizer state in host memory, the same CPU Adam, no swap) against "
             f"stock with NVMe offload on `{f['config']}`, {f['repeats']} alternating "
             f"runs each (`python3 -m benchmarks.compute_floor`): {statistics.median(f['dram_step_s']):.2f} / "
-            f"{statistics.median(f['nvme_step_s']):.2f} s per step = {f['floor_ratio']:.3f}, the lowest step-time "
-            f"ratio against stock that any placement of the same state reaches on this host (forward "
+            f"{statistics.median(f['nvme_step_s']):.2f} s per step = {f['floor_ratio']:.3f}, what host memory buys "
+            f"stock itself on this host, the fastest stock runs this job here (forward "
             f"{dram['forward_s']:.2f} / {nvme['forward_s']:.2f} s, backward {dram['backward_s']:.2f} / "
             f"{nvme['backward_s']:.2f} s, optimizer step {dram['optimizer_step_s']:.2f} / "
             f"{nvme['optimizer_step_s']:.2f} s; losses {'bit-identical' if f['losses_equal'] else 'differ'}).")
