@@ -7,10 +7,11 @@ Three parts, per rank, at the start of backward:
 * the eligible saved tensors left in DRAM (served by memascend's host block cache): the swapper's
   read-ahead, the tensor in use, and the DRAM allowance's window (``activation_dram_bytes``: the
   latest tensors of the pass), at most every eligible tensor;
-* the saved tensors under the swapper's ``min_bytes`` (which is the cache's threshold): never swapped,
-  they live in glibc's heap with the small temporaries of the same ops (the key and value projections
-  of a grouped-query block, the flash kernel's log-sum-exp, the LoRA adapters' rank-wide outputs), and
-  the heap's pages they touch stay resident until the malloc policy trims after the step
+* the saved tensors under the swapper's ``min_bytes`` (1 MiB): never swapped, they stay in host memory
+  with the small temporaries of the same ops (the key and value projections of a grouped-query block,
+  the flash kernel's log-sum-exp, the LoRA adapters' rank-wide outputs): in glibc's heap under the host
+  block cache's threshold (64 KiB), whose touched pages stay resident until the malloc policy trims
+  after the step, in the cache above it. One calibrated rate covers both
   (:data:`~memascend.plan.calibration.HEAP_BYTES_PER_SMALL_SAVED_BYTE`);
 * the cache's region slack: it maps :data:`~memascend.plan.calibration.HOST_BLOCK_CACHE_REGION_BYTES`
   regions and packs the blocks under a region into them (a larger block gets a region of its own
