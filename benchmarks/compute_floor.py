@@ -83,13 +83,6 @@ def compare(nvme_reports: list[dict], dram_reports: list[dict]) -> Floor:
     )
 
 
-def _report(outcome) -> dict:
-    path = outcome.output_dir / "report.json"
-    if outcome.returncode != 0 or not path.is_file():
-        raise UserError(f"the {outcome.output_dir.name} run failed (exit {outcome.returncode}); see {outcome.log_path}")
-    return json.loads(path.read_text())
-
-
 def run(output: Path, nvme_path: Path, *, config: str, repeats: int, timeout_s: float) -> Floor:
     """Run the pairs; runs land under ``output/<config>/baseline-{nvme,dram}-r<k>``.
 
@@ -110,7 +103,7 @@ def run(output: Path, nvme_path: Path, *, config: str, repeats: int, timeout_s: 
             print(f"compute_floor: {cfg.name} stock, {kind} (repeat {r + 1}/{repeats}) ...", file=sys.stderr, flush=True)
             outcome = run_one(cfg if kind == "nvme" else dram, "baseline", output, nvme_path, timeout_s,
                               tag=f"-{kind}-r{r + 1}")
-            runs[kind].append(_report(outcome))
+            runs[kind].append(outcome.required_report())
     return compare(runs["nvme"], runs["dram"])
 
 

@@ -87,13 +87,6 @@ def compare(folder_reports: list[dict], store_reports: list[dict]) -> Comparison
     )
 
 
-def _report(outcome) -> dict:
-    path = outcome.output_dir / "report.json"
-    if outcome.returncode != 0 or not path.is_file():
-        raise UserError(f"the {outcome.output_dir.name} run failed (exit {outcome.returncode}); see {outcome.log_path}")
-    return json.loads(path.read_text())
-
-
 def run(output: Path, *, repeats: int, engine: str, timeout_s: float) -> Comparison:
     """Run the comparison on a RAM loop device; runs land under ``output/<config>/``.
 
@@ -115,7 +108,7 @@ def run(output: Path, *, repeats: int, engine: str, timeout_s: float) -> Compari
                 target = dev.fs_mount if kind == "folder" else dev.raw_partition
                 print(f"store_e2e: {engine} on the {kind} (repeat {r + 1}/{repeats}) ...", file=sys.stderr, flush=True)
                 outcome = run_one(cfg, engine, output, Path(target), timeout_s, tag=f"-{kind}-r{r + 1}")
-                (folders if kind == "folder" else stores).append(_report(outcome))
+                (folders if kind == "folder" else stores).append(outcome.required_report())
     return compare(folders, stores)
 
 

@@ -119,6 +119,17 @@ class RunOutcome:
             return first
         return merge_repeat_reports([first, *(json.loads(r.report_path.read_text()) for r in self.repeats)])
 
+    def required_report(self) -> dict:
+        """:meth:`report`, for callers that cannot go on without it.
+
+        Raises:
+            UserError: the run did not complete (:meth:`describe` says how), naming its log.
+        """
+        doc = self.report()
+        if doc is None:
+            raise UserError(f"the {self.output_dir.name} run: {self.describe()}; see {self.log_path}")
+        return doc
+
     def log_tail(self, lines: int = 5) -> str:
         failed = next((r for r in self.repeats if not r.ok), None)
         if failed is not None and self.returncode == 0:

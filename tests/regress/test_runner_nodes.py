@@ -139,3 +139,13 @@ def test_a_memory_cap_is_refused_for_simulated_nodes(tmp_path):
     assert not (tmp_path / TWO_NODES.name).exists()  # refused before anything ran
     check_memory_cap_nodes([TWO_NODES], None)
     check_memory_cap_nodes(get_matrix("smoke").configs, 4 << 30)
+
+
+def test_required_report_reads_a_completed_run_and_names_a_failed_one(tmp_path):
+    done = tmp_path / "done"
+    done.mkdir()
+    (done / "report.json").write_text(json.dumps({"median_step_s": 1.5}))
+    assert runner.RunOutcome("baseline", 0, done, tmp_path / "done.log", 1.0).required_report() == {"median_step_s": 1.5}
+    failed = runner.RunOutcome("memascend", 3, tmp_path / "failed", tmp_path / "failed.log", 1.0)
+    with pytest.raises(UserError, match=r"the failed run: FAILED \(exit 3\); see .*failed\.log"):
+        failed.required_report()
