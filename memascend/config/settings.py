@@ -23,6 +23,24 @@ from memascend.units import parse_size_bytes
 __all__ = ["DS_CONFIG_SECTION", "MemAscendSettings"]
 
 
+def _size_setting(name: str, value: Any, *, least_bytes: int, must: str) -> int:
+    """Setting ``name``'s ``value`` (bytes as an integer, or a size string such as ``"4GiB"``) in bytes.
+
+    Raises:
+        UserError: ``memascend setting NAME: ...`` for a string that is not a size
+            (:func:`memascend.units.parse_size_bytes`); ``memascend setting NAME must be MUST, got
+            VALUE`` for any other type or fewer than ``least_bytes`` bytes.
+    """
+    if not isinstance(value, bool) and isinstance(value, (int, str)):
+        try:
+            size_bytes = parse_size_bytes(value)
+        except UserError as exc:
+            raise UserError(f"memascend setting {name}: {exc}") from None
+        if size_bytes >= least_bytes:
+            return size_bytes
+    raise UserError(f"memascend setting {name} must be {must}, got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MemAscendSettings:
     """What :func:`memascend.integrations.deepspeed.apply` patches into DeepSpeed 0.19.8.
@@ -277,43 +295,21 @@ class MemAscendSettings:
             raise UserError(f'memascend setting param_pool_bytes must be an integer >= 1 (bytes) or "auto", got {pool!r}')
         budget = self.host_memory_budget
         if budget is not None and budget != "auto":
-            if isinstance(budget, bool) or not isinstance(budget, (int, str)):
-                raise UserError(f'memascend setting host_memory_budget must be a size such as "4GiB" or "auto", '
-                                f"got {budget!r}")
-            try:
-                budget_bytes = parse_size_bytes(budget)
-            except UserError as exc:
-                raise UserError(f"memascend setting host_memory_budget: {exc}") from None
-            if budget_bytes < 1:
-                raise UserError(f'memascend setting host_memory_budget must be a size such as "4GiB" or "auto", '
-                                f"got {budget!r}")
-            object.__setattr__(self, "host_memory_budget", budget_bytes)
+            object.__setattr__(self, "host_memory_budget", _size_setting(
+                "host_memory_budget", budget, least_bytes=1, must='a size such as "4GiB" or "auto"'))
         chunk = self.optimizer_chunk_numel
         if chunk is not None and chunk != "auto" and (isinstance(chunk, bool) or not isinstance(chunk, int)
                                                       or chunk < 1024 or chunk % 1024):
             raise UserError('memascend setting optimizer_chunk_numel must be a multiple of 1024 (elements) or "auto", '
                             f"got {chunk!r}")
-        act = self.activation_swap_bytes
-        if act is not None:
-            try:
-                act_bytes = parse_size_bytes(act) if isinstance(act, (int, str)) and not isinstance(act, bool) else 0
-            except UserError as exc:
-                raise UserError(f"memascend setting activation_swap_bytes: {exc}") from None
-            if act_bytes < 1 << 20:
-                raise UserError(f'memascend setting activation_swap_bytes must be a size of at least 1MiB such as "8GiB", '
-                                f"got {act!r}")
-            object.__setattr__(self, "activation_swap_bytes", act_bytes)
-        act_dram = self.activation_dram_bytes
-        if act_dram is not None:
-            try:
-                act_dram_bytes = parse_size_bytes(act_dram) if isinstance(act_dram, (int, str)) \
-                    and not isinstance(act_dram, bool) else -1
-            except UserError as exc:
-                raise UserError(f"memascend setting activation_dram_bytes: {exc}") from None
-            if act_dram_bytes < 0:
-                raise UserError(f'memascend setting activation_dram_bytes must be a size such as "2GiB" (0: none), '
-                                f"got {act_dram!r}")
-            object.__setattr__(self, "activation_dram_bytes", act_dram_bytes)
+        if self.activation_swap_bytes is not None:
+            object.__setattr__(self, "activation_swap_bytes", _size_setting(
+                "activation_swap_bytes", self.activation_swap_bytes, least_bytes=1 << 20,
+                must='a size of at least 1MiB such as "8GiB"'))
+        if self.activation_dram_bytes is not None:
+            object.__setattr__(self, "activation_dram_bytes", _size_setting(
+                "activation_dram_bytes", self.activation_dram_bytes, least_bytes=0,
+                must='a size such as "2GiB" (0: none)'))
         opt_dram = self.optimizer_dram_numel
         if opt_dram is not None and (isinstance(opt_dram, bool) or not isinstance(opt_dram, int) or opt_dram < 0):
             raise UserError(f"memascend setting optimizer_dram_numel must be an integer >= 0 (elements), got {opt_dram!r}")
