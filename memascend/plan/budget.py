@@ -408,8 +408,7 @@ def activation_allowance(planner: _Planner, chosen: tuple[dict[str, Any], MemAsc
     from memascend.io.activation_swap import DEFAULT_MIN_BYTES
 
     values, settings, plan, _ = chosen
-    if not getattr(settings, "enable_activation_swap", False) or getattr(settings, "activation_dram_bytes", 0) \
-            is not None:
+    if not settings.enable_activation_swap or settings.activation_dram_bytes is not None:
         return chosen
     allowance = (usable - plan.peak_rss_bytes) // planner.w
     for _ in range(4):
