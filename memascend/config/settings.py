@@ -200,6 +200,15 @@ class MemAscendSettings:
             more set of chunk buffers (locked); losses unchanged (same arithmetic, only the I/O order
             differs). Off: each chunk is read, stepped and written in turn. No effect on the raw
             store (its ranged transfers are synchronous: one buffer set, in turn).
+        enable_step_overlap: run the chunked optimizer step beside the next forward pass: after the
+            clipping norm, ``engine.step()`` returns and the sub-groups are stepped on a worker
+            thread while the forward starts; each parameter fetch waits until that parameter's
+            update is written (:mod:`memascend.integrations.deepspeed.step_overlap`), and the
+            backward, the next step, checkpoints and ``GatheredParameters`` wait for the whole
+            step. Hides the step's swap I/O behind the forward's compute; losses unchanged (the
+            same Adam calls on the same values, no parameter read before its update). Needs every
+            sub-group stepped in chunks with read-ahead (a swap folder); otherwise the step runs as
+            without it. The chunk buffers stay locked during the forward.
         enable_activation_swap: write the tensors autograd saves in each training forward pass
             (contiguous host tensors of at least 1 MiB that own their storage: activations, the fp32 logits and
             their log-softmax; never parameters) to a store file in the parameter swap folder
@@ -261,6 +270,7 @@ class MemAscendSettings:
     enable_grad_streaming: bool = True
     optimizer_chunk_numel: int | Literal["auto"] | None = "auto"
     enable_chunk_prefetch: bool = True
+    enable_step_overlap: bool = True
     optimizer_dram_numel: int | None = None
     enable_activation_swap: bool = dataclasses.field(default=False, metadata=cli(
         "offload", 20, "--swap-activations", kind="on", help=

@@ -35,6 +35,7 @@ from pathlib import Path
 from memascend.config import MAX_STEPS, RunConfig
 from memascend.config.render import resolve
 from memascend.errors import UserError
+from memascend.integrations.deepspeed import step_overlap
 from memascend.integrations.deepspeed.io_meter import METER, SwapIOTotals
 from memascend.telemetry import MemorySampler, footprint, read_proc_io
 from memascend.telemetry.tensorboard import check_tensorboard
@@ -386,7 +387,9 @@ class FinetuneRecipe:
         try:
             for step in range(self.start_step, self.steps):
                 self._after_step(step, self.train_step(step), bar)
+            step_overlap.join_all()  # the last step's sub-groups, where they run beside the forward
         finally:
+            step_overlap.join_all(raise_errors=False)
             bar.close()
         self.train_s = time.monotonic() - train_t0
         io1 = read_proc_io()
@@ -573,6 +576,7 @@ class FinetuneRecipe:
             resumed_from=str(self.resume_ck.path) if self.resume_ck is not None else None,
             start_step=self.start_step, periodic_saved=self.periodic.saved, checkpoint_saves=self.ck_saves,
             saved_to=train.save_checkpoint, saved_tag=self.checkpoint_tag, swap_bandwidth=self.swap_bandwidth,
+            step_overlap=step_overlap.stats(getattr(self.engine, "optimizer", None)),
         )
 
     def _write_outputs(self, rep: dict) -> None:

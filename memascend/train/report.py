@@ -232,6 +232,8 @@ class ReportInputs:
         saved_to, saved_tag: ``--save-checkpoint`` and the tag saved there (``None``: none).
         swap_bandwidth: the swap target's measured bandwidth (``io_meter.Bandwidth.to_dict()``;
             ``None``: not measured).
+        step_overlap: the optimizer step run beside the next forward
+            (:func:`memascend.integrations.deepspeed.step_overlap.stats`; ``None``: not run so).
     """
 
     cfg: RunConfig
@@ -268,6 +270,7 @@ class ReportInputs:
     saved_to: str | None
     saved_tag: str | None
     swap_bandwidth: dict | None = None
+    step_overlap: dict | None = None
 
 
 def build_report(inp: ReportInputs) -> dict:
@@ -303,6 +306,7 @@ def build_report(inp: ReportInputs) -> dict:
         "swap_io": swap_io_summary(inp.per_step, inp.swap_bandwidth),
         "median_phase_cpu_s": median_phase_s(inp.per_step, "phase_cpu_s"),
         "median_phase_sys_s": median_phase_s(inp.per_step, "phase_sys_s"),
+        "step_overlap": inp.step_overlap,
     }
 
 

@@ -29,6 +29,7 @@ def _seam_objects():
     from deepspeed.runtime.swap_tensor import optimizer_utils
     from deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper import PartitionedOptimizerSwapper
     from deepspeed.runtime.zero import partition_parameters
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as S3
 
     acc = type(get_accelerator())
@@ -59,6 +60,19 @@ def _seam_objects():
         "engine._load_checkpoint": (DeepSpeedEngine, "_load_checkpoint"),
         "stage3.reset_swap_buffers": (S3, "reset_swap_buffers"),  # fix_exact_resume
         "deepspeed.initialize": (deepspeed, "initialize"),
+        # step_overlap (enable_step_overlap with optimizer_chunk_numel)
+        "stage3.step": (S3, "step"),
+        "stage3.backward_prologue": (S3, "backward_prologue"),
+        "stage3.checkpoint_event_prologue": (S3, "checkpoint_event_prologue"),
+        "stage3.state_dict": (S3, "state_dict"),
+        "stage3.load_state_dict": (S3, "load_state_dict"),
+        "GatheredParameters.__enter__": (partition_parameters.GatheredParameters, "__enter__"),
+        "engine.destroy": (DeepSpeedEngine, "destroy"),
+        "coordinator.fetch_sub_module": (PartitionedParameterCoordinator, "fetch_sub_module"),
+        "coordinator.__all_gather_params": (PartitionedParameterCoordinator,
+                                            "_PartitionedParameterCoordinator__all_gather_params"),
+        "coordinator.__prefetch_nvme_param_partitions": (
+            PartitionedParameterCoordinator, "_PartitionedParameterCoordinator__prefetch_nvme_param_partitions"),
     }
 
 
@@ -190,7 +204,8 @@ def test_each_flag_patches_only_its_seams():
                                         enable_arena_pinning=False, enable_fused_overflow_check=False,
                                         enable_malloc_policy=False, enable_grad_buffer_release=False,
                                         fix_unaligned_gradient_io=False, fix_exact_resume=False,
-                                        enable_host_block_cache=False, enable_grad_streaming=False))
+                                        enable_host_block_cache=False, enable_grad_streaming=False,
+                                        enable_step_overlap=False))
     during = _snapshot()
     changed = {k for k in before if during[k] is not before[k]}
     # the sizes that live in DeepSpeed's config are "auto" by default: deepspeed.initialize resolves them
@@ -200,7 +215,8 @@ def test_each_flag_patches_only_its_seams():
                                         enable_arena_pinning=False, enable_fused_overflow_check=False,
                                         enable_malloc_policy=False, enable_grad_buffer_release=True,
                                         fix_unaligned_gradient_io=False, fix_exact_resume=False,
-                                        enable_host_block_cache=False, enable_grad_streaming=False))
+                                        enable_host_block_cache=False, enable_grad_streaming=False,
+                                        enable_step_overlap=False))
     during = _snapshot()
     assert {k for k in before if during[k] is not before[k]} == {"stage3.__init__", "stage3._post_step",
                                                                   "stage3.partition_grads", INIT}
@@ -209,7 +225,8 @@ def test_each_flag_patches_only_its_seams():
                                         enable_arena_pinning=False, enable_fused_overflow_check=False,
                                         enable_malloc_policy=False, enable_grad_buffer_release=False,
                                         grad_norm_sub_group_numel=1 << 20, fix_unaligned_gradient_io=False, fix_exact_resume=False,
-                                        enable_host_block_cache=False, enable_grad_streaming=False))
+                                        enable_host_block_cache=False, enable_grad_streaming=False,
+                                        enable_step_overlap=False))
     during = _snapshot()
     assert {k for k in before if during[k] is not before[k]} == {"stage3._get_norm_groups", INIT}
     ma_ds.revert()
@@ -217,10 +234,25 @@ def test_each_flag_patches_only_its_seams():
                                         enable_arena_pinning=False, enable_fused_overflow_check=False,
                                         enable_malloc_policy=True, enable_grad_buffer_release=False,
                                         fix_unaligned_gradient_io=False, fix_exact_resume=False,
-                                        enable_host_block_cache=False, enable_grad_streaming=False))
+                                        enable_host_block_cache=False, enable_grad_streaming=False,
+                                        enable_step_overlap=False))
     during = _snapshot()
     assert {k for k in before if during[k] is not before[k]} == {"stage3.__init__", "stage3._post_step",
                                                                   "stage3.partition_grads", "engine.forward", INIT}
+    ma_ds.revert()
+    ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=False, enable_optimizer_pool=False,
+                                        enable_arena_pinning=False, enable_fused_overflow_check=False,
+                                        enable_malloc_policy=False, enable_grad_buffer_release=False,
+                                        fix_unaligned_gradient_io=False, fix_exact_resume=False,
+                                        enable_host_block_cache=False, enable_grad_streaming=False,
+                                        enable_step_overlap=True))
+    during = _snapshot()
+    # the step beside the forward: its joins and fetch waits, and _post_step (deferred to the worker)
+    assert {k for k in before if during[k] is not before[k]} == {
+        "stage3.step", "stage3.backward_prologue", "stage3.checkpoint_event_prologue", "stage3.state_dict",
+        "stage3.load_state_dict", "GatheredParameters.__enter__", "engine.destroy", "coordinator.fetch_sub_module",
+        "coordinator.__all_gather_params", "coordinator.__prefetch_nvme_param_partitions", "stage3.__init__",
+        "stage3._post_step", INIT}
     ma_ds.revert()
     # The baseline engine: every optimization off, only the correctness fix on.
     ma_ds.apply(ma_ds.MemAscendSettings.baseline())
@@ -234,7 +266,8 @@ def test_each_flag_patches_only_its_seams():
     ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=False, enable_optimizer_pool=False,
                                         enable_arena_pinning=False, enable_fused_overflow_check=False,
                                         enable_malloc_policy=False, enable_grad_buffer_release=False,
-                                        fix_unaligned_gradient_io=False, fix_exact_resume=False, enable_host_block_cache=True, enable_grad_streaming=False))
+                                        fix_unaligned_gradient_io=False, fix_exact_resume=False, enable_host_block_cache=True, enable_grad_streaming=False,
+                                        enable_step_overlap=False))
     during = _snapshot()
     assert {k for k in before if during[k] is not before[k]} == {"engine.forward", INIT}  # installs the cache
     ma_ds.revert()
@@ -242,7 +275,8 @@ def test_each_flag_patches_only_its_seams():
                                         enable_arena_pinning=False, enable_fused_overflow_check=False,
                                         enable_malloc_policy=False, enable_grad_buffer_release=False,
                                         fix_unaligned_gradient_io=False, fix_exact_resume=False,
-                                        enable_host_block_cache=False, enable_grad_streaming=True))
+                                        enable_host_block_cache=False, enable_grad_streaming=True,
+                                        enable_step_overlap=False))
     during = _snapshot()  # partition_grads composed under step_memory's wrapper (one patch per attribute)
     assert {k for k in before if during[k] is not before[k]} == {
         "stage3._setup_for_real_optimizer", "stage3._finalize_offload_gradient_accumulation",

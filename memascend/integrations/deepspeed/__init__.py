@@ -78,6 +78,11 @@ What each flag patches (DeepSpeed 0.19.8 names):
 * ``optimizer_chunk_numel`` (set) with ``enable_optimizer_pool``:
   ``PartitionedOptimizerSwapper.swap_out_gradients`` and ``.initialize_parameters`` write through a
   chunk-sized window instead of buffers of the largest sub-group (:mod:`.chunked_swap_out`).
+* ``enable_step_overlap`` with ``optimizer_chunk_numel`` set: ``DeepSpeedZeroOptimizer_Stage3.step``
+  runs the chunked sub-groups on a worker thread beside the next forward; ``.backward_prologue``,
+  ``.checkpoint_event_prologue``, ``.state_dict``, ``.load_state_dict``, ``GatheredParameters.__enter__``
+  and ``DeepSpeedEngine.destroy`` wait for it; ``PartitionedParameterCoordinator.fetch_sub_module`` and
+  its all-gather and NVMe prefetch wait for the parameters they read (:mod:`.step_overlap`).
 * ``optimizer_dram_numel`` (above 0): ``DeepSpeedZeroOptimizer_Stage3._swappable_optimizer_subgroup``
   answers false for the first sub-groups that fit in it, which then stay in DRAM and move nothing on
   the swap target (:mod:`.optimizer_dram`).
@@ -447,6 +452,16 @@ def _patch_chunked_step(settings: MemAscendSettings) -> None:
     chunked_step.patch(_registry, settings)
 
 
+def _overlaps(settings: MemAscendSettings) -> bool:
+    return settings.enable_step_overlap and settings.optimizer_chunk_numel is not None
+
+
+def _patch_step_overlap(settings: MemAscendSettings) -> None:
+    from memascend.integrations.deepspeed import step_overlap
+
+    step_overlap.patch(_registry, settings)
+
+
 def _patch_chunked_swap_out(settings: MemAscendSettings) -> None:
     from memascend.integrations.deepspeed import chunked_swap_out
 
@@ -474,13 +489,14 @@ _FLAG_GROUPS: tuple[tuple[Callable[[MemAscendSettings], bool], Callable[[MemAsce
     (lambda s: s.enable_malloc_policy or s.enable_host_block_cache or s.enable_activation_swap, _patch_engine_forward),
     (lambda s: s.enable_grad_streaming, _patch_grad_stream),
     (lambda s: (s.enable_malloc_policy or s.enable_grad_buffer_release or s.enable_optimizer_pool
-                or s.enable_grad_streaming), _patch_step_memory),
+                or s.enable_grad_streaming or _overlaps(s)), _patch_step_memory),
     (lambda s: s.fix_unaligned_gradient_io, _patch_aligned_io),
     (lambda s: s.fix_exact_resume, _patch_exact_resume),
     (lambda s: s.enable_fused_overflow_check, _patch_fused_overflow),
     (lambda s: bool(s.optimizer_dram_numel), _patch_optimizer_dram),
     (lambda s: s.optimizer_chunk_numel is not None, _patch_chunked_step),
     (lambda s: s.optimizer_chunk_numel is not None and s.enable_optimizer_pool, _patch_chunked_swap_out),
+    (_overlaps, _patch_step_overlap),
     (lambda s: any(getattr(s, key) is not None for key in MODEL_SIZED_SETTINGS), _patch_initialize),
 )
 

@@ -47,12 +47,24 @@ class ParamWriter:
             offsets.append((pos, int(part.ds_numel)))
             pos += int(part.ds_numel)
         self.sources = offsets
+        self.numel = pos
+        self.pending_from: int | None = None
+        """Start of the chunk whose asynchronous 16-bit writes are outstanding (``None``: none)."""
         self.carry: dict[int, torch.Tensor] = {}
         self.async_swapper: Any = None
         """The parameter swapper with this sub-group's asynchronous 16-bit writes outstanding."""
 
     def chunk(self, fp32: torch.Tensor, start: int, stop: int) -> None:
-        """Copy the stepped master weights ``fp32`` of elements ``[start, stop)`` to 16 bits."""
+        """Copy the stepped master weights ``fp32`` of elements ``[start, stop)`` to 16 bits, and tell
+        a step overlap (:mod:`.step_overlap`) how far the partition now holds this step's values:
+        through ``stop``, or through ``start`` while this chunk's writes to the swap files are in
+        flight (all earlier ones are complete then)."""
+        self._copy(fp32, start, stop)
+        overlap = getattr(self.owner, "overlap", None)
+        if overlap:
+            overlap.publish(self.sub_group_id, stop if self.pending_from is None else self.pending_from)
+
+    def _copy(self, fp32: torch.Tensor, start: int, stop: int) -> None:
         if self.flat is not None:
             self.flat.narrow(0, start, stop - start).copy_(fp32.narrow(0, 0, stop - start))
             return
@@ -68,6 +80,7 @@ class ParamWriter:
                 swapped.append((param, part, piece, src))
         if swapped and self._asynchronous(swapped[0][0].nvme_swapper):
             self._write_async(swapped)
+            self.pending_from = start
             return
         whole_params, whole_src = [], []
         for param, part, piece, src in swapped:
@@ -104,6 +117,7 @@ class ParamWriter:
             layout.append((pos, lo, hi, numel))
             pos += chunk_plan.align_up(max(hi, piece.src_stop) - lo, align)
         swapper.synchronize_writes()  # the staging buffer's previous writes (the chunk before)
+        self.pending_from = None
         staging = self.owner.staging_for(handle, dtype, max(pos, self.owner.buffer_numel + 4 * align))
         requests = []
         for (param, _, piece, src), (at, lo, hi, numel) in zip(swapped, layout):
@@ -154,9 +168,16 @@ class ParamWriter:
 
     def finish(self) -> None:
         """After the last chunk: complete the asynchronous 16-bit writes (a later forward reads the
-        files), or point the partitions at the DRAM flat buffer, as stock does."""
+        files), or point the partitions at the DRAM flat buffer, as stock does; the whole partition
+        is visible to a step overlap."""
         if self.async_swapper is not None:
             self.async_swapper.synchronize_writes()
             self.async_swapper = None
-        if self.flat is not None:
+        self.pending_from = None
+        overlap = getattr(self.owner, "overlap", None)
+        if self.flat is not None and not overlap:
+            # With an overlap the partitions are views of the flat buffer already (its eligibility),
+            # and the forward may be reading them.
             self.opt._unflatten_partitioned_parameters(self.sub_group_id)
+        if overlap:
+            overlap.publish(self.sub_group_id, self.numel)

@@ -116,6 +116,11 @@ class ChunkedSubGroups:
         self.staging: tuple[LockedAllocator, torch.Tensor] | None = None
         self.param_io: dict[int, Any] = {}
         self.inv_scale: Any = None
+        self.hparams: list[dict[str, Any]] = []
+        """Each param group's Adam hyperparameters for this step (:func:`adam_hparams`)."""
+        self.overlap: Any = None
+        """The :class:`~.step_overlap.StepOverlap` running this optimizer's steps beside the next
+        forward (``enable_step_overlap``), or ``None``."""
         self.deferred: set[int] = set()
         """Chunked sub-groups whose ``_prepare_sub_group`` ran and whose swap-in is deferred."""
         self.stepping: set[int] = set()
@@ -224,7 +229,8 @@ class ChunkedSubGroups:
             chunk_grad.mul_(self.inv_scale)
             io_numel = chunk_plan.chunk_io_numel(start, stop, files.numel, files.numel_alignment)
             views = {name: bufs[name].narrow(0, 0, io_numel) for name in ("param", *STATE_KEYS)}
-            new_step = _adam_on_chunk(opt.optimizer, files.group_id, views, chunk_grad, stop - start, step_count)
+            new_step = _adam_on_chunk(opt.optimizer, self.hparams[files.group_id], views, chunk_grad, stop - start,
+                                      step_count)
             self.io.submit_write([(views[name], files.paths[name], start * _FP32_BYTES)
                                   for name in ("param", *STATE_KEYS)])
             if not self.read_ahead:
@@ -381,26 +387,33 @@ class _SubGroupFiles:
                    unswapped=sorted(swap_info.unswapped_gradients.items()))
 
 
-def _adam_on_chunk(optimizer: Any, group_id: int, views: dict[str, torch.Tensor], grad: torch.Tensor,
+#: The param-group hyperparameters ``DeepSpeedCPUAdam.step`` passes to ``adam_update``.
+ADAM_HPARAMS = ("lr", "betas", "eps", "weight_decay", "bias_correction")
+
+
+def adam_hparams(optimizer: Any) -> list[dict[str, Any]]:
+    """Each param group's :data:`ADAM_HPARAMS`, as they are now (taken when the step begins, before
+    the engine's learning-rate scheduler moves them for the next step)."""
+    return [{k: (float(g[k]) if isinstance(g[k], torch.Tensor) else g[k]) for k in ADAM_HPARAMS}
+            for g in optimizer.param_groups]
+
+
+def _adam_on_chunk(optimizer: Any, hparams: dict[str, Any], views: dict[str, torch.Tensor], grad: torch.Tensor,
                    numel: int, step_count: Any) -> Any:
-    """One ``DeepSpeedCPUAdam`` step on a chunk, with the sub-group's step number ``step_count + 1``.
+    """One ``DeepSpeedCPUAdam`` step on a chunk, with the sub-group's step number ``step_count + 1``:
+    the very ``adam_update`` call ``DeepSpeedCPUAdam.step`` makes for a parameter, with the param
+    group's hyperparameters ``hparams`` (:func:`adam_hparams`).
 
     Returns:
         The state's ``step`` after the update.
     """
-    param = views["param"].narrow(0, 0, numel)
-    param.grad = grad
-    state = {"step": step_count, **{k: views[k].narrow(0, 0, numel) for k in STATE_KEYS}}
-    optimizer.state[param] = state
-    group = optimizer.param_groups[group_id]
-    group["params"] = [param]
-    try:
-        optimizer.step()
-    finally:
-        group["params"] = []
-        optimizer.state.pop(param, None)
-        param.grad = None
-    return state["step"]
+    new_step = step_count + 1
+    beta1, beta2 = hparams["betas"]
+    optimizer.ds_opt_adam.adam_update(optimizer.opt_id, new_step, hparams["lr"], beta1, beta2, hparams["eps"],
+                                      hparams["weight_decay"], hparams["bias_correction"],
+                                      views["param"].narrow(0, 0, numel), grad,
+                                      *(views[k].narrow(0, 0, numel) for k in STATE_KEYS))
+    return new_step
 
 
 # ---- the patched stage-3 methods ----------------------------------------------------------------
@@ -483,6 +496,7 @@ def make_unscale_and_clip_grads(originals: dict[str, Any], settings: MemAscendSe
             clip = torch.clamp(clip, min=1.0)
             combined_scale = clip * self.loss_scale
         plan.inv_scale = 1. / combined_scale
+        plan.hparams = adam_hparams(self.optimizer)
         return None
 
     return unscale_and_clip_grads
@@ -499,9 +513,19 @@ def make_optimizer_step(originals: dict[str, Any], settings: MemAscendSettings) 
         if plan is None or sub_group_id not in plan.stepping:
             _drain(plan)
             return original(self, sub_group_id)
+        if plan.overlap and plan.overlap.deferring:  # run on the step's worker (.step_overlap)
+            plan.overlap.defer(functools.partial(_step_with, plan, self, sub_group_id, plan.inv_scale, plan.hparams))
+            return None
         return plan.step(self, sub_group_id)
 
     return _optimizer_step
+
+
+def _step_with(plan: ChunkedSubGroups, opt: Any, sub_group_id: int, inv_scale: Any,
+               hparams: list[dict[str, Any]]) -> None:
+    """:meth:`ChunkedSubGroups.step` with the clip factor and hyperparameters its step began with."""
+    plan.inv_scale, plan.hparams = inv_scale, hparams
+    plan.step(opt, sub_group_id)
 
 
 def make_reassign_or_swap_out(originals: dict[str, Any], settings: MemAscendSettings) -> Any:
@@ -537,6 +561,9 @@ def make_release_sub_group(originals: dict[str, Any], settings: MemAscendSetting
         if plan is None or sub_group_id not in plan.stepping:
             _drain(plan)
             return original(self, sub_group_id, timer_names)
+        if plan.overlap and plan.overlap.deferring:  # after its chunk loop, on the step's worker
+            plan.overlap.defer(functools.partial(_release_sub_group, self, sub_group_id, timer_names))
+            return None
         plan.stepping.discard(sub_group_id)
         fp32 = self.fp32_partitioned_groups_flat[sub_group_id]
         swap_info = self.optimizer_swapper._get_param_swap_info(fp32)

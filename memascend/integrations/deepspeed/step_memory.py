@@ -25,6 +25,7 @@ None of this changes a computed value: only when pages are resident.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -240,9 +241,16 @@ def make_engine_backward(original: Any) -> Any:
 
 
 def make_post_step(original: Any, settings: MemAscendSettings) -> Any:
-    """Wrap ``DeepSpeedZeroOptimizer_Stage3._post_step`` (runs after every applied step)."""
+    """Wrap ``DeepSpeedZeroOptimizer_Stage3._post_step`` (runs after every applied step). With a step
+    overlap deferring the step (:mod:`.step_overlap`) it runs on the step's worker, after the
+    sub-groups, without the persistent parameters' all-gather (:meth:`~.step_overlap.StepOverlap.run_post_step`)."""
 
     def _post_step(self: Any, timer_names: Any) -> Any:
+        plan = getattr(self, "__dict__", {}).get("_memascend_chunked")
+        overlap = plan.overlap if plan else None
+        if overlap and overlap.deferring:
+            overlap.defer(functools.partial(overlap.run_post_step, functools.partial(_post_step, self, timer_names)))
+            return None
         result = original(self, timer_names)
         if settings.enable_optimizer_pool and settings.enable_optimizer_buffer_release:
             release_optimizer_swap_buffers(self)
