@@ -412,7 +412,12 @@ class FinetuneRecipe:
         phase_io = {name: SwapIOTotals() for name in phase_s}
         phase_cpu = {"cpu": dict.fromkeys(phase_s, 0.0), "sys": dict.fromkeys(phase_s, 0.0)}
         grad_accum = self.resolved.grad_accum
+        worker0 = METER.worker_totals()
         losses = [self._micro_step(step * grad_accum + micro, phase_s, phase_io, phase_cpu) for micro in range(grad_accum)]
+        # The optimizer step beside the forward (step_overlap): the previous step's swap I/O, done on
+        # its worker during this step's forward, counts as the step's (without the worker's waits).
+        worker = METER.worker_totals() - worker0
+        phase_io["optimizer_step_s"] += dataclasses.replace(worker, wait_s=0.0)
         loss_sum, n = all_reduce_sum([sum(losses), len(losses)])
         dt = time.monotonic() - t0
         end = self.sampler.sample()

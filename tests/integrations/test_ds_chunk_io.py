@@ -158,7 +158,7 @@ def _case(seed: int) -> Case:
     return Case(numel, fragments, files, grad, [(hole[0], grad[hole[0]:hole[0] + hole[1]].clone())])
 
 
-def _fake_adam(optimizer, group_id, views, grad, numel, step_count):
+def _fake_adam(optimizer, hparams, views, grad, numel, step_count):
     """An elementwise update standing in for DeepSpeedCPUAdam (which needs its built op)."""
     p, m, v = (views[k].narrow(0, 0, numel) for k in ("param", *chunked_step.STATE_KEYS))
     m.mul_(0.5).add_(grad)
@@ -172,7 +172,7 @@ def _reference(case: Case, inv_scale: float, has_moments: bool) -> dict[str, tor
     if not has_moments:
         m.zero_()
         v.zero_()
-    _fake_adam(None, 0, {"param": p, "exp_avg": m, "exp_avg_sq": v}, case.grad * inv_scale, case.numel, 0)
+    _fake_adam(None, {}, {"param": p, "exp_avg": m, "exp_avg_sq": v}, case.grad * inv_scale, case.numel, 0)
     return {"param": p, "exp_avg": m, "exp_avg_sq": v}
 
 
@@ -205,7 +205,7 @@ def _run_step(case: Case, io, chunk_numel: int, read_ahead: bool, has_moments: b
     plan = chunked_step.ChunkedSubGroups.__new__(chunked_step.ChunkedSubGroups)
     vars(plan).update(chunk_numel=chunk_numel, settings=MemAscendSettings(), buffer_numel=chunk_numel, io=io,
                       read_ahead=read_ahead, allocator=_Allocator(), sets=[], grad=None, staging=None,
-                      param_io={}, inv_scale=0.5, peak_locked_bytes=0)
+                      param_io={}, inv_scale=0.5, hparams=[{}], peak_locked_bytes=0)
     plan.step(opt, 0)
     assert state["step"] == 4
     assert plan.peak_locked_bytes == chunk_plan.chunk_buffers_numel(chunk_numel, read_ahead) * 4
@@ -290,7 +290,7 @@ def test_read_ahead_crosses_into_the_next_chunked_sub_group(monkeypatch):
     plan = chunked_step.ChunkedSubGroups.__new__(chunked_step.ChunkedSubGroups)
     vars(plan).update(chunk_numel=4 * A, settings=MemAscendSettings(), buffer_numel=4 * A, io=io, read_ahead=True,
                       allocator=_Allocator(), sets=[], grad=None, staging=None, param_io={}, inv_scale=0.5,
-                      peak_locked_bytes=0, sub_groups={0, 1})
+                      hparams=[{}, {}], peak_locked_bytes=0, sub_groups={0, 1})
     plan.step(opt, 0)
     assert plan.ahead is not None and plan.ahead.sub_group_id == 1
     assert io.reads and io.writes  # sub-group 1's first reads and sub-group 0's last writes in flight

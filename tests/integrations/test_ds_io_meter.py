@@ -91,3 +91,25 @@ def test_probe_measures_the_folder_through_the_aio_handle(tmp_path):
     assert bw.read_bytes_per_s > 1e6 and bw.write_bytes_per_s > 1e6
     assert list(tmp_path.iterdir()) == []  # the probe file is removed
     assert io_meter.METER.totals() == before  # not counted as swap I/O
+
+
+def test_the_step_workers_io_is_counted_apart():
+    import threading
+
+    from memascend.integrations.deepspeed.io_meter import SwapIOMeter, count_as_step_worker
+
+    meter = SwapIOMeter()
+    meter.add(read_bytes=4096, wait_s=0.5)
+
+    def worker():
+        count_as_step_worker()
+        meter.add(write_bytes=8192, wait_s=1.0)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert (meter.totals().read_bytes, meter.totals().write_bytes, meter.totals().wait_s) == (4096, 0, 0.5)
+    assert (meter.worker_totals().write_bytes, meter.worker_totals().write_ops, meter.worker_totals().wait_s) == (
+        8192, 1, 1.0)
+    meter.add(write_bytes=1)  # this thread was never marked
+    assert meter.totals().write_bytes == 1

@@ -166,3 +166,15 @@ def test_overlap_on_and_off_train_and_save_the_same_model(tmp_path):
     assert _digests(tmp_path / "on", "*.safetensors") == _digests(tmp_path / "off", "*.safetensors") != {}
     swapped_on, swapped_off = _digests(tmp_path / "ck-on", "*.swp"), _digests(tmp_path / "ck-off", "*.swp")
     assert swapped_on and swapped_on == swapped_off
+
+
+def test_two_ranks_with_and_without_the_overlap_train_alike(tmp_path):
+    """Every all-gather stays on the training thread in stock's order: with two ranks (each its own
+    worker, at its own point) the prefetch that waits for no rank is skipped on both."""
+    off_config = tmp_path / "off.json"
+    off_config.write_text(json.dumps({"memascend": {"enable_step_overlap": False}}))
+    on = _run(tmp_path, "on", "--nproc", "2", "--no-save-model")
+    off = _run(tmp_path, "off", "--nproc", "2", "--no-save-model", "--deepspeed-config", str(off_config))
+    assert on["step_overlap"]["steps"] == 3 and off["step_overlap"] is None
+    assert on["losses_hex"] == off["losses_hex"]
+    assert [s["rank_losses"] for s in on["steps"]] == [s["rank_losses"] for s in off["steps"]]

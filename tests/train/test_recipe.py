@@ -152,7 +152,7 @@ def test_report_from_fixed_inputs_has_the_old_reports_keys(tmp_path, backend):
     want = FIXTURE[backend]
     rep = report_mod.build_report(_inputs(backend, tmp_path))
     # the swap I/O summary and the phases' CPU and system seconds added at the end
-    assert list(rep) == [*want, "swap_io", "median_phase_cpu_s", "median_phase_sys_s"]
+    assert list(rep) == [*want, "swap_io", "median_phase_cpu_s", "median_phase_sys_s", "step_overlap"]
     # the sections the builder makes, key for key and in order
     for section in ("host", "model", "data", "eval", "nvme", "checkpoint", "seeding"):
         if section == "nvme" and backend == "raw_store":

@@ -92,6 +92,9 @@ class ChunkedSubGroups:
 
     parked: bool = False
     """The chunk buffers are parked between steps (:meth:`release`)."""
+    overlap: Any = None
+    """The :class:`~.step_overlap.StepOverlap` running this optimizer's steps beside the next
+    forward (``enable_step_overlap``); ``None`` before the first step, ``False`` where not eligible."""
     sub_groups: set[int] = frozenset()
     """The sub-groups stepped in chunks."""
 
@@ -118,9 +121,6 @@ class ChunkedSubGroups:
         self.inv_scale: Any = None
         self.hparams: list[dict[str, Any]] = []
         """Each param group's Adam hyperparameters for this step (:func:`adam_hparams`)."""
-        self.overlap: Any = None
-        """The :class:`~.step_overlap.StepOverlap` running this optimizer's steps beside the next
-        forward (``enable_step_overlap``), or ``None``."""
         self.deferred: set[int] = set()
         """Chunked sub-groups whose ``_prepare_sub_group`` ran and whose swap-in is deferred."""
         self.stepping: set[int] = set()

@@ -90,25 +90,47 @@ class SwapIOTotals:
                 "write_ops": self.write_ops, "io_wait_s": self.wait_s}
 
 
+_THREAD = threading.local()
+
+
+def count_as_step_worker() -> None:
+    """Count the calling thread's swap I/O apart (:meth:`SwapIOMeter.worker_totals`): the optimizer
+    step run beside the forward (:mod:`.step_overlap`), whose bytes belong to the step, not to the
+    phase the training thread is in meanwhile."""
+    _THREAD.step_worker = True
+
+
 class SwapIOMeter:
-    """Thread-safe counters of swap I/O (:class:`SwapIOTotals`)."""
+    """Thread-safe counters of swap I/O (:class:`SwapIOTotals`): the training thread's (and any
+    other's), and the overlapped optimizer step's worker's apart."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._totals = SwapIOTotals()
+        self._worker = SwapIOTotals()
 
     def add(self, *, read_bytes: int = 0, write_bytes: int = 0, wait_s: float = 0.0) -> None:
         """Count one transfer (a non-zero byte count counts one op) and/or seconds waited."""
+        worker = getattr(_THREAD, "step_worker", False)
         with self._lock:
-            t = self._totals
-            self._totals = SwapIOTotals(t.read_bytes + read_bytes, t.write_bytes + write_bytes,
-                                        t.read_ops + (read_bytes > 0), t.write_ops + (write_bytes > 0),
-                                        t.wait_s + wait_s)
+            t = self._worker if worker else self._totals
+            t = SwapIOTotals(t.read_bytes + read_bytes, t.write_bytes + write_bytes,
+                             t.read_ops + (read_bytes > 0), t.write_ops + (write_bytes > 0), t.wait_s + wait_s)
+            if worker:
+                self._worker = t
+            else:
+                self._totals = t
 
     def totals(self) -> SwapIOTotals:
-        """The counts so far."""
+        """The counts so far, less the step worker's."""
         with self._lock:
             return self._totals
+
+    def worker_totals(self) -> SwapIOTotals:
+        """The overlapped optimizer step's worker's counts so far (:func:`count_as_step_worker`);
+        its ``wait_s`` is the worker's, not time the training thread was blocked."""
+        with self._lock:
+            return self._worker
 
     def discount(self, extra: SwapIOTotals) -> None:
         """Take ``extra`` (counted by a measurement of the meter's own, e.g. the probe) back out."""

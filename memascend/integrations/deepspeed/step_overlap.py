@@ -108,6 +108,9 @@ class StepOverlap:
         self._thread.start()
 
     def _work(self, jobs: list[Callable[[], None]]) -> None:
+        from memascend.integrations.deepspeed.io_meter import count_as_step_worker
+
+        count_as_step_worker()
         start = time.perf_counter()
         try:
             with torch.no_grad():
