@@ -46,6 +46,24 @@ GLIBC_MMAP_THRESHOLD_MAX_BYTES = 32 << 20
 rises with every freed mmapped block up to this size. A tensor below it comes from the heap and its
 pages stay resident after it is freed (stock never trims), so stock's forward/backward tensors under
 it are resident from the first step on; larger ones are mmapped and unmapped on free (transient)."""
+STOCK_HEAP_BYTES_PER_LAYER_TOKEN_SQ = 2.0
+"""Stock's glibc heap at long sequences, in bytes per decoder layer per squared token of the
+micro-batch (``micro_batch * seq_len``): what the forward/backward leaves in the heap as free chunks
+it never hands back (fragmentation, not live tensors). The planner counts the larger of it and the
+tensors it keeps in the heap (:data:`GLIBC_MMAP_THRESHOLD_MAX_BYTES`).
+
+Found in the recorded reports' breakdowns: stock llama-0.1b (24 layers), 1 x 8192, activation
+checkpointing, ``--loss-chunk-tokens 256`` (``baselines/cpu-2c-24g/context``) keeps a 3.60 GiB glibc
+heap of which 3.41 GiB are free chunks (``memory_breakdown.malloc``), 3.02 GiB above every other
+resident component (between-step RSS 7.21 GiB against 4.20 modelled): 2.01 bytes per layer and
+token squared, the calibration. The same run's heap is 0.46 GiB at 1 x 1024 and 1.45 GiB at
+1 x 4096 (``cpu-full``, without the chunked loss), 0.28 and 0.83 GiB above the modelled components:
+the square's 0.05 and 0.75 (the linear fit through 4K and 8K would be negative at 1K). A plain torch
+loop of the same model (no DeepSpeed) leaves a 1.2 GiB heap after the 8K forward and 2.9 GiB after
+the 16K forward, 1.5-1.7 GiB after a whole 8K step (stock's allocations in between double it).
+glibc's fragmentation is not derived from the allocation sequence: the square is the form that fits
+the lengths measured; beyond 8K only stock's OOM kill at 16K under 8 GiB (in the first forward)
+bounds it."""
 HOST_BLOCK_CACHE_THRESHOLD_BYTES = 64 << 10
 """Smallest host tensor memascend's host block cache serves (``memascend.memory.host_cache.DEFAULT_THRESHOLD_BYTES``,
 restated so that planning never loads the cache's C++ op; a test keeps the two equal). With the cache
