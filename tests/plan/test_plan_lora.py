@@ -50,11 +50,11 @@ def test_activation_swap_plan_within_15_percent():
 
 def test_activation_swap_with_a_dram_allowance_plan_within_15_percent():
     # measured: the run above with the section {"enable_activation_swap": true, "activation_dram_bytes":
-    # 268435456} (--deepspeed-config) in place of --swap-activations: 1.35 GiB (1381 MiB), 255 MiB of
-    # saved tensors per forward kept in DRAM, 732 MiB written
+    # 268435456} (--deepspeed-config) in place of --swap-activations: 1.31 GiB (1345 MiB), 254 MiB of
+    # saved tensors per forward kept in DRAM, 376 MiB written
     cfg = build_run_config({}, {"lora": {"rank": 16, "target_modules": ["all-linear"]}, "train": {"loss_chunk_tokens": 256}})
     plan = plan_run(cfg, memascend_settings={"enable_activation_swap": True, "activation_dram_bytes": 256 << 20})
-    assert abs(plan["memascend"].peak_rss_bytes / 2**20 / 1381 - 1) < 0.15
+    assert abs(plan["memascend"].peak_rss_bytes / 2**20 / 1345 - 1) < 0.15
 
 
 def test_activation_swap_plan_of_the_lora_llama_05b_row_within_15_percent():
