@@ -21,11 +21,19 @@ read-ahead fetches the earlier ones, instead of waiting on reads from its first 
 whole backward pass while its start waits on the store). Holding a tensor until it leaves the window
 delays its write by at most the allowance; nothing else changes.
 
+The unit written is a storage: the first saved tensor that covers its whole storage (contiguous, or
+any dense permutation of it, such as a transposed view) hands that storage to the swapper. Every later
+saved tensor of the same storage in the same forward pass (the same tensor saved by the q, k and v
+projections; a detached alias of a module's output saved by the next layer; a per-head view of the
+q/k/v projection saved by attention) is not written again: it keeps its dtype, shape, strides and
+storage offset, and the unpack hook builds it on the one copy of the storage (the original while it is
+still in memory, else the one read), so it has the same values as without the swap. Its bytes are
+counted in :attr:`ActivationSwapStats.deduplicated_bytes`.
+
 Not swapped (handed back to autograd as they are): parameters and their views (ZeRO-3 swaps those
-itself), tensors under ``min_bytes``, non-CPU tensors, tensors that do not own their whole storage (a
-view of a larger buffer: writing it would free nothing), and tensors that do not fit in the store
-(counted in :attr:`ActivationSwapStats.kept_bytes`). A tensor saved several times (one layer input
-saved by the q, k and v projections) is written once.
+itself), storages under ``min_bytes``, non-CPU tensors, tensors that cover only part of their storage
+and whose storage was not handed over before (a view of a larger buffer: writing it would free
+nothing), and tensors that do not fit in the store (counted in :attr:`ActivationSwapStats.kept_bytes`).
 
 Source: ZeRO-Infinity's activation checkpoint offload (Rajbhandari et al., SC'21, section 5.1.2),
 which offloads checkpoints to CPU memory; here host memory is what is saved, so they go to NVMe through
@@ -47,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from memascend.io.errors import StoreFullError
 from memascend.io.records import Ticket
@@ -72,7 +81,11 @@ class ActivationSwapStats:
         read_bytes: saved tensors read back (a tensor still in memory when the backward pass needs
             it is handed back without a read).
         kept_bytes: eligible saved tensors kept in memory because the store was full.
-        swapped_tensors: tensors written.
+        swapped_tensors: storages written (one per storage, however many saved tensors view it).
+        deduplicated_bytes: bytes (their own elements) of saved tensors that view a storage already
+            handed to the swapper in the same forward pass: restored from that storage's one write
+            (or from memory) instead of being written or kept again.
+        deduplicated_tensors: how many such saved tensors.
         peak_stored_bytes: most bytes of saved tensors in the store at once.
         capacity_bytes: the store's data capacity.
         dram_allowance_bytes: the DRAM allowance per forward pass (0: every eligible tensor is written).
@@ -88,6 +101,8 @@ class ActivationSwapStats:
     read_bytes: int = 0
     kept_bytes: int = 0
     swapped_tensors: int = 0
+    deduplicated_bytes: int = 0
+    deduplicated_tensors: int = 0
     peak_stored_bytes: int = 0
     capacity_bytes: int = 0
     dram_allowance_bytes: int = 0
@@ -101,15 +116,15 @@ class ActivationSwapStats:
 
 
 class _Swapped:
-    """One eligible saved tensor: held in DRAM (``held``: in the allowance's window; or kept, the store
-    being full: ``key`` is ``None``), or in the store (``key``), what the unpack hook reads back. Frees
-    its extent when autograd drops it (the graph is freed after backward)."""
+    """One swapped storage (the whole of it, as a flat tensor): held in DRAM (``held``: in the
+    allowance's window; or kept, the store being full: ``key`` is ``None``), or in the store (``key``),
+    what the unpack hook reads back. Frees its extent when autograd drops the last :class:`_View` of it
+    (the graph is freed after backward)."""
 
-    __slots__ = ("__weakref__", "dtype", "freed", "held", "key", "loaded", "nbytes", "owner", "shape", "ticket",
-                 "tensor")
+    __slots__ = ("__weakref__", "dtype", "freed", "held", "key", "loaded", "nbytes", "owner", "ticket", "tensor")
 
-    def __init__(self, owner: ActivationSwapper, flat: torch.Tensor, shape: tuple[int, ...]) -> None:
-        self.owner, self.shape = owner, shape
+    def __init__(self, owner: ActivationSwapper, flat: torch.Tensor) -> None:
+        self.owner = owner
         self.key: str | None = None  # the store extent's key once written
         self.ticket: Ticket | None = None
         self.tensor: torch.Tensor | None = flat  # the saved tensor's bytes, held until the write completes
@@ -122,6 +137,34 @@ class _Swapped:
             self.owner._release(self)
         except Exception:  # noqa: BLE001 -- never raise from a finalizer; the store file goes at close
             pass
+
+
+class _View:
+    """What the pack hook hands autograd for one saved tensor: its storage's :class:`_Swapped` and
+    where the tensor lies in that storage (dtype, shape, strides and offset in elements)."""
+
+    __slots__ = ("dtype", "handle", "offset", "shape", "stride")
+
+    def __init__(self, handle: _Swapped, t: torch.Tensor) -> None:
+        self.handle, self.dtype = handle, t.dtype
+        self.shape, self.stride, self.offset = tuple(t.shape), t.stride(), t.storage_offset()
+
+    def on(self, flat: torch.Tensor) -> torch.Tensor:
+        """The saved tensor, built on ``flat`` (the storage's bytes: the original or the one read)."""
+        return torch.empty(0, dtype=self.dtype).set_(flat.untyped_storage(), self.offset, self.shape, self.stride)
+
+
+def covers_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds every byte of its storage once: offset 0, ``numel`` elements filling the
+    storage, and strides that are a permutation of contiguous strides (dense, no overlap)."""
+    if t.storage_offset() != 0 or t.numel() * t.element_size() != t.untyped_storage().nbytes():
+        return False
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 class ActivationSwapper:
@@ -157,7 +200,9 @@ class ActivationSwapper:
         self._writing_bytes = 0
         self._stored_bytes = 0
         self._order: list[weakref.ref[_Swapped]] = []  # this forward's handles in pack order
-        self._same: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[_Swapped]]] = {}  # id(tensor) -> handle
+        # this forward's storages handed over: the storage's StorageImpl address -> (a weak reference to
+        # the storage, which keeps that address from being reused while it is held; its handle)
+        self._storages: dict[int, tuple[StorageWeakRef, weakref.ref[_Swapped]]] = {}
         self._held: collections.deque[weakref.ref[_Swapped]] = collections.deque()  # the DRAM window, oldest first
         self._held_bytes = 0
         self._forward_written_bytes = 0
@@ -180,7 +225,7 @@ class ActivationSwapper:
                     handle.held = False
             self._held.clear()
             self._held_bytes = self._forward_written_bytes = 0
-        self._order, self._same = [], {}
+        self._order, self._storages = [], {}
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
         self._installed = hooks
@@ -215,30 +260,40 @@ class ActivationSwapper:
         finally:
             self.end()
 
-    def _eligible(self, t: torch.Tensor) -> bool:
+    @staticmethod
+    def _activation(t: torch.Tensor) -> bool:
+        """A host tensor that is no parameter nor a view of one."""
         if t.device.type != "cpu" or isinstance(t, torch.nn.Parameter) or t.layout != torch.strided:
             return False
         base = t._base if t._base is not None else t
-        if isinstance(base, torch.nn.Parameter) or hasattr(base, "ds_id"):
-            return False
-        nbytes = t.untyped_storage().nbytes()
-        return nbytes >= self.min_bytes and nbytes == t.numel() * t.element_size() and t.is_contiguous()
+        return not (isinstance(base, torch.nn.Parameter) or hasattr(base, "ds_id"))
+
+    def _handed_over(self, storage: torch.UntypedStorage) -> _Swapped | None:
+        """The live handle of ``storage`` if this forward pass already handed it over."""
+        seen = self._storages.get(storage._cdata)
+        if seen is None or seen[0].expired():
+            return None
+        handle = seen[1]()
+        return handle if handle is not None and not handle.freed else None
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if not self._eligible(t):
+        if not self._activation(t):
             return t
         with self._lock:
-            seen = self._same.get(id(t))
-            if seen is not None and seen[0]() is t:
-                same = seen[1]()
-                if same is not None and not same.freed:
-                    return same
-            handle = _Swapped(self, t.detach().view(-1), tuple(t.shape))  # contiguous, owns its storage (_eligible)
-            self._same[id(t)] = (weakref.ref(t), weakref.ref(handle))
+            storage = t.untyped_storage()
+            handle = self._handed_over(storage)
+            if handle is not None:  # another view of a storage already handed over: not written again
+                self.stats.deduplicated_bytes += t.numel() * t.element_size()
+                self.stats.deduplicated_tensors += 1
+                return _View(handle, t)
+            if storage.nbytes() < self.min_bytes or not covers_storage(t):
+                return t
+            handle = _Swapped(self, t.detach().as_strided((t.numel(),), (1,), 0))  # the whole storage, flat
+            self._storages[storage._cdata] = (StorageWeakRef(storage), weakref.ref(handle))
             self._order.append(weakref.ref(handle))
             if not self.dram_bytes:
                 self._write(handle)
-                return handle
+                return _View(handle, t)
             handle.held = True
             self._held.append(weakref.ref(handle))
             self._held_bytes += handle.nbytes
@@ -248,7 +303,7 @@ class ActivationSwapper:
                     oldest.held = False
                     self._held_bytes -= oldest.nbytes
                     self._write(oldest)
-        return handle
+        return _View(handle, t)
 
     def _write(self, handle: _Swapped) -> None:
         """Submit ``handle``'s write (a full store keeps it in DRAM); past the write-behind bytes, wait
@@ -277,12 +332,12 @@ class ActivationSwapper:
                 self._finish_write(oldest)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _Swapped):
+        if not isinstance(packed, _View):
             return packed
         with self._lock:
-            out = self._load(packed)
-            self._read_ahead(packed)
-        return out.view(packed.shape)
+            flat = self._load(packed.handle)
+            self._read_ahead(packed.handle)
+        return packed.on(flat)
 
     # ---------------------------------------------------------------- transfers
     def _finish_write(self, handle: _Swapped) -> None:

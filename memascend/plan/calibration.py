@@ -46,6 +46,24 @@ GLIBC_MMAP_THRESHOLD_MAX_BYTES = 32 << 20
 rises with every freed mmapped block up to this size. A tensor below it comes from the heap and its
 pages stay resident after it is freed (stock never trims), so stock's forward/backward tensors under
 it are resident from the first step on; larger ones are mmapped and unmapped on free (transient)."""
+STOCK_HEAP_BYTES_PER_LAYER_TOKEN_SQ = 2.0
+"""Stock's glibc heap at long sequences, in bytes per decoder layer per squared token of the
+micro-batch (``micro_batch * seq_len``): what the forward/backward leaves in the heap as free chunks
+it never hands back (fragmentation, not live tensors). The planner counts the larger of it and the
+tensors it keeps in the heap (:data:`GLIBC_MMAP_THRESHOLD_MAX_BYTES`).
+
+Found in the recorded reports' breakdowns: stock llama-0.1b (24 layers), 1 x 8192, activation
+checkpointing, ``--loss-chunk-tokens 256`` (``baselines/cpu-2c-24g/context``) keeps a 3.60 GiB glibc
+heap of which 3.41 GiB are free chunks (``memory_breakdown.malloc``), 3.02 GiB above every other
+resident component (between-step RSS 7.21 GiB against 4.20 modelled): 2.01 bytes per layer and
+token squared, the calibration. The same run's heap is 0.46 GiB at 1 x 1024 and 1.45 GiB at
+1 x 4096 (``cpu-full``, without the chunked loss), 0.28 and 0.83 GiB above the modelled components:
+the square's 0.05 and 0.75 (the linear fit through 4K and 8K would be negative at 1K). A plain torch
+loop of the same model (no DeepSpeed) leaves a 1.2 GiB heap after the 8K forward and 2.9 GiB after
+the 16K forward, 1.5-1.7 GiB after a whole 8K step (stock's allocations in between double it).
+glibc's fragmentation is not derived from the allocation sequence: the square is the form that fits
+the lengths measured; beyond 8K only stock's OOM kill at 16K under 8 GiB (in the first forward)
+bounds it."""
 HOST_BLOCK_CACHE_THRESHOLD_BYTES = 64 << 10
 """Smallest host tensor memascend's host block cache serves (``memascend.memory.host_cache.DEFAULT_THRESHOLD_BYTES``,
 restated so that planning never loads the cache's C++ op; a test keeps the two equal). With the cache
@@ -91,4 +109,8 @@ malloc policy trims after the step. Calibrated on SmolLM2-135M LoRA rank 16 (all
 the first forward minus the cache's peak reserved bytes is 143 MiB with the activation swap (4.75;
 148 MiB, 4.91, in a second run) and 162 MiB without it (5.38); the smallest is taken. Calibrated while
 the host block cache's threshold was 1 MiB (all of those tensors in the heap); with the cache from
-64 KiB the same run peaks at 1105 MiB against 1114 MiB planned."""
+64 KiB the same run peaks at 1105 MiB against 1114 MiB planned (1081 MiB once the swap writes each
+storage once). Checked on a second shape, a full fine-tune of ``--from-scratch llama-0.1b --seq-len 1024
+--micro-batch 1 --loss-chunk-tokens 256 --swap-activations`` (18.8 MiB of small saved tensors, a term
+of 89.5 MiB): 1.339 GiB planned against 1.283 GiB measured (+4.4 %), so the rate was kept; the term
+is too small a part of either peak to fit the rate from the peaks alone."""

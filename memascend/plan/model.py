@@ -45,7 +45,8 @@ Phases: building the engine (``initialize``), forward/backward (``backward``) an
 (``step``) have their own transients, which do not overlap: the peak is the resident set plus the
 largest of the three. Stock never hands freed heap memory back, so its forward/backward tensors
 below glibc's mmap threshold stay resident after the first step
-(:data:`GLIBC_MMAP_THRESHOLD_MAX_BYTES`); memascend's malloc policy returns them.
+(:data:`GLIBC_MMAP_THRESHOLD_MAX_BYTES`), and at long sequences the heap's free chunks grow beyond
+them (:data:`STOCK_HEAP_BYTES_PER_LAYER_TOKEN_SQ`); memascend's malloc policy returns them.
 
 memascend (``--engine memascend``, defaults of :class:`MemAscendSettings`) replaces the parameter
 slab with the adaptive pool (slots of the real partition sizes, the prefetch budget's largest
@@ -85,6 +86,7 @@ from memascend.plan.calibration import (
     MEMASCEND_CORPUS_BYTES_PER_TOKEN,
     MEMASCEND_FRAMEWORK_RSS_BYTES,
     MODEL_BUILD_BYTES_PER_PARAM,
+    STOCK_HEAP_BYTES_PER_LAYER_TOKEN_SQ,
     TRANSIENT_PHASES,
 )
 from memascend.plan.optimizer_terms import (
@@ -196,7 +198,9 @@ def _add_forward_backward(add, dims: ModelDims, cfg: RunConfig, e: int, w: int, 
     Where freed memory is not handed back (stock), the tensors below
     :data:`GLIBC_MMAP_THRESHOLD_MAX_BYTES` stay in the heap after the first step and are modelled
     as resident; the larger ones (mmapped) and everything under memascend's malloc policy are
-    backward-phase transients.
+    backward-phase transients. At long sequences stock's heap holds more than those tensors: the free
+    chunks the forward/backward leaves behind (:data:`STOCK_HEAP_BYTES_PER_LAYER_TOKEN_SQ`), counted
+    where they exceed them.
     """
     act = activation_parts(dims, cfg.train.micro_batch, cfg.data.seq_len, e, cfg.train.activation_checkpointing,
                            cfg.train.loss_chunk_tokens)
@@ -208,6 +212,12 @@ def _add_forward_backward(add, dims: ModelDims, cfg: RunConfig, e: int, w: int, 
         add("activations kept in the heap (saved layer tensors)", act.saved + act.recompute, False, src)
     if logits_kept:
         add("fp32 logits kept in the heap", act.logits, False, src)
+    if not trimmed:
+        tokens = cfg.train.micro_batch * cfg.data.seq_len
+        kept = (act.saved + act.recompute if saved_kept else 0) + (act.logits if logits_kept else 0)
+        fragments = int(STOCK_HEAP_BYTES_PER_LAYER_TOKEN_SQ * dims.num_layers * tokens * tokens)
+        add("glibc heap fragments of long sequences (beyond the tensors kept in the heap)", max(0, fragments - kept),
+            False, "glibc heap never trimmed (STOCK_HEAP_BYTES_PER_LAYER_TOKEN_SQ)")
     saved = act.saved
     if swap_activations and trimmed:
         from memascend.plan.activation_swap_terms import add_swap_terms

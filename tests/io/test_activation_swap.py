@@ -4,12 +4,13 @@ eligible stays with autograd; extents are freed with the graph; a full store kee
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import pytest
 import torch
 
-from memascend.io.activation_swap import ActivationSwapper
+from memascend.io.activation_swap import ActivationSwapper, covers_storage
 
 MIB = 1 << 20
 
@@ -114,13 +115,13 @@ def test_a_full_store_keeps_tensors_in_memory(tmp_path):
 
 
 def _tally_pack(swapper):
-    """Wrap the swapper's pack hook: the bytes of each eligible saved tensor, in pack order."""
+    """Wrap the swapper's pack hook: the bytes and handle of each storage handed over, in pack order."""
     sizes, pack = [], swapper._pack
 
     def tally(t):
         out = pack(t)
-        if out is not t and (not sizes or sizes[-1][1] is not out):
-            sizes.append((t.numel() * t.element_size(), out))
+        if out is not t and all(out.handle is not handle for _, handle in sizes):
+            sizes.append((t.untyped_storage().nbytes(), out.handle))
         return out
 
     swapper._pack = tally
@@ -183,3 +184,70 @@ def test_an_allowance_above_the_pass_writes_nothing(tmp_path):
         assert sw.stats.max_forward_dram_bytes >= 12 * (512 << 10)
     finally:
         sw.close()
+
+
+def test_views_of_one_storage_are_written_once_and_restored_with_their_layout(swapper):
+    h = torch.randn(1024, 256)  # 1 MiB: one storage, saved below through four views
+    views = [h, h.view(256, 1024), h[512:], h.t(), h.view(torch.int32)[3:7, ::2]]
+    with swapper.hooks():
+        packed = [swapper._pack(v) for v in views]
+    stats = swapper.stats
+    assert stats.swapped_tensors == 1 and stats.written_bytes == h.numel() * 4
+    assert stats.deduplicated_tensors == 4
+    assert stats.deduplicated_bytes == sum(v.numel() * v.element_size() for v in views[1:])
+    assert all(p.handle is packed[0].handle for p in packed) and packed[0].handle.tensor is None  # written, dropped
+    out = [swapper._unpack(p) for p in packed]
+    assert stats.read_bytes == h.numel() * 4  # one read serves every view
+    assert len({o.untyped_storage().data_ptr() for o in out}) == 1
+    assert out[0].untyped_storage().data_ptr() != h.untyped_storage().data_ptr()
+    for want, got in zip(views, out):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert got.stride() == want.stride() and got.storage_offset() == want.storage_offset()
+        assert torch.equal(got, want)
+
+
+def test_views_saved_by_autograd_give_the_same_gradients_from_one_write(swapper):
+    torch.manual_seed(2)
+    x = torch.randn(1024, 256)
+    w1, w2 = torch.randn(256, 64, requires_grad=True), torch.randn(256, 64, requires_grad=True)
+    v = torch.randn(1024, 32, requires_grad=True)
+
+    def grads(hooks):
+        for p in (w1, w2, v):
+            p.grad = None
+        with swapper.hooks() if hooks else contextlib.nullcontext():
+            h = torch.tanh(x)  # owns its storage (x needs no gradient: tanh saves nothing)
+            loss = (h @ w1).sum() + (h[512:] @ w2).sum() + (h.t() @ v).square().sum()
+        del h
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in (w1, w2, v)]
+
+    want_loss, want = grads(False)
+    got_loss, got = grads(True)
+    assert torch.equal(got_loss, want_loss) and all(torch.equal(a, b) for a, b in zip(got, want))
+    # the products save h, its row slice and its transpose: one storage, one write
+    assert swapper.stats.written_bytes == x.numel() * 4 and swapper.stats.swapped_tensors == 1
+    assert swapper.stats.deduplicated_tensors == 2 and swapper.stats.deduplicated_bytes == x.numel() * 4 * 3 // 2
+
+
+def test_a_transposed_view_that_covers_its_storage_is_swapped(swapper):
+    h = torch.randn(256, 1024)
+    with swapper.hooks():
+        packed = swapper._pack(h.t())
+    assert swapper.stats.written_bytes == h.numel() * 4
+    out = swapper._unpack(packed)
+    assert out.stride() == (1, 1024) and torch.equal(out, h.t())
+
+
+@pytest.mark.parametrize(("make", "covers"), [
+    (lambda: torch.zeros(4, 6), True),
+    (lambda: torch.zeros(4, 6).t(), True),
+    (lambda: torch.zeros(2, 3, 4).permute(2, 0, 1), True),
+    (lambda: torch.zeros(4, 1, 6)[:, :, :], True),
+    (lambda: torch.zeros(4, 6)[1:], False),
+    (lambda: torch.zeros(4, 6)[:, ::2], False),
+    (lambda: torch.zeros(6).expand(4, 6), False),
+    (lambda: torch.zeros(4, 6).view(torch.int16), True),
+])
+def test_covers_storage(make, covers):
+    assert covers_storage(make()) is covers
