@@ -133,7 +133,9 @@ class MemAscendSettings:
             in its buffer), with stock's per-parameter norms and the fp16 overflow check done per
             bucket (:mod:`memascend.integrations.deepspeed.grad_stream`). Elsewhere (optimizer in
             DRAM or on the device) stock's buffer is kept. Supersedes ``enable_grad_buffer_release``
-            where it applies.
+            where it applies. With it, a bucket reduced over one rank is its gradients themselves,
+            without stock's flat copy and the backend's temporary
+            (:mod:`memascend.integrations.deepspeed.single_rank_reduce`).
         enable_optimizer_buffer_release: with ``enable_optimizer_pool``, unlock the optimizer's
             swap buffers after every step (and after construction) and hand their pages back, so
             the forward and backward run without them; the next step locks them again. The aio

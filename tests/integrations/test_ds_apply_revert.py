@@ -29,6 +29,7 @@ def _seam_objects():
     from deepspeed.runtime.swap_tensor import optimizer_utils
     from deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper import PartitionedOptimizerSwapper
     from deepspeed.runtime.zero import partition_parameters
+    from deepspeed.runtime.zero import stage3 as stage3_module
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as S3
 
@@ -47,6 +48,7 @@ def _seam_objects():
         "stage3.partition_grads": (S3, "partition_grads"),
         "stage3._setup_for_real_optimizer": (S3, "_setup_for_real_optimizer"),
         "stage3._finalize_offload_gradient_accumulation": (S3, "_finalize_offload_gradient_accumulation"),
+        "stage3.reduce_scatter_coalesced": (stage3_module, "reduce_scatter_coalesced"),  # enable_grad_streaming
         "stage3._swappable_optimizer_subgroup": (S3, "_swappable_optimizer_subgroup"),  # optimizer_dram_numel
         "engine.forward": (DeepSpeedEngine, "forward"),
         "PartitionedOptimizerSwapper._swap_in_pinned_gradients": (PartitionedOptimizerSwapper,
@@ -280,7 +282,7 @@ def test_each_flag_patches_only_its_seams():
     during = _snapshot()  # partition_grads composed under step_memory's wrapper (one patch per attribute)
     assert {k for k in before if during[k] is not before[k]} == {
         "stage3._setup_for_real_optimizer", "stage3._finalize_offload_gradient_accumulation",
-        "stage3.partition_grads", "stage3.__init__", "stage3._post_step", INIT}
+        "stage3.reduce_scatter_coalesced", "stage3.partition_grads", "stage3.__init__", "stage3._post_step", INIT}
     ma_ds.revert()
     assert _snapshot() == before
 

@@ -10,8 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memascend.integrations.deepspeed import grad_norm, step_memory
-from memascend.integrations.deepspeed.accounting import memory_breakdown, peak_sample, step_transient_bytes
+from memascend.integrations.deepspeed.accounting import (
+    gradient_transients,
+    memory_breakdown,
+    peak_sample,
+    step_transient_bytes,
+)
 from memascend.integrations.deepspeed.optimizer_swapper import OnDemandSwapBufferManager
+from memascend.integrations.deepspeed.single_rank_reduce import make_reduce_scatter_coalesced
 from memascend.memory import host_allocator
 
 
@@ -175,6 +181,32 @@ def test_breakdown_counts_buffers_locked_during_the_step_once():
                                     "phase_peak_rss_bytes": {"load": 100}}, samples)
     # 700 = 100 runtime + 250 locked at the peak + 200 transient + 150 unlocked already held when the forward began
     assert out["unattributed_bytes"] == 150
+
+
+def test_gradient_transients_norm_copy_and_reduce_path(monkeypatch):
+    import deepspeed.comm as dist
+    from deepspeed.runtime.zero import stage3
+
+    S = types.SimpleNamespace
+    part = lambda n: S(partition_numel=lambda: n)  # noqa: E731
+    opt = S(fp16_groups=[[part(10), part(300_000_000)], [part(7)]], dp_process_group=None)
+    # stock's reduce-scatter: the norm's fp64 piece (the CPU has fp64) is capped at 250e6 elements;
+    # up to two bucket copies
+    assert gradient_transients(opt, 64) == {"grad_norm_copy_bytes": 8 * 250_000_000,
+                                            "single_rank_reduce": False, "reduce_copy_bytes": 128}
+    opt.fp16_groups = [[part(1000)]]
+    assert gradient_transients(opt, 64)["grad_norm_copy_bytes"] == 8000
+    assert gradient_transients(None, 64) == {"grad_norm_copy_bytes": 0, "single_rank_reduce": False,
+                                             "reduce_copy_bytes": 0}
+    # the single-rank path in force on a one-rank group: no copies
+    monkeypatch.setattr(stage3, "reduce_scatter_coalesced",
+                        make_reduce_scatter_coalesced(stage3.reduce_scatter_coalesced, lambda group: 1))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    assert gradient_transients(opt, 64) == {"grad_norm_copy_bytes": 8000, "single_rank_reduce": True,
+                                            "reduce_copy_bytes": 0}
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    assert gradient_transients(opt, 64)["reduce_copy_bytes"] == 128
 
 
 def test_partition_grads_trims_before_stock(monkeypatch):

@@ -65,7 +65,8 @@ What each flag patches (DeepSpeed 0.19.8 names):
 * ``enable_grad_streaming``: ``DeepSpeedZeroOptimizer_Stage3._setup_for_real_optimizer``,
   ``._finalize_offload_gradient_accumulation`` and (inside :mod:`.step_memory`'s wrapper)
   ``.partition_grads`` (:mod:`.grad_stream`: no whole-partition gradient buffer with the optimizer
-  on NVMe).
+  on NVMe), and ``deepspeed.runtime.zero.stage3.reduce_scatter_coalesced``
+  (:mod:`.single_rank_reduce`: a bucket reduced over one rank without its two copies).
 * ``enable_host_block_cache``: ``DeepSpeedEngine.forward`` installs the host block cache
   (:mod:`memascend.memory.host_cache`) at the first forward; :func:`revert` uninstalls it.
 * ``enable_activation_swap``: ``DeepSpeedEngine.forward`` (training, with gradients) installs the
@@ -396,6 +397,17 @@ def _patch_grad_stream(settings: MemAscendSettings) -> None:
     _registry.patch(stage3, "_finalize_offload_gradient_accumulation",
                     grad_stream.make_finalize_offload_gradient_accumulation(
                         stage3._finalize_offload_gradient_accumulation))
+    _patch_single_rank_reduce()
+
+
+def _patch_single_rank_reduce() -> None:
+    import deepspeed.comm as ds_comm
+    import deepspeed.runtime.zero.stage3 as stage3_module
+
+    from memascend.integrations.deepspeed.single_rank_reduce import make_reduce_scatter_coalesced
+
+    _registry.patch(stage3_module, "reduce_scatter_coalesced", make_reduce_scatter_coalesced(
+        stage3_module.reduce_scatter_coalesced, ds_comm.get_world_size))
 
 
 def _patch_aligned_io(settings: MemAscendSettings) -> None:

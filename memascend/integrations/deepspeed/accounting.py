@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+
 
 def _nbytes(tensor: Any) -> int:
     return 0 if tensor is None else int(tensor.numel()) * int(tensor.element_size())
@@ -121,6 +123,50 @@ def peak_sample(samples: Sequence[Any]) -> dict[str, Any] | None:
     return {"phase": best.phase, "rss_bytes": int(best.rss_bytes), "locked_bytes": _locked_bytes(best)}
 
 
+NORM_BUFFER_NUMEL = 250_000_000
+"""Elements per piece of stage 3's ``_constant_buffered_norm2`` (its ``buffer_size`` default in
+DeepSpeed 0.19.8): the gradient norm converts a partition to the norm dtype this many elements at a
+time."""
+
+
+def gradient_transients(optimizer: Any, bucket_bytes: int) -> dict[str, Any]:
+    """Model-sized host memory the backward pass holds only while it reduces a bucket of gradients.
+
+    Args:
+        optimizer: the stage-3 optimizer (``None``: no gradients, every value 0).
+        bucket_bytes: bytes of the reduce bucket (:func:`memory_breakdown`'s ``reduce_buckets``).
+
+    Returns:
+        ``grad_norm_copy_bytes``: the largest copy stage 3's per-parameter gradient norm
+        (``_constant_buffered_norm2``: ``part.to(get_norm_dtype()).norm(2)``) makes at the
+        accumulation boundary: the largest partition, at most :data:`NORM_BUFFER_NUMEL` elements,
+        in the norm dtype (fp64 wherever the accelerator has it, the CPU included: 8 bytes per
+        element); ``single_rank_reduce``: whether the bucket's reduce-scatter over one rank returns
+        the gradients themselves (:mod:`.single_rank_reduce`); ``reduce_copy_bytes``: the most the
+        reduce-scatter copies a bucket into (stock's flat ``torch.cat`` of a bucket of several
+        gradients and the backend's own temporary: twice the bucket), 0 on the single-rank path.
+    """
+    numels = [int(p.partition_numel()) for group in (getattr(optimizer, "fp16_groups", None) or []) for p in group]
+    single = _single_rank_reduce(optimizer)
+    return {"grad_norm_copy_bytes": _norm_dtype_bytes() * min(max(numels, default=0), NORM_BUFFER_NUMEL),
+            "single_rank_reduce": single, "reduce_copy_bytes": 0 if single or optimizer is None else 2 * bucket_bytes}
+
+
+def _norm_dtype_bytes() -> int:
+    from deepspeed.runtime.zero.utils import get_norm_dtype
+
+    return int(torch.empty(0, dtype=get_norm_dtype()).element_size())
+
+
+def _single_rank_reduce(optimizer: Any) -> bool:
+    import deepspeed.comm as dist
+    from deepspeed.runtime.zero import stage3
+
+    if optimizer is None or getattr(stage3.reduce_scatter_coalesced, "__wrapped__", None) is None:
+        return False
+    return dist.is_initialized() and dist.get_world_size(getattr(optimizer, "dp_process_group", None)) == 1
+
+
 def _buffer_bytes(tensors: Any) -> dict[str, int]:
     from memascend.memory.host_allocator import resident_bytes
 
@@ -145,7 +191,8 @@ def memory_breakdown(engine: Any, summary: Mapping[str, Any], samples: Sequence[
         :func:`param_pool_classes`); DRAM buffers of stage 3, each as ``allocated_bytes`` and
         ``resident_at_end_bytes`` (``mincore``: pages never written or released cost no RSS):
         ``gradient_buffers.grad_partitions_flat`` (the flat 16-bit gradient partitions),
-        ``gradient_buffers.reduce_buckets`` and ``param_dram_copy`` (16-bit partitions kept in DRAM,
+        ``gradient_buffers.reduce_buckets`` (with the transients of reducing one bucket,
+        :func:`gradient_transients`) and ``param_dram_copy`` (16-bit partitions kept in DRAM,
         ``offload_param.max_in_cpu``); ``runtime_after_load_bytes`` (RSS when the load phase ended:
         interpreter, libraries, tokenizer, data); ``step_transient_bytes``
         (:func:`step_transient_bytes`: activations and their gradients, unlocked); ``malloc``
@@ -188,7 +235,8 @@ def memory_breakdown(engine: Any, summary: Mapping[str, Any], samples: Sequence[
         "at_peak": at_peak,
         "locked": {"peak_locked_bytes": int(summary.get("peak_locked_bytes", 0)), **swap,
                    "param_pool_classes": param_pool_classes(engine)},
-        "gradient_buffers": {"grad_partitions_flat": grad_flat, "reduce_buckets": buckets},
+        "gradient_buffers": {"grad_partitions_flat": grad_flat, "reduce_buckets": buckets,
+                             **gradient_transients(optimizer, buckets["allocated_bytes"])},
         "param_dram_copy": param_dram,
         "optimizer_dram": optimizer_dram,
         "runtime_after_load_bytes": runtime,
