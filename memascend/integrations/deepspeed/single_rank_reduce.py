@@ -12,7 +12,7 @@ memory for no change in any value.
 
 :func:`make_reduce_scatter_coalesced` divides each gradient by 1 in place as stock divides its flat
 buffer (exact in IEEE arithmetic; it still turns a NaN into the canonical NaN, as stock's does) and
-returns it flattened (a view, as stock returns for its one-tensor case); any larger group runs
+returns it flattened (a view of a contiguous gradient, as stock returns for its one-tensor case); any larger group runs
 stock's function.
 """
 
@@ -30,7 +30,8 @@ def make_reduce_scatter_coalesced(original: Callable[..., list], world_size: Cal
         world_size: ranks in a process group (``deepspeed.comm.get_world_size(group)``).
 
     Returns:
-        A function with stock's signature: ``[t.view(-1).div_(1) for t in tensors]`` where ``group``
+        A function with stock's signature: ``[t.reshape(-1).div_(1) for t in tensors]`` (a view of each
+        contiguous gradient; a non-contiguous one is copied, as stock's ``torch.cat`` copies it) where ``group``
         has one rank (the bits stock would return, without its flat copy and the backend's
         temporary), else ``original(tensors, group)``.
     """
@@ -38,7 +39,7 @@ def make_reduce_scatter_coalesced(original: Callable[..., list], world_size: Cal
     def reduce_scatter_coalesced(tensors: list, group: Any = None) -> list:
         if world_size(group) != 1:
             return original(tensors, group)
-        return [tensor.view(-1).div_(1) for tensor in tensors]
+        return [tensor.reshape(-1).div_(1) for tensor in tensors]
 
     reduce_scatter_coalesced.__wrapped__ = original  # type: ignore[attr-defined]
     return reduce_scatter_coalesced
