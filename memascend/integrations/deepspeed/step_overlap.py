@@ -42,6 +42,7 @@ sequence (chunked or not).
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import time
 import weakref
@@ -111,6 +112,7 @@ class StepOverlap:
         from memascend.integrations.deepspeed.io_meter import count_as_step_worker
 
         count_as_step_worker()
+        _raise_priority()
         start = time.perf_counter()
         try:
             with torch.no_grad():
@@ -227,6 +229,19 @@ class StepOverlap:
             self._thread = None
             _IN_FLIGHT.discard(self)
             raise error
+
+
+WORKER_NICE = -5
+"""The worker's scheduling priority (Linux nice, per thread; its OpenMP threads inherit it): it is on
+the forward's critical path (the forward's fetches wait for the chunks it writes, the backward for
+its end), so it runs ahead of the training thread where the process may raise a priority."""
+
+
+def _raise_priority() -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICE)
+    except OSError:  # not permitted (no CAP_SYS_NICE): the default priority
+        pass
 
 
 def join_all(*, raise_errors: bool = True) -> None:
