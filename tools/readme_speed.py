@@ -29,9 +29,14 @@ def _phase_ratios(r) -> str:
 
 
 def _results(b: Baselines) -> list:
-    """Every committed speed result: :data:`RESULTS`, then ``speed/*/results.json`` by folder name."""
+    """Every committed speed result: :data:`RESULTS`, then ``speed/*/results.json`` by folder name; a
+    row measured again in a later folder replaces the earlier one in place."""
     extra = sorted(p.relative_to(b.root).as_posix() for p in (b.root / "speed").glob("*/results.json"))
-    return [r for rel in (RESULTS, *extra) for r in b.results(rel)]
+    rows: dict[str, object] = {}
+    for rel in (RESULTS, *extra):
+        for r in b.results(rel):
+            rows[r.config.name] = r
+    return list(rows.values())
 
 
 def speed_table(b: Baselines) -> str:
