@@ -31,7 +31,8 @@ def _phase_ratios(r) -> str:
 def _results(b: Baselines) -> list:
     """Every committed speed result: :data:`RESULTS`, then ``speed/*/results.json`` by folder name; a
     row measured again in a later folder replaces the earlier one in place."""
-    extra = sorted(p.relative_to(b.root).as_posix() for p in (b.root / "speed").glob("*/results.json"))
+    folders = sorted(p.parent.name for p in (b.root / "speed").glob("*/results.json"))  # "r2" before "r2-overlap"
+    extra = [f"speed/{folder}/results.json" for folder in folders]
     rows: dict[str, object] = {}
     for rel in (RESULTS, *extra):
         for r in b.results(rel):
