@@ -35,6 +35,7 @@ import torch
 from memascend.config.settings import MemAscendSettings
 from memascend.config.user_ds import load_ds_config
 from memascend.errors import UserError
+from memascend.integrations.deepspeed import step_overlap
 from memascend.memory import host_allocator
 
 
@@ -246,9 +247,8 @@ def make_post_step(original: Any, settings: MemAscendSettings) -> Any:
     sub-groups, without the persistent parameters' all-gather (:meth:`~.step_overlap.StepOverlap.run_post_step`)."""
 
     def _post_step(self: Any, timer_names: Any) -> Any:
-        plan = getattr(self, "__dict__", {}).get("_memascend_chunked")
-        overlap = plan.overlap if plan else None
-        if overlap and overlap.deferring:
+        overlap = step_overlap.overlap_of(self)
+        if overlap is not None and overlap.deferring:
             overlap.defer(functools.partial(overlap.run_post_step, functools.partial(_post_step, self, timer_names)))
             return None
         result = original(self, timer_names)

@@ -162,15 +162,11 @@ class StepOverlap:
         if self._thread is None:
             return
         params = list(params)
-        needed: dict[int, int] = {}
-        for param in params:
-            where = self.param_end.get(id(param))
-            if where is not None and where[1] > needed.get(where[0], 0):
-                needed[where[0]] = where[1]
+        needed = self._needed(params)
         if needed:
             start = time.perf_counter()
             with self._cond:
-                while self._running and any(self._visible_numel.get(g, 0) < n for g, n in needed.items()):
+                while self._missing(needed):
                     self._cond.wait()
             self.wait_s += time.perf_counter() - start
         self._raise_error()
@@ -178,11 +174,24 @@ class StepOverlap:
 
     def visible(self, param: Any) -> bool:
         """Whether ``param`` holds this step's values (or is not one this optimizer updates)."""
-        where = self.param_end.get(id(param))
-        if where is None or self._thread is None:
+        if self._thread is None:
             return True
+        needed = self._needed([param])
         with self._cond:
-            return not self._running or self._visible_numel.get(where[0], 0) >= where[1]
+            return not self._missing(needed)
+
+    def _needed(self, params: list[Any]) -> dict[int, int]:
+        """Per sub-group, the visible elements ``params`` need (those this optimizer updates)."""
+        needed: dict[int, int] = {}
+        for param in params:
+            where = self.param_end.get(id(param))
+            if where is not None and where[1] > needed.get(where[0], 0):
+                needed[where[0]] = where[1]
+        return needed
+
+    def _missing(self, needed: dict[int, int]) -> bool:
+        """Whether the worker still runs and has not made ``needed`` visible (``_cond`` held)."""
+        return self._running and any(self._visible_numel.get(g, 0) < n for g, n in needed.items())
 
     def join(self) -> None:
         """Complete the step in flight and all-gather the persistent parameters no forward has
@@ -200,34 +209,37 @@ class StepOverlap:
         self._raise_error()
         pending = [p for p in self.opt.persistent_parameters if id(p) in self._persistent_pending]
         self._gather_persistent(pending)
+        self._done()
+
+    def settle(self) -> None:
+        """Wait for the worker to stop and drop the step in flight: its error, and the persistent
+        parameters not gathered (cleanup after another error)."""
+        if self._thread is not None:
+            self._thread.join()
+        self._error = None
+        self._done()
+
+    def _done(self) -> None:
         self._thread = None
         _IN_FLIGHT.discard(self)
 
     def _gather_persistent(self, params: list[Any]) -> None:
+        """All-gather ``params`` (persistent, their partitions visible: the callers waited) that are
+        not gathered yet, as stock's ``_post_step`` does."""
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
         todo = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
         for p in params:
             self._persistent_pending.discard(id(p))
         if todo:
-            self.wait_for_all_of(todo)
             todo[0].all_gather(todo)
-
-    def wait_for_all_of(self, params: list[Any]) -> None:
-        """:meth:`wait_for` without the persistent gather (their partitions visible)."""
-        needed = [self.param_end[id(p)] for p in params if id(p) in self.param_end]
-        with self._cond:
-            while self._running and any(self._visible_numel.get(g, 0) < n for g, n in needed):
-                self._cond.wait()
-        self._raise_error()
 
     def _raise_error(self) -> None:
         if self._error is not None and not self._running:
             error, self._error = self._error, None
             if self._thread is not None:
                 self._thread.join()
-            self._thread = None
-            _IN_FLIGHT.discard(self)
+            self._done()
             raise error
 
 
@@ -254,19 +266,22 @@ def join_all(*, raise_errors: bool = True) -> None:
     for overlap in list(_IN_FLIGHT):
         if raise_errors:
             overlap.join()
-        elif overlap._thread is not None:
-            overlap._thread.join()
-            overlap._thread, overlap._error = None, None
-            _IN_FLIGHT.discard(overlap)
+        else:
+            overlap.settle()
+
+
+def overlap_of(optimizer: Any) -> StepOverlap | None:
+    """The :class:`StepOverlap` of a stage-3 optimizer (its chunked step's), or ``None``."""
+    plan = getattr(optimizer, "__dict__", {}).get("_memascend_chunked")
+    return (plan.overlap or None) if plan else None
 
 
 def stats(optimizer: Any) -> dict[str, Any] | None:
     """``report.json``'s ``step_overlap`` for a stage-3 optimizer: ``steps`` run beside the forward,
     ``wait_s`` (seconds the training thread waited for them: parameter fetches and joins) and
     ``worker_s`` (seconds the worker spent on them); ``None`` where no step ran that way."""
-    plan = getattr(optimizer, "__dict__", {}).get("_memascend_chunked")
-    overlap = plan.overlap if plan else None
-    if not overlap or not overlap.steps:
+    overlap = overlap_of(optimizer)
+    if overlap is None or not overlap.steps:
         return None
     return {"steps": overlap.steps, "wait_s": round(overlap.wait_s, 4), "worker_s": round(overlap.worker_s, 4)}
 
@@ -338,9 +353,9 @@ def make_joining(original: Any) -> Any:
 
     @functools.wraps(original)
     def joining(self, *args, **kwargs):
-        plan = getattr(self, "__dict__", {}).get("_memascend_chunked")
-        if plan and plan.overlap:
-            plan.overlap.join()
+        overlap = overlap_of(self)
+        if overlap is not None:
+            overlap.join()
         return original(self, *args, **kwargs)
 
     return joining
