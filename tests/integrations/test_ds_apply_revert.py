@@ -200,54 +200,38 @@ def test_failed_apply_keeps_the_raw_store_and_restores_the_malloc_policy(tmp_pat
     assert not (tmp_path / "r.store").exists()
 
 
+def _only(**on) -> ma_ds.MemAscendSettings:
+    """Settings with every flag this test toggles off but those given (other settings: defaults)."""
+    off = dict.fromkeys(("enable_param_pool", "enable_optimizer_pool", "enable_arena_pinning",
+                         "enable_fused_overflow_check", "enable_malloc_policy", "enable_grad_buffer_release",
+                         "fix_unaligned_gradient_io", "fix_exact_resume", "enable_host_block_cache",
+                         "enable_grad_streaming", "enable_step_overlap"), False)
+    return ma_ds.MemAscendSettings(**{**off, **on})
+
+
 def test_each_flag_patches_only_its_seams():
     before = _snapshot()
-    ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=True, enable_optimizer_pool=False,
-                                        enable_arena_pinning=False, enable_fused_overflow_check=False,
-                                        enable_malloc_policy=False, enable_grad_buffer_release=False,
-                                        fix_unaligned_gradient_io=False, fix_exact_resume=False,
-                                        enable_host_block_cache=False, enable_grad_streaming=False,
-                                        enable_step_overlap=False))
+    ma_ds.apply(_only(enable_param_pool=True))
     during = _snapshot()
     changed = {k for k in before if during[k] is not before[k]}
     # the sizes that live in DeepSpeed's config are "auto" by default: deepspeed.initialize resolves them
     assert changed == {"partition_parameters.AsyncPartitionedParameterSwapper", INIT}
     ma_ds.revert()
-    ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=False, enable_optimizer_pool=False,
-                                        enable_arena_pinning=False, enable_fused_overflow_check=False,
-                                        enable_malloc_policy=False, enable_grad_buffer_release=True,
-                                        fix_unaligned_gradient_io=False, fix_exact_resume=False,
-                                        enable_host_block_cache=False, enable_grad_streaming=False,
-                                        enable_step_overlap=False))
+    ma_ds.apply(_only(enable_grad_buffer_release=True))
     during = _snapshot()
     assert {k for k in before if during[k] is not before[k]} == {"stage3.__init__", "stage3._post_step",
                                                                   "stage3.partition_grads", INIT}
     ma_ds.revert()
-    ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=False, enable_optimizer_pool=False,
-                                        enable_arena_pinning=False, enable_fused_overflow_check=False,
-                                        enable_malloc_policy=False, enable_grad_buffer_release=False,
-                                        grad_norm_sub_group_numel=1 << 20, fix_unaligned_gradient_io=False, fix_exact_resume=False,
-                                        enable_host_block_cache=False, enable_grad_streaming=False,
-                                        enable_step_overlap=False))
+    ma_ds.apply(_only(grad_norm_sub_group_numel=1 << 20))
     during = _snapshot()
     assert {k for k in before if during[k] is not before[k]} == {"stage3._get_norm_groups", INIT}
     ma_ds.revert()
-    ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=False, enable_optimizer_pool=False,
-                                        enable_arena_pinning=False, enable_fused_overflow_check=False,
-                                        enable_malloc_policy=True, enable_grad_buffer_release=False,
-                                        fix_unaligned_gradient_io=False, fix_exact_resume=False,
-                                        enable_host_block_cache=False, enable_grad_streaming=False,
-                                        enable_step_overlap=False))
+    ma_ds.apply(_only(enable_malloc_policy=True))
     during = _snapshot()
     assert {k for k in before if during[k] is not before[k]} == {"stage3.__init__", "stage3._post_step",
                                                                   "stage3.partition_grads", "engine.forward", INIT}
     ma_ds.revert()
-    ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=False, enable_optimizer_pool=False,
-                                        enable_arena_pinning=False, enable_fused_overflow_check=False,
-                                        enable_malloc_policy=False, enable_grad_buffer_release=False,
-                                        fix_unaligned_gradient_io=False, fix_exact_resume=False,
-                                        enable_host_block_cache=False, enable_grad_streaming=False,
-                                        enable_step_overlap=True))
+    ma_ds.apply(_only(enable_step_overlap=True))
     during = _snapshot()
     # the step beside the forward: its joins and fetch waits, and _post_step (deferred to the worker)
     assert {k for k in before if during[k] is not before[k]} == {
@@ -265,20 +249,11 @@ def test_each_flag_patches_only_its_seams():
     ma_ds.revert()
     assert _snapshot() == before
     ma_ds.revert()
-    ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=False, enable_optimizer_pool=False,
-                                        enable_arena_pinning=False, enable_fused_overflow_check=False,
-                                        enable_malloc_policy=False, enable_grad_buffer_release=False,
-                                        fix_unaligned_gradient_io=False, fix_exact_resume=False, enable_host_block_cache=True, enable_grad_streaming=False,
-                                        enable_step_overlap=False))
+    ma_ds.apply(_only(enable_host_block_cache=True))
     during = _snapshot()
     assert {k for k in before if during[k] is not before[k]} == {"engine.forward", INIT}  # installs the cache
     ma_ds.revert()
-    ma_ds.apply(ma_ds.MemAscendSettings(enable_param_pool=False, enable_optimizer_pool=False,
-                                        enable_arena_pinning=False, enable_fused_overflow_check=False,
-                                        enable_malloc_policy=False, enable_grad_buffer_release=False,
-                                        fix_unaligned_gradient_io=False, fix_exact_resume=False,
-                                        enable_host_block_cache=False, enable_grad_streaming=True,
-                                        enable_step_overlap=False))
+    ma_ds.apply(_only(enable_grad_streaming=True))
     during = _snapshot()  # partition_grads composed under step_memory's wrapper (one patch per attribute)
     assert {k for k in before if during[k] is not before[k]} == {
         "stage3._setup_for_real_optimizer", "stage3._finalize_offload_gradient_accumulation",
