@@ -70,7 +70,8 @@ def test_dry_run_without_cuda_runs_every_step_in_order_and_skips_the_gpu_steps(t
     regress_log = (out / "e-regress.log").read_text()
     assert "Usage: memascend regress" in regress_log
     would = re.findall(r"would run: .* -m memascend regress --matrix gpu --only (\S+) ", regress_log)
-    assert would == ["smollm2-shakespeare-bf16-256x4", "llama-1b-bf16-2048x1", "llama-3b-bf16-2048x1"]
+    assert would == ["smollm2-shakespeare-bf16-256x4-auto", "llama-1b-bf16-2048x1-auto",
+                     "smollm2-shakespeare-bf16-256x4", "llama-1b-bf16-2048x1", "llama-3b-bf16-2048x1"]
     assert "--update-golden" in regress_log and f"--nvme-path {tmp_path / 'swap'}" in regress_log
     assert "usage: io_bench.py" in (out / "f-io-bench.log").read_text()
     assert "would run:" in (out / "d-test-gpu.log").read_text()

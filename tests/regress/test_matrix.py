@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -232,12 +233,18 @@ def test_a_bad_memascend_setting_is_refused_when_the_config_is_made():
 
 def test_gpu_rows_in_order_of_value_sized_for_one_device_call():
     gpu = get_matrix("gpu")
-    assert [c.name for c in gpu.configs] == ["llama-1b-bf16-2048x1", "smollm2-shakespeare-bf16-256x4",
+    assert [c.name for c in gpu.configs] == ["smollm2-shakespeare-bf16-256x4-auto", "llama-1b-bf16-2048x1-auto",
+                                             "llama-1b-bf16-2048x1", "smollm2-shakespeare-bf16-256x4",
                                              "llama-3b-bf16-2048x1", "llama-0.1b-bf16-1024x8",
                                              "llama-0.1b-fp16-1024x8"]
     # CUDA: stock's own losses differ run to run without --deterministic, so every row has it
     assert all(c.deterministic for c in gpu.configs)
-    one_b, smollm2, three_b = gpu.configs[:3]
+    smollm2_auto, one_b_auto, one_b, smollm2, three_b = gpu.configs[:5]
+    # the auto rows: the lean rows' shape, the host's DRAM as the cache, the 0.70x step-time target
+    for auto, lean in ((smollm2_auto, smollm2), (one_b_auto, one_b)):
+        assert dataclasses.replace(auto, name=lean.name, thresholds=lean.thresholds, memascend_settings=()) == lean
+        assert auto.memascend_settings == (("host_memory_budget", "auto"),)
+        assert auto.thresholds.max_step_time_ratio == 0.70 and auto.thresholds.step_time_noise == 0.0
     for c, preset in ((one_b, "llama-1b"), (three_b, "llama-3b")):
         # NVMe-bound (>= 24 bytes/param per step): few steps, one 2048-token sequence, recomputed activations
         assert (c.from_scratch, c.dtype, c.seq_len, c.micro_batch, c.steps) == (preset, "bf16", 2048, 1, 3)
