@@ -204,6 +204,8 @@ def merge_swap_io(sections: list[dict | None]) -> dict | None:
             values = [s["median_phase"][phase][key] for s in sections]
             row[key] = None if any(v is None for v in values) else statistics.median(values)
         row["time_over_floor"] = row["time_s"] / row["floor_s"] if row.get("floor_s") else None
+        if row.get("worker_s") is not None:
+            row["worker_over_floor"] = row["worker_s"] / row["floor_s"] if row.get("floor_s") else None
         merged["median_phase"][phase] = row
     merged["bandwidths"] = [s.get("bandwidth") for s in sections]
     return merged

@@ -413,11 +413,13 @@ class FinetuneRecipe:
         phase_cpu = {"cpu": dict.fromkeys(phase_s, 0.0), "sys": dict.fromkeys(phase_s, 0.0)}
         grad_accum = self.resolved.grad_accum
         worker0 = METER.worker_totals()
+        worker_s0 = step_overlap.worker_seconds(getattr(engine, "optimizer", None))
         losses = [self._micro_step(step * grad_accum + micro, phase_s, phase_io, phase_cpu) for micro in range(grad_accum)]
         # The optimizer step beside the forward (step_overlap): the previous step's swap I/O, done on
         # its worker during this step's forward, counts as the step's (without the worker's waits).
         worker = METER.worker_totals() - worker0
         phase_io["optimizer_step_s"] += dataclasses.replace(worker, wait_s=0.0)
+        worker_s1 = step_overlap.worker_seconds(getattr(engine, "optimizer", None))
         loss_sum, n = all_reduce_sum([sum(losses), len(losses)])
         dt = time.monotonic() - t0
         end = self.sampler.sample()
@@ -438,6 +440,7 @@ class FinetuneRecipe:
             nvme_write_bytes=end.write_bytes - io0["write_bytes"],
             **report_mod.swap_io_fields(phase_s, {k: v.to_dict() for k, v in phase_io.items()}, self.swap_bandwidth),
             phase_cpu_s=phase_cpu["cpu"], phase_sys_s=phase_cpu["sys"],
+            step_worker_s=None if worker_s1 is None else worker_s1 - (worker_s0 or 0.0),
         )
 
     def _micro_step(self, index: int, phase_s: dict[str, float], phase_io: dict[str, SwapIOTotals],

@@ -88,6 +88,10 @@ class StepRecord:
             compute-bound phase stretches with the load while its CPU time does not.
         phase_sys_s: per phase, the system (kernel) part of ``phase_cpu_s``: page faults, zeroing,
             huge-page compaction, I/O submission.
+        step_worker_s: with the optimizer step beside the next forward (step overlap), the seconds
+            its worker thread spent on the optimizer step that finished during this step (the
+            previous step's, run beside this step's forward: the same step whose worker I/O this
+            step's ``optimizer_step_s`` phase counts); ``None`` without the overlap.
     """
 
     step: int
@@ -112,6 +116,7 @@ class StepRecord:
     phase_floor_s: Mapping[str, float] | None = None
     phase_cpu_s: Mapping[str, float] | None = None
     phase_sys_s: Mapping[str, float] | None = None
+    step_worker_s: float | None = None
 
     def to_dict(self) -> dict:
         """The JSON record (keys in this order; lists and dicts are fresh copies)."""
@@ -138,6 +143,7 @@ class StepRecord:
             "phase_floor_s": dict(self.phase_floor_s) if self.phase_floor_s is not None else None,
             "phase_cpu_s": dict(self.phase_cpu_s) if self.phase_cpu_s is not None else None,
             "phase_sys_s": dict(self.phase_sys_s) if self.phase_sys_s is not None else None,
+            "step_worker_s": self.step_worker_s,
         }
 
 
@@ -173,7 +179,10 @@ def swap_io_summary(per_step: list[dict], bandwidth: Mapping[str, float] | None)
     Returns:
         ``{"bandwidth", "median_step": {read_bytes, write_bytes, io_wait_s}, "median_phase": {phase:
         {read_bytes, write_bytes, io_wait_s, time_s, floor_s, time_over_floor}}}``; the medians are
-        ``None`` when the steps carry no swap I/O (reports written before it was recorded).
+        ``None`` when the steps carry no swap I/O (reports written before it was recorded). With the
+        optimizer step beside the next forward (steps carry ``step_worker_s``), ``optimizer_step_s``
+        adds ``worker_s`` (the worker's median seconds per step: the step's own time, the phase's
+        ``time_s`` being only the training thread's part) and ``worker_over_floor``.
     """
     steady = [s for s in (per_step[1:] or per_step) if s.get("phase_io")]
     out: dict[str, Any] = {"bandwidth": dict(bandwidth) if bandwidth is not None else None,
@@ -192,6 +201,11 @@ def swap_io_summary(per_step: list[dict], bandwidth: Mapping[str, float] | None)
         floor = statistics.median(floors) if floors else None
         phases[name] = {**io, "time_s": time_s, "floor_s": floor,
                         "time_over_floor": time_s / floor if floor else None}
+    worker = [s["step_worker_s"] for s in steady if s.get("step_worker_s")]
+    if worker:
+        step = phases["optimizer_step_s"]
+        step["worker_s"] = statistics.median(worker)
+        step["worker_over_floor"] = step["worker_s"] / step["floor_s"] if step["floor_s"] else None
     out["median_phase"] = phases
     return out
 

@@ -77,6 +77,20 @@ def test_floor_and_summary_per_phase():
     assert summary["median_phase"]["backward_s"]["time_over_floor"] is None  # no bytes, no floor
     assert summary["median_step"]["write_bytes"] == 2e9
     assert report.swap_io_summary([{"phase_s": {}}], None)["median_phase"] is None
+    assert "worker_s" not in step_phase  # no step overlap: the phase's own time is the step's
+
+
+def test_the_overlapped_steps_worker_time_is_held_against_the_floor():
+    bw = {"read_bytes_per_s": 1e9, "write_bytes_per_s": 1e9}
+    io = {"read_bytes": 1e9, "write_bytes": 1e9, "read_ops": 1, "write_ops": 1, "io_wait_s": 0.0}
+    steps = []
+    for worker_s in (None, 2.5, 3.0, 2.0):  # the first step has no finished worker step yet
+        phase_s = {"forward_s": 3.0, "backward_s": 1.0, "optimizer_step_s": 0.01}
+        phase_io = {"forward_s": io, "backward_s": io, "optimizer_step_s": io}
+        steps.append({"phase_s": phase_s, "step_worker_s": worker_s, **report.swap_io_fields(phase_s, phase_io, bw)})
+    step_phase = report.swap_io_summary(steps, bw)["median_phase"]["optimizer_step_s"]
+    assert step_phase["time_over_floor"] == pytest.approx(0.01 / 2.0)  # the training thread only queued it
+    assert step_phase["worker_s"] == 2.5 and step_phase["worker_over_floor"] == pytest.approx(1.25)
 
 
 @pytest.mark.slow

@@ -160,6 +160,12 @@ def test_overlap_on_and_off_train_and_save_the_same_model(tmp_path):
     off = _run(tmp_path, "off", "--deepspeed-config", str(off_config))
     assert on["memascend_settings"]["enable_step_overlap"] is True
     assert on["step_overlap"]["steps"] == 3 and off["step_overlap"] is None
+    # each step records the worker time of the step that finished beside its forward; the last
+    # step's worker finishes after the loop (joined at the end), so it is in the total only
+    worker = [s["step_worker_s"] for s in on["steps"]]
+    assert worker[0] == 0.0 and all(w > 0 for w in worker[1:])
+    assert sum(worker) < on["step_overlap"]["worker_s"]
+    assert all(s["step_worker_s"] is None for s in off["steps"])
     assert len(set(on["lrs"])) == 3  # the rate moved every step while the worker was stepping
     assert on["losses_hex"] == off["losses_hex"]
     # The last step's update completed before the model and the checkpoint were written.

@@ -123,6 +123,13 @@ def test_speed_table_has_time_ratio_phase_floors_and_bytes_ratio(tmp_path):
     doc = write_outputs([res], tmp_path, {"matrix": "speed", "profile": "test"}, {})
     assert doc["configs"][0]["memascend"]["swap_io"]["median_step"]["io_wait_s"] == 1.5
     assert "## Speed against the disk floor" in (tmp_path / "results.md").read_text()
+    # the optimizer step beside the next forward: the worker's time over the floor in the step's column
+    worker = [_swap_io(1000, 500, 0.01, 2.0, 1.0) for _ in range(2)]
+    for w, worker_s in zip(worker, (2.4, 2.8)):
+        w["median_phase"]["optimizer_step_s"]["worker_s"] = worker_s
+    mine["swap_io"] = merge_swap_io(worker)
+    assert mine["swap_io"]["median_phase"]["optimizer_step_s"]["worker_over_floor"] == pytest.approx(1.3)
+    assert speed_rows([evaluate(cfg, base, mine, golden=None, tol=GoldenTolerances())])[0][3] == "- / - / 1.30"
     # a run without swap I/O (a report from before it was measured) gives no row
     del base["swap_io"]
     assert speed_rows([evaluate(cfg, base, mine, golden=None, tol=GoldenTolerances())]) == []

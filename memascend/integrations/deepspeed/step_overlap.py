@@ -276,6 +276,13 @@ def overlap_of(optimizer: Any) -> StepOverlap | None:
     return (plan.overlap or None) if plan else None
 
 
+def worker_seconds(optimizer: Any) -> float | None:
+    """Seconds the worker has spent on optimizer steps so far (a finished step's whole time, an
+    unfinished one's none); ``None`` where the optimizer has no step overlap."""
+    overlap = overlap_of(optimizer)
+    return None if overlap is None else overlap.worker_s
+
+
 def stats(optimizer: Any) -> dict[str, Any] | None:
     """``report.json``'s ``step_overlap`` for a stage-3 optimizer: ``steps`` run beside the forward,
     ``wait_s`` (seconds the training thread waited for them: parameter fetches and joins) and
