@@ -51,8 +51,9 @@ class MemAscendSettings:
     Attributes:
         enable_param_pool: replace ``AsyncPartitionedParameterSwapper``'s
             ``buffer_count`` x ``buffer_size`` locked slab with the adaptive size-classed pool
-            (:mod:`memascend.memory.pool`), and size ``reserve_partitioned_swap_space`` from
-            partition sizes instead of full ``ds_numel``.
+            (:mod:`memascend.memory.pool`), size ``reserve_partitioned_swap_space`` from
+            partition sizes instead of full ``ds_numel``, and lock that 16-bit write-back buffer
+            only while it is written (construction, a step) instead of from start-up.
         enable_optimizer_pool: replace the optimizer swappers' ``SwapBufferManager`` (``buffer_count``
             locked buffers of the largest sub-group, all allocated up front) with one that
             allocates largest-sub-group buffers only as they are first needed, so it holds

@@ -66,6 +66,32 @@ class PeakSampler:
         self.sample()
 
 
+class WritebackProbe:
+    """Records the parameter swapper's write-back buffer (``partitioned_swap_buffer``): its bytes at
+    named points, and per ``swap_out_partitioned_params`` the phase, thread and bytes held then."""
+
+    def __init__(self, model) -> None:
+        self.swapper = next(p.nvme_swapper for p in model.parameters() if getattr(p, "nvme_swapper", None))
+        self.phase = "initialize"
+        self.held: dict[str, int] = {}
+        self.writes: list[dict] = []
+        original = self.swapper.swap_out_partitioned_params
+
+        def swap_out_partitioned_params(dst_fp16_params, src_fp32_params):
+            original(dst_fp16_params, src_fp32_params)
+            self.writes.append({"phase": self.phase, "thread": threading.current_thread().name,
+                                "held_bytes": self._bytes()})
+
+        self.swapper.swap_out_partitioned_params = swap_out_partitioned_params
+
+    def _bytes(self) -> int:
+        buffer = self.swapper.partitioned_swap_buffer
+        return 0 if buffer is None else buffer.numel() * buffer.element_size()
+
+    def mark(self, name: str) -> None:
+        self.held[name] = self._bytes()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -185,8 +211,11 @@ def main() -> None:
         with deepspeed.zero.Init(config_dict_or_path=cfg):
             model = LlamaForCausalLM(model_cfg)
         sampler.sample()
+        writeback = WritebackProbe(model) if applied is not None else None
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         sampler.sample()
+        if writeback is not None:
+            writeback.mark("after_initialize")
         gen = torch.Generator().manual_seed(1234)  # CPU generator: the same ids on either device
         losses = []
         # ZeRO-3 optimizer (DeepSpeedZeroOptimizer_Stage3): `loss_scale` is a property returning
@@ -195,6 +224,9 @@ def main() -> None:
         loss_scales, overflows, skipped = [], [], []
         for step in range(1, args.steps + 1):
             ids = torch.randint(0, model_cfg.vocab_size, (2, 64), generator=gen)
+            if writeback is not None:
+                writeback.phase = f"step {step}"
+                writeback.mark(f"before_forward_{step}")
             if args.device == "cuda":
                 ids = ids.to(engine.device)
             loss = engine(input_ids=ids, labels=ids).loss
@@ -228,6 +260,12 @@ def main() -> None:
             chunked = engine.optimizer.__dict__.get("_memascend_chunked")  # memascend.integrations.deepspeed.chunked_step
             pool["chunked_sub_groups"] = sorted(chunked.sub_groups) if chunked else []
             pool["chunk_locked_bytes"] = chunked.peak_locked_bytes if chunked else 0
+            from memascend.integrations.deepspeed import step_overlap
+
+            step_overlap.join_all()  # the last step's worker
+            pool["step_overlap"] = step_overlap.stats(engine.optimizer)
+            writeback.mark("after_last_step")
+            pool["writeback"] = {"held_bytes": writeback.held, "writes": writeback.writes}
     report = {"engine": args.engine, "dtype": args.dtype, "losses_hex": [x.hex() for x in losses],
               "sub_group_numels": [int(n) for n in engine.optimizer.fp16_partitioned_groups_flat_numel],
               "losses": losses, "peak_vmlck_kib": sampler.peak_vmlck_kib, "peak_rss_kib": sampler.peak_rss_kib,

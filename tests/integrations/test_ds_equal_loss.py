@@ -83,3 +83,26 @@ def test_clipped_losses_bit_identical_with_smaller_sub_groups(tmp_path, aio_avai
     assert auto["losses_hex"] == baseline["losses_hex"]
     assert tiny["losses_hex"] == baseline["losses_hex"]
     assert auto["pool"]["optimizer_locked_bytes"] < baseline["swap_buffers"]["optimizer_swap_buffers_bytes"] / 2
+
+
+@pytest.mark.slow
+def test_param_writeback_buffer_locked_only_while_written(tmp_path, aio_available):
+    """The 16-bit write-back buffer is allocated by its first write-back and freed after stage 3's
+    construction and after each step: not held before the first step, nor after any step, with the
+    step overlap on (its chunked step writes through its own staging) or with stock's whole
+    sub-group step (which writes through the buffer on every step), and the losses do not move."""
+    overlapped = run_worker(tmp_path, "memascend", "bf16")
+    whole = run_worker(tmp_path, "memascend", "bf16", "--ma-chunk-numel", "none")
+    print(json.dumps({"overlapped": overlapped["pool"], "whole": whole["pool"]}))
+
+    assert overlapped["pool"]["step_overlap"]["steps"] == 3 and whole["pool"]["step_overlap"] is None
+    assert overlapped["losses_hex"] == whole["losses_hex"]
+    for run in (overlapped, whole):
+        probe = run["pool"]["writeback"]
+        assert set(probe["held_bytes"].values()) == {0}, probe["held_bytes"]
+        init_writes = [w for w in probe["writes"] if w["phase"] == "initialize"]
+        assert init_writes and all(w["held_bytes"] > 0 for w in probe["writes"])
+        assert run["swap_buffers"]["param_writeback_buffer_bytes"] == max(w["held_bytes"] for w in probe["writes"])
+        assert run["swap_buffers"]["param_writeback_buffer_held_bytes"] == 0
+    assert {w["phase"] for w in whole["pool"]["writeback"]["writes"]} == {"initialize", "step 1", "step 2", "step 3"}
+    assert {w["phase"] for w in overlapped["pool"]["writeback"]["writes"]} == {"initialize"}

@@ -147,13 +147,20 @@ def test_partitioned_swap_space_sized_from_partitions(tmp_path, aio_available, m
     full = [4 * MIB, 2 * MIB + 6]
     pooled.reserve_partitioned_swap_space(full)
     per_rank = [MIB, -(-(2 * MIB + 6) // 4)]
-    assert pooled.partitioned_swap_buffer.numel() == sum(pooled._io_aligned_numel(n) for n in per_rank)
-    assert pooled.partitioned_swap_buffer.numel() < sum(pooled._io_aligned_numel(n) for n in full)
+    assert pooled.partitioned_swap_buffer is None  # recorded, not locked until a write-back
+    assert pooled.partitioned_swap_numel == sum(pooled._io_aligned_numel(n) for n in per_rank)
+    assert pooled.partitioned_swap_numel < sum(pooled._io_aligned_numel(n) for n in full)
 
     # Write-back of fp32 sources into the fp16 swap files, as stage 3 does after a step.
     params = write_params(pooled, [MIB, MIB // 2])
+    locked_before = pooled.locked_bytes()
     src = [torch.full((MIB,), 1.5), torch.full((MIB // 2,), -2.0)]
     pooled.swap_out_partitioned_params(params, src)
+    assert pooled.partitioned_swap_buffer.numel() == pooled.partitioned_swap_numel
+    assert pooled.locked_bytes() == locked_before + pooled.partitioned_swap_buffer.nbytes
+    assert pooled.release_partitioned_swap_space() == pooled.partitioned_swap_numel * 2
+    assert pooled.partitioned_swap_buffer is None and pooled.locked_bytes() == locked_before
+    assert pooled.release_partitioned_swap_space() == 0
     pooled.synchronize_writes()
     pooled.swap_in(params, async_op=False)
     assert torch.equal(params[0].ds_tensor, src[0].to(torch.bfloat16))
@@ -164,6 +171,11 @@ def test_partitioned_swap_space_sized_from_partitions(tmp_path, aio_available, m
     big = write_params(pooled, [2 * MIB, 2 * MIB])
     pooled.swap_out_partitioned_params(big, [torch.ones(2 * MIB), torch.zeros(2 * MIB)])
     assert pooled.partitioned_swap_buffer.numel() >= 4 * MIB
+    assert pooled.peak_partitioned_swap_bytes == pooled.partitioned_swap_buffer.nbytes
+    pooled.synchronize_writes()
+    pooled.swap_in(big, async_op=False)
+    assert torch.equal(big[0].ds_tensor, torch.ones(2 * MIB, dtype=torch.bfloat16))
+    assert torch.equal(big[1].ds_tensor, torch.zeros(2 * MIB, dtype=torch.bfloat16))
 
 
 def test_prefetch_bounded_in_bytes(tmp_path, aio_available):

@@ -24,7 +24,10 @@ def swap_buffer_breakdown(engine: Any) -> dict[str, int]:
         ``param_swap_buffers_bytes``: the parameter swapper's slots (stock: the whole
         ``buffer_count`` x ``buffer_size`` slab; memascend: the pool's slots);
         ``param_writeback_buffer_bytes``: the fp32->fp16 write-back buffer
-        (``reserve_partitioned_swap_space``);
+        (``reserve_partitioned_swap_space``; memascend: the largest held, only while the initial
+        partitions and each step write through it); ``param_writeback_buffer_held_bytes``: what is
+        held at the end of the run (stock: all of it, from construction on; memascend: 0, it is
+        freed after each step);
         ``optimizer_swap_buffers_bytes``: the optimizer swapper's buffers (memascend: at their
         peak; they are freed between steps); ``optimizer_swap_buffers``: how many of them;
         ``optimizer_chunk_buffers_bytes``: the chunked step's own locked buffers at their peak
@@ -35,7 +38,7 @@ def swap_buffer_breakdown(engine: Any) -> dict[str, int]:
     """
     from memascend.integrations.deepspeed.chunked_step import chunk_buffers_peak_bytes
 
-    out = {"param_swap_buffers_bytes": 0, "param_writeback_buffer_bytes": 0,
+    out = {"param_swap_buffers_bytes": 0, "param_writeback_buffer_bytes": 0, "param_writeback_buffer_held_bytes": 0,
            "optimizer_swap_buffers_bytes": 0, "optimizer_swap_buffers": 0,
            "optimizer_chunk_buffers_bytes": chunk_buffers_peak_bytes(getattr(engine, "optimizer", None)),
            "optimizer_window_bytes": 0}
@@ -43,7 +46,9 @@ def swap_buffer_breakdown(engine: Any) -> dict[str, int]:
     if swapper is not None:
         pool = getattr(swapper, "pool", None)
         out["param_swap_buffers_bytes"] = pool.reserved_bytes() if pool is not None else _nbytes(swapper.buffers)
-        out["param_writeback_buffer_bytes"] = _nbytes(getattr(swapper, "partitioned_swap_buffer", None))
+        held = _nbytes(getattr(swapper, "partitioned_swap_buffer", None))
+        out["param_writeback_buffer_held_bytes"] = held
+        out["param_writeback_buffer_bytes"] = max(held, int(getattr(swapper, "peak_partitioned_swap_bytes", 0)))
     opt_swapper = getattr(getattr(engine, "optimizer", None), "optimizer_swapper", None)
     manager = getattr(opt_swapper, "swap_buffer_manager", None)
     if manager is not None:

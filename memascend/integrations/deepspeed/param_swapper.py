@@ -21,6 +21,15 @@ but takes each partition's buffer from :class:`memascend.memory.pool.AdaptiveSwa
   (``ceil(ds_numel / partition world size)``) rather than full ``ds_numel``, and grows it if a later
   write-back ever needs more. Only the inserted partitions of that buffer are written, so the swap
   files hold the same data either way.
+* the write-back buffer is locked only while it is used: ``reserve_partitioned_swap_space`` records
+  its size, the first ``swap_out_partitioned_params`` (stage 3's initial fp32 partitions, an
+  optimizer step, a checkpoint load) allocates it, and :meth:`PooledParamSwapper.release_partitioned_swap_space`
+  (called after stage 3's construction and at the end of each optimizer step,
+  :mod:`.step_memory`) frees it. Stock locks it from construction to exit although only the step
+  writes through it (a 16-bit partition of the largest sub-group, resident through every forward
+  and backward). Its writes are waited for inside ``swap_out_partitioned_params``, so nothing reads
+  it once that returns. It comes from its own allocator on the write handle (the thread that runs
+  the step allocates and frees it; the forward's pool slots come from the read handle's).
 """
 
 from __future__ import annotations
@@ -102,6 +111,11 @@ class PooledParamSwapper(AsyncPartitionedParameterSwapper):
         self.pool_budget_bytes: int | None = settings.param_pool_bytes if isinstance(settings.param_pool_bytes, int) \
             else None
         self.reserved_slot_ids: list[int] = []
+        self.writeback_allocator = LockedAllocator(self.aio_write_handle, prefer_arena=settings.enable_arena_pinning)
+        self.partitioned_swap_numel = 0
+        """Elements of the write-back buffer :meth:`reserve_partitioned_swap_space` asked for (I/O-aligned)."""
+        self.peak_partitioned_swap_bytes = 0
+        """Largest write-back buffer held at once (bytes)."""
         self.swap_out_params = []
         # The stock slab; kept as an empty tensor so code that prints or inspects it still works.
         self.buffers = torch.empty(0, dtype=self.dtype)
@@ -240,9 +254,10 @@ class PooledParamSwapper(AsyncPartitionedParameterSwapper):
             self.pool.release(slot_id)
         self.reserved_slot_ids = []
 
-    # -- fp32 -> fp16 write-back buffer sized from partitions --------------------------------
+    # -- fp32 -> fp16 write-back buffer sized from partitions, held only while used ----------
     def reserve_partitioned_swap_space(self, partition_num_elems: list[int]) -> None:
-        """Lock the write-back buffer for the largest sub-group, sized from partition sizes.
+        """Record the write-back buffer's size for the largest sub-group, from partition sizes; it is
+        allocated by the first write-back (:meth:`swap_out_partitioned_params`), not here.
 
         Args:
             partition_num_elems: full ``ds_numel`` of each parameter of the largest sub-group
@@ -250,26 +265,44 @@ class PooledParamSwapper(AsyncPartitionedParameterSwapper):
         """
         world = max(1, dist.get_world_size())
         partition_numels = [-(-int(n) // world) for n in partition_num_elems]
-        self._ensure_partitioned_swap_space(sum(self._io_aligned_numel(n) for n in partition_numels))
+        self.partitioned_swap_numel = sum(self._io_aligned_numel(n) for n in partition_numels)
 
     def _ensure_partitioned_swap_space(self, aligned_numel: int) -> None:
+        """Lock a write-back buffer of at least ``aligned_numel`` elements (and at least the reserved
+        size, so one buffer serves every sub-group of a step)."""
+        aligned_numel = max(int(aligned_numel), self.partitioned_swap_numel)
         current = self.partitioned_swap_buffer
         if current is not None and current.numel() >= aligned_numel:
             return
-        if current is not None:
-            self.locked_allocator.free(current)
-        self.partitioned_swap_buffer = self.locked_allocator.allocate(aligned_numel, self.dtype).zero_()
+        self.release_partitioned_swap_space()
+        self.partitioned_swap_buffer = self.writeback_allocator.allocate(aligned_numel, self.dtype).zero_()
         self.partitioned_swap_pool = SwapBufferPool([self.partitioned_swap_buffer], aio_handle=self.aio_write_handle)
+        self.peak_partitioned_swap_bytes = max(self.peak_partitioned_swap_bytes, self.partitioned_swap_buffer.nbytes)
+
+    def release_partitioned_swap_space(self) -> int:
+        """Free the write-back buffer (the next write-back allocates it again).
+
+        Returns:
+            Bytes freed (0 when none was held).
+        """
+        current = self.partitioned_swap_buffer
+        if current is None:
+            return 0
+        self.partitioned_swap_buffer = None
+        self.partitioned_swap_pool = None
+        self.writeback_allocator.free(current)
+        return int(current.nbytes)
 
     def swap_out_partitioned_params(self, dst_fp16_params: list[Any], src_fp32_params: list[torch.Tensor]) -> None:
-        """Stock write-back, after making sure the buffer holds these partitions."""
+        """Stock write-back (its writes are waited for), after making sure the buffer is locked and
+        holds these partitions."""
         self.synchronize_writes()
         self._ensure_partitioned_swap_space(sum(self._io_aligned_numel(t.numel()) for t in src_fp32_params))
         super().swap_out_partitioned_params(dst_fp16_params, src_fp32_params)
 
     def locked_bytes(self) -> int:
         """Bytes this swapper holds in locked memory now (pool plus write-back buffer)."""
-        return self.locked_allocator.allocated_bytes
+        return self.locked_allocator.allocated_bytes + self.writeback_allocator.allocated_bytes
 
 
 def make_param_swapper_class(settings: MemAscendSettings) -> type[PooledParamSwapper]:

@@ -15,6 +15,11 @@ backward do not use:
   step, keeping the mapping (parked), and locked again at the next
   (:meth:`OnDemandSwapBufferManager.release_free_buffers`): same peak locked memory, but the
   forward and backward run without them.
+* the parameter swapper's 16-bit write-back buffer (the largest sub-group's partition, locked):
+  written only by the initial fp32 partitions' swap-out in construction and by the step. memascend's
+  swapper allocates it at its first write-back; :func:`release_param_writeback_buffer` frees it
+  after construction and after every step (on the step's worker with a step overlap, after its
+  last write-back has been waited for).
 * free heap memory of glibc's arenas (:func:`~memascend.memory.host_allocator.trim`): after each
   step, and before stage 3 partitions a bucket of gradients (``partition_grads``). Activations
   freed during backward stay resident in the heap until then; the gradient partitions written next
@@ -104,6 +109,21 @@ def release_optimizer_swap_buffers(optimizer: Any) -> int:
     return int(release()) if release is not None else 0
 
 
+def release_param_writeback_buffer(optimizer: Any) -> int:
+    """Free the parameter swapper's write-back buffer when it is memascend's pooled swapper
+    (:meth:`~.param_swapper.PooledParamSwapper.release_partitioned_swap_space`); its next write-back
+    allocates it again.
+
+    Returns:
+        Bytes freed.
+    """
+    groups = getattr(optimizer, "fp16_groups", None) or []
+    swapper = next((getattr(p, "nvme_swapper", None) for group in groups for p in group
+                    if getattr(p, "nvme_swapper", None) is not None), None)
+    release = getattr(swapper, "release_partitioned_swap_space", None)
+    return int(release()) if release is not None else 0
+
+
 def make_init(original: Any, settings: MemAscendSettings) -> Any:
     """Wrap ``DeepSpeedZeroOptimizer_Stage3.__init__``: hand back what construction leaves behind.
 
@@ -114,6 +134,7 @@ def make_init(original: Any, settings: MemAscendSettings) -> Any:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         self._memascend_managed_accumulation = managed_accumulation(kwargs.get("ds_config"))
+        release_param_writeback_buffer(self)
         if settings.enable_optimizer_pool and settings.enable_optimizer_buffer_release:  # initialize_optimizer_states left them allocated
             release_optimizer_swap_buffers(self)
         if settings.enable_grad_buffer_release:
@@ -252,6 +273,7 @@ def make_post_step(original: Any, settings: MemAscendSettings) -> Any:
             overlap.defer(functools.partial(overlap.run_post_step, functools.partial(_post_step, self, timer_names)))
             return None
         result = original(self, timer_names)
+        release_param_writeback_buffer(self)
         if settings.enable_optimizer_pool and settings.enable_optimizer_buffer_release:
             release_optimizer_swap_buffers(self)
         if settings.enable_grad_buffer_release:
