@@ -162,29 +162,34 @@ def make_swap_in_pinned_gradients():
     """Replacement for ``PartitionedOptimizerSwapper._swap_in_pinned_gradients`` (see module doc).
 
     Reads every swapped fragment of ``parameter``'s gradient into ``gradient_tensor`` (the fp32
-    view of the sub-group's pinned gradient buffer, ``parameter.numel()`` elements).
+    view of the sub-group's pinned gradient buffer, ``parameter.numel()`` elements); a fragment
+    stored 16-bit is widened (:func:`.grad_store.read_widened`).
     """
     from deepspeed.runtime.swap_tensor.optimizer_utils import OptimizerSwapper
+
+    from memascend.integrations.deepspeed.grad_store import read_widened
 
     def _swap_in_pinned_gradients(self, aio_handle, parameter, gradient_tensor):
         swap_info = self.swap_params_info[OptimizerSwapper.parameter_id(parameter)]
         fragments = list(swap_info.swapped_gradients.values())
-        read_fragments(aio_handle, [gradient_tensor.narrow(0, g.offset, g.length) for g in fragments],
-                       [g.path for g in fragments])
+        read_widened(aio_handle, self, [gradient_tensor.narrow(0, g.offset, g.length) for g in fragments],
+                     [g.path for g in fragments])
 
     return _swap_in_pinned_gradients
 
 
 def make_writeback_gradients():
     """Replacement for ``OptimizerSwapper._writeback_gradients`` (see module doc): persists a
-    sub-group's gradient fragments from ``parameter.grad``, swapped ones to their files, the
-    in-DRAM ones into their CPU copies, as stock."""
+    sub-group's gradient fragments from ``parameter.grad``, swapped ones to their files (fp32: any
+    16-bit record of theirs dropped, :mod:`.grad_store`), the in-DRAM ones into their CPU copies, as stock."""
+    from memascend.integrations.deepspeed.grad_store import forget
 
     def _writeback_gradients(self, swap_info, parameter, aio_handle):
         if swap_info.swapped_gradients:
             fragments = list(swap_info.swapped_gradients.values())
             write_fragments(aio_handle, [parameter.grad.narrow(0, g.offset, g.length) for g in fragments],
                             [g.path for g in fragments])
+            forget(self, [g.path for g in fragments])
         if swap_info.unswapped_gradients:
             swap_info.write_unswapped_gradients(src_buffer=parameter.grad)
 
