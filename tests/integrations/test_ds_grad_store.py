@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("deepspeed")
 
 from memascend.integrations.deepspeed import grad_store  # noqa: E402
+from memascend.integrations.deepspeed.aligned_io import read_widened  # noqa: E402
 from tests.integrations.test_ds_chunked_swap_out import (  # noqa: E402, F401
     _call,
     _gradients,
@@ -69,7 +70,7 @@ def test_16bit_files_are_half_and_read_back_exactly(tmp_path, aio_ok):
     # the fp32 values of every swapped fragment, bit for bit (nan's payload and -0.0 included)
     flat = torch.cat(grads)
     views = [torch.full((f.length,), 7.0) for f in fragments]
-    grad_store.read_widened(swapper.aio_handle, swapper, views, [f.path for f in fragments])
+    read_widened(swapper.aio_handle, swapper, views, [f.path for f in fragments])
     for frag, view in zip(fragments, views):
         assert torch.equal(view.view(torch.int32), flat.narrow(0, frag.offset, frag.length).view(torch.int32))
     # an fp32 write of the same files (stock's writeback) drops their records: read as fp32 again
@@ -80,7 +81,7 @@ def test_16bit_files_are_half_and_read_back_exactly(tmp_path, aio_ok):
     make_writeback_gradients()(swapper, info, parameter, swapper.aio_handle)
     assert all(grad_store.stored_dtype(swapper, f.path) == torch.float32 for f in fragments)
     views = [torch.zeros(f.length) for f in fragments]
-    grad_store.read_widened(swapper.aio_handle, swapper, views, [f.path for f in fragments])
+    read_widened(swapper.aio_handle, swapper, views, [f.path for f in fragments])
     assert all(torch.equal(v.view(torch.int32), flat.narrow(0, f.offset, f.length).view(torch.int32))
                for f, v in zip(fragments, views))
 

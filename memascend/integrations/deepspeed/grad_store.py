@@ -24,7 +24,7 @@ where each of its reduced partitions is in that dtype and none was read back to 
 (:func:`bucket_dtype`). Every file so written is recorded on the swapper (path -> dtype); every
 reader consults the record (:func:`stored_dtype`): the chunked step's gradient gather
 (:mod:`.chunked_step`), :func:`.grad_stream.read_regions` and the aligned fragment reads
-(:mod:`.aligned_io`, stock's whole-sub-group swap-in). Any fp32 write of a file (stock's
+(:func:`.aligned_io.read_widened`: stock's whole-sub-group swap-in). Any fp32 write of a file (stock's
 ``_writeback_gradients`` after ``set_full_fp32_grad``-style APIs, an accumulating bucket) drops
 its record. A 16-bit file is ``align_up(numel, 2048)`` elements: whole 4 KiB blocks, so its
 O_DIRECT reads and writes keep 4 KiB-aligned offsets and lengths.
@@ -176,29 +176,6 @@ def forget(swapper: Any, paths: Sequence[str]) -> None:
     record = swapper.__dict__.get(_RECORD_ATTR) if swapper is not None else None
     for path in paths if record else ():
         record.pop(path, None)
-
-
-def read_widened(aio_handle: Any, swapper: Any, views: Sequence[torch.Tensor], paths: Sequence[str]) -> None:
-    """Read gradient file ``paths[i]`` into the fp32 ``views[i]`` for every i, and wait: fp32 files
-    straight in (:func:`.aligned_io.read_fragments`), 16-bit ones whole (4 KiB blocks) into a
-    temporary of their dtype, then widened into the view.
-
-    Raises:
-        RuntimeError: the handle completed fewer reads than submitted.
-    """
-    from memascend.integrations.deepspeed.aligned_io import read_fragments
-
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, path in enumerate(paths):
-        by_dtype.setdefault(stored_dtype(swapper, path), []).append(i)
-    for dtype, indices in by_dtype.items():
-        if dtype == views[indices[0]].dtype:
-            read_fragments(aio_handle, [views[i] for i in indices], [paths[i] for i in indices])
-            continue
-        temps = [torch.empty(file_numel(views[i].numel(), dtype), dtype=dtype) for i in indices]
-        read_fragments(aio_handle, temps, [paths[i] for i in indices])
-        for i, temp in zip(indices, temps):
-            views[i].copy_(temp.narrow(0, 0, views[i].numel()))
 
 
 def stats(optimizer: Any) -> dict[str, Any] | None:

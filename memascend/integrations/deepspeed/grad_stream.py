@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from memascend.integrations.deepspeed import grad_store
+from memascend.integrations.deepspeed.aligned_io import read_widened
 
 _MAP_ATTR = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 _NUMEL_ATTR = "_memascend_streamed_numel"
@@ -185,7 +186,7 @@ def read_regions(optimizer: Any, regions: Sequence[tuple[int, int, int]]) -> lis
 
     Returns:
         One 1-D CPU tensor of ``numel`` elements per region: a fresh copy for a swapped sub-group
-        (its fragments read from their files, widened where stored 16-bit, :mod:`.grad_store`;
+        (its fragments read from their files, widened where stored 16-bit, :func:`.aligned_io.read_widened`;
         in-DRAM fragments copied), the view of the sub-group's
         fp32 ``.grad`` for one kept in DRAM.
 
@@ -225,7 +226,7 @@ def read_regions(optimizer: Any, regions: Sequence[tuple[int, int, int]]) -> lis
                                "elements on the swap target")
         out.append(region)
     if views:
-        grad_store.read_widened(_read_handle(swapper), swapper, views, paths)
+        read_widened(_read_handle(swapper), swapper, views, paths)
     return out
 
 
