@@ -123,6 +123,14 @@ class MemAscendSettings:
         enable_malloc_policy: fixed glibc mmap/trim thresholds, two arenas and ``malloc_trim``
             after each optimizer step (:mod:`memascend.memory.host_allocator`): freed host memory
             goes back to the OS instead of staying resident.
+        enable_16bit_gradient_swap: with ``enable_grad_streaming`` and a chunked optimizer step, a
+            gradient bucket reduced in bf16/fp16 without gradient accumulation
+            (``gradient_accumulation_steps`` 1) is written to the optimizer's gradient swap files in
+            that 16-bit dtype and widened to fp32 as it is read back: every value of the fp32
+            gradient is then a 16-bit value widened, so this is exact (inf and nan included) and
+            halves the gradient bytes written in backward and read in the step
+            (:mod:`memascend.integrations.deepspeed.grad_store`). Anything else (fp32 reduction,
+            accumulation, stock's gradient paths) keeps fp32 files.
         enable_grad_buffer_release: return the pages of stage 3's whole-model 16-bit gradient
             buffer to the OS after construction and after each step (its contents are dead
             there with the optimizer offloaded; :mod:`memascend.integrations.deepspeed.step_memory`),
@@ -274,6 +282,7 @@ class MemAscendSettings:
     optimizer_chunk_numel: int | Literal["auto"] | None = "auto"
     enable_chunk_prefetch: bool = True
     enable_step_overlap: bool = True
+    enable_16bit_gradient_swap: bool = True
     optimizer_dram_numel: int | None = None
     enable_activation_swap: bool = dataclasses.field(default=False, metadata=cli(
         "offload", 20, "--swap-activations", kind="on", help=

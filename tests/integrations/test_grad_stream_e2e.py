@@ -47,6 +47,8 @@ def test_no_gradient_buffer_and_stock_losses(streamed, baseline_losses_hex):
     assert streamed["memascend_settings"]["enable_grad_streaming"] is True
     grads = streamed["memory_breakdown"]["gradient_buffers"]
     assert grads["grad_partitions_flat"]["allocated_bytes"] == 0
+    # two micro steps add in fp32: the gradient files stay fp32 (grad_store)
+    assert grads["swap_files"]["stored_dtype"] == "float32" and grads["swap_files"]["files_16bit"] == 0
     # one rank: each bucket's reduce-scatter is its gradients themselves, the losses still stock's
     assert grads["single_rank_reduce"] is True and grads["reduce_copy_bytes"] == 0
     assert grads["grad_norm_copy_bytes"] == 8 * streamed["model"]["largest_param_numel"]  # fp64 norm on the CPU

@@ -66,7 +66,10 @@ What each flag patches (DeepSpeed 0.19.8 names):
   ``._finalize_offload_gradient_accumulation`` and (inside :mod:`.step_memory`'s wrapper)
   ``.partition_grads`` (:mod:`.grad_stream`: no whole-partition gradient buffer with the optimizer
   on NVMe), and ``deepspeed.runtime.zero.stage3.reduce_scatter_coalesced``
-  (:mod:`.single_rank_reduce`: a bucket reduced over one rank without its two copies).
+  (:mod:`.single_rank_reduce`: a bucket reduced over one rank without its two copies). With
+  ``enable_16bit_gradient_swap``, ``optimizer_chunk_numel``, ``enable_optimizer_pool`` and
+  ``fix_unaligned_gradient_io`` as well, the gradient files are written 16-bit where exact
+  (:mod:`.grad_store`).
 * ``enable_host_block_cache``: ``DeepSpeedEngine.forward`` installs the host block cache
   (:mod:`memascend.memory.host_cache`) at the first forward; :func:`revert` uninstalls it.
 * ``enable_activation_swap``: ``DeepSpeedEngine.forward`` (training, with gradients) installs the
@@ -393,11 +396,19 @@ def _patch_grad_stream(settings: MemAscendSettings) -> None:
     from memascend.integrations.deepspeed import grad_stream
 
     _registry.patch(stage3, "_setup_for_real_optimizer",
-                    grad_stream.make_setup_for_real_optimizer(stage3._setup_for_real_optimizer, stage3))
+                    grad_stream.make_setup_for_real_optimizer(
+                        stage3._setup_for_real_optimizer, stage3, store_16bit=_stores_16bit(settings)))
     _registry.patch(stage3, "_finalize_offload_gradient_accumulation",
                     grad_stream.make_finalize_offload_gradient_accumulation(
                         stage3._finalize_offload_gradient_accumulation))
     _patch_single_rank_reduce()
+
+
+def _stores_16bit(settings: MemAscendSettings) -> bool:
+    """Whether streamed gradients may be stored 16-bit (:mod:`.grad_store`): the setting, with the
+    chunk window that writes them and the aligned fragment reads that widen them patched in."""
+    return bool(settings.enable_16bit_gradient_swap and settings.fix_unaligned_gradient_io
+                and settings.optimizer_chunk_numel is not None and settings.enable_optimizer_pool)
 
 
 def _patch_single_rank_reduce() -> None:

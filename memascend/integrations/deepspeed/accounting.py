@@ -197,7 +197,9 @@ def memory_breakdown(engine: Any, summary: Mapping[str, Any], samples: Sequence[
         ``resident_at_end_bytes`` (``mincore``: pages never written or released cost no RSS):
         ``gradient_buffers.grad_partitions_flat`` (the flat 16-bit gradient partitions),
         ``gradient_buffers.reduce_buckets`` (with the transients of reducing one bucket,
-        :func:`gradient_transients`) and ``param_dram_copy`` (16-bit partitions kept in DRAM,
+        :func:`gradient_transients`), ``gradient_buffers.swap_files`` (the dtype streamed gradients
+        are stored in on the swap target and the bytes that saved, :func:`.grad_store.stats`;
+        ``None`` where they do not stream) and ``param_dram_copy`` (16-bit partitions kept in DRAM,
         ``offload_param.max_in_cpu``); ``runtime_after_load_bytes`` (RSS when the load phase ended:
         interpreter, libraries, tokenizer, data); ``step_transient_bytes``
         (:func:`step_transient_bytes`: activations and their gradients, unlocked); ``malloc``
@@ -214,7 +216,7 @@ def memory_breakdown(engine: Any, summary: Mapping[str, Any], samples: Sequence[
         measured at the end of the run, so that rest is an estimate (a buffer released at the end
         and refaulted by the step is in the transient instead).
     """
-    from memascend.integrations.deepspeed import activations
+    from memascend.integrations.deepspeed import activations, grad_store
     from memascend.integrations.deepspeed.optimizer_dram import dram_report
     from memascend.memory.host_allocator import malloc_stats
 
@@ -241,7 +243,8 @@ def memory_breakdown(engine: Any, summary: Mapping[str, Any], samples: Sequence[
         "locked": {"peak_locked_bytes": int(summary.get("peak_locked_bytes", 0)), **swap,
                    "param_pool_classes": param_pool_classes(engine)},
         "gradient_buffers": {"grad_partitions_flat": grad_flat, "reduce_buckets": buckets,
-                             **gradient_transients(optimizer, buckets["allocated_bytes"])},
+                             **gradient_transients(optimizer, buckets["allocated_bytes"]),
+                             "swap_files": grad_store.stats(optimizer)},
         "param_dram_copy": param_dram,
         "optimizer_dram": optimizer_dram,
         "runtime_after_load_bytes": runtime,

@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from memascend.integrations.deepspeed import grad_store
+
 DIRECT_IO_ALIGN_BYTES = 4096
 """Host-address alignment assumed for an ``O_DIRECT`` transfer when the swap file's block device
 cannot be found (Linux needs the device's logical block size: 512 B on most NVMe namespaces,
@@ -158,33 +160,55 @@ def write_fragments(aio_handle: Any, views: Sequence[torch.Tensor], paths: Seque
     _transfer(aio_handle, views, paths, read=False)
 
 
+def read_widened(aio_handle: Any, swapper: Any, views: Sequence[torch.Tensor], paths: Sequence[str]) -> None:
+    """Read gradient file ``paths[i]`` into the fp32 ``views[i]`` for every i, and wait: fp32 files
+    straight in (:func:`read_fragments`), 16-bit ones (:mod:`.grad_store`) whole (4 KiB blocks) into a
+    temporary of their dtype, then widened into the view.
+
+    Raises:
+        RuntimeError: the handle completed fewer reads than submitted.
+    """
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, path in enumerate(paths):
+        by_dtype.setdefault(grad_store.stored_dtype(swapper, path), []).append(i)
+    for dtype, indices in by_dtype.items():
+        if dtype == views[indices[0]].dtype:
+            read_fragments(aio_handle, [views[i] for i in indices], [paths[i] for i in indices])
+            continue
+        temps = [torch.empty(grad_store.file_numel(views[i].numel(), dtype), dtype=dtype) for i in indices]
+        read_fragments(aio_handle, temps, [paths[i] for i in indices])
+        for i, temp in zip(indices, temps):
+            views[i].copy_(temp.narrow(0, 0, views[i].numel()))
+
+
 def make_swap_in_pinned_gradients():
     """Replacement for ``PartitionedOptimizerSwapper._swap_in_pinned_gradients`` (see module doc).
 
     Reads every swapped fragment of ``parameter``'s gradient into ``gradient_tensor`` (the fp32
-    view of the sub-group's pinned gradient buffer, ``parameter.numel()`` elements).
+    view of the sub-group's pinned gradient buffer, ``parameter.numel()`` elements); a fragment
+    stored 16-bit is widened (:func:`read_widened`).
     """
     from deepspeed.runtime.swap_tensor.optimizer_utils import OptimizerSwapper
 
     def _swap_in_pinned_gradients(self, aio_handle, parameter, gradient_tensor):
         swap_info = self.swap_params_info[OptimizerSwapper.parameter_id(parameter)]
         fragments = list(swap_info.swapped_gradients.values())
-        read_fragments(aio_handle, [gradient_tensor.narrow(0, g.offset, g.length) for g in fragments],
-                       [g.path for g in fragments])
+        read_widened(aio_handle, self, [gradient_tensor.narrow(0, g.offset, g.length) for g in fragments],
+                     [g.path for g in fragments])
 
     return _swap_in_pinned_gradients
 
 
 def make_writeback_gradients():
     """Replacement for ``OptimizerSwapper._writeback_gradients`` (see module doc): persists a
-    sub-group's gradient fragments from ``parameter.grad``, swapped ones to their files, the
-    in-DRAM ones into their CPU copies, as stock."""
-
+    sub-group's gradient fragments from ``parameter.grad``, swapped ones to their files (fp32: any
+    16-bit record of theirs dropped, :mod:`.grad_store`), the in-DRAM ones into their CPU copies, as stock."""
     def _writeback_gradients(self, swap_info, parameter, aio_handle):
         if swap_info.swapped_gradients:
             fragments = list(swap_info.swapped_gradients.values())
             write_fragments(aio_handle, [parameter.grad.narrow(0, g.offset, g.length) for g in fragments],
                             [g.path for g in fragments])
+            grad_store.forget(self, [g.path for g in fragments])
         if swap_info.unswapped_gradients:
             swap_info.write_unswapped_gradients(src_buffer=parameter.grad)
 

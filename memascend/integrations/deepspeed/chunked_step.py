@@ -50,7 +50,7 @@ import torch
 
 from memascend.config.settings import MemAscendSettings
 from memascend.config.sizing import resolve_chunk_numel
-from memascend.integrations.deepspeed import chunk_plan
+from memascend.integrations.deepspeed import chunk_plan, grad_store
 from memascend.integrations.deepspeed.chunk_io import range_io_for
 from memascend.integrations.deepspeed.chunk_param_writer import ParamWriter
 from memascend.integrations.deepspeed.pinning import LockedAllocator, make_room
@@ -289,22 +289,23 @@ class ChunkedSubGroups:
         for k in STATE_KEYS if not files.has_moments else ():
             bufs[k].narrow(0, 0, io_numel).zero_()
         reads = [(bufs[k].narrow(0, 0, io_numel), files.paths[k], start * _FP32_BYTES) for k in names]
-        pieces = chunk_plan.pieces_in_chunk(files.fragment_sources, start, stop)
-        rounds = chunk_plan.slab_rounds(pieces, files.fragment_file_numels, _ALIGN_NUMEL, bufs["slab"].numel())
-        self.io.submit_read(reads + _slab_requests(files, bufs["slab"], rounds[0] if rounds else []))
+        rounds = _gradient_rounds(files, start, stop, bufs["slab"])
+        self.io.submit_read(reads + (_slab_requests(files, bufs["slab"], *rounds[0]) if rounds else []))
         return _ReadAhead(sub_group_id, files, set_index, rounds)
 
-    def _gather_gradient(self, files: _SubGroupFiles, slab: torch.Tensor, rounds: list[list[chunk_plan.SlabRead]],
+    def _gather_gradient(self, files: _SubGroupFiles, slab: torch.Tensor, rounds: list[_Round],
                          grad: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """Fill ``grad`` (the chunk's ``stop - start`` elements) once the first read round is in
-        ``slab``: copy it, read and copy the further rounds (synchronously), copy the DRAM pieces."""
+        ``slab``: copy it (widening a 16-bit round), read and copy the further rounds
+        (synchronously), copy the DRAM pieces."""
         grad.zero_()
-        for n, reads in enumerate(rounds):
+        for n, (dtype, reads) in enumerate(rounds):
             if n:
-                self.io.read(_slab_requests(files, slab, reads))
+                self.io.read(_slab_requests(files, slab, dtype, reads))
+            typed = slab.view(dtype)
             for r in reads:
                 grad.narrow(0, r.dest_start, r.copy_stop - r.copy_start).copy_(
-                    slab.narrow(0, r.slab_start + r.copy_start - r.read_start, r.copy_stop - r.copy_start))
+                    typed.narrow(0, r.slab_start + r.copy_start - r.read_start, r.copy_stop - r.copy_start))
         unswapped = files.unswapped
         for piece in chunk_plan.pieces_in_chunk([(off, t.numel()) for off, t in unswapped], start, stop):
             src = unswapped[piece.index][1]
@@ -329,14 +330,30 @@ class ChunkedSubGroups:
         return paths
 
 
-_ALIGN_NUMEL = _DIRECT_IO_BYTES // _FP32_BYTES
+_Round = tuple[torch.dtype, list[chunk_plan.SlabRead]]
+"""One round of gradient reads into the slab: the files' dtype and the reads (elements of it)."""
 
 
-def _slab_requests(files: _SubGroupFiles, slab: torch.Tensor, reads: list[chunk_plan.SlabRead]
+def _gradient_rounds(files: _SubGroupFiles, start: int, stop: int, slab: torch.Tensor) -> list[_Round]:
+    """The read rounds of chunk ``[start, stop)``'s gradient pieces: the fp32 fragments' rounds,
+    then those of each 16-bit dtype (:mod:`.grad_store`), planned in that dtype's elements (4 KiB
+    alignment, the slab viewed in it)."""
+    pieces = chunk_plan.pieces_in_chunk(files.fragment_sources, start, stop)
+    rounds: list[_Round] = []
+    for dtype in sorted({files.fragment_dtypes[p.index] for p in pieces}, key=lambda d: d != torch.float32):
+        size = torch.empty(0, dtype=dtype).element_size()
+        chosen = [p for p in pieces if files.fragment_dtypes[p.index] == dtype]
+        rounds += [(dtype, reads) for reads in chunk_plan.slab_rounds(
+            chosen, files.fragment_file_numels, _DIRECT_IO_BYTES // size, slab.numel() * _FP32_BYTES // size)]
+    return rounds
+
+
+def _slab_requests(files: _SubGroupFiles, slab: torch.Tensor, dtype: torch.dtype, reads: list[chunk_plan.SlabRead]
                    ) -> list[tuple[torch.Tensor, str, int]]:
-    """The range-I/O requests of one round of gradient reads into ``slab``."""
-    return [(slab.narrow(0, r.slab_start, r.read_stop - r.read_start), files.fragment_paths[r.index],
-             r.read_start * _FP32_BYTES) for r in reads]
+    """The range-I/O requests of one round of gradient reads of ``dtype`` files into ``slab``."""
+    typed = slab.view(dtype)
+    return [(typed.narrow(0, r.slab_start, r.read_stop - r.read_start), files.fragment_paths[r.index],
+             r.read_start * typed.element_size()) for r in reads]
 
 
 @dataclasses.dataclass
@@ -347,7 +364,7 @@ class _ReadAhead:
     sub_group_id: int
     files: _SubGroupFiles
     set_index: int
-    rounds: list[list[chunk_plan.SlabRead]]
+    rounds: list[_Round]
 
 
 @dataclasses.dataclass
@@ -365,6 +382,7 @@ class _SubGroupFiles:
     fragment_sources: list[tuple[int, int]]
     fragment_paths: list[str]
     fragment_file_numels: list[int]
+    fragment_dtypes: list[torch.dtype]
     unswapped: list[tuple[int, torch.Tensor]]
 
     @classmethod
@@ -378,12 +396,15 @@ class _SubGroupFiles:
         state = opt.optimizer.state.setdefault(fp32, {})
         has_moments = bool(swap_info.has_state_tensors)
         fragments = list(swap_info.swapped_gradients.values())
+        dtypes = [grad_store.stored_dtype(swapper, f.path) for f in fragments]
         return cls(numel=numel, file_numel=swapper._io_aligned_numel(numel), numel_alignment=swapper.numel_alignment,
                    group_id=opt.sub_group_to_group_id[sub_group_id], state=state, has_moments=has_moments,
                    paths=ChunkedSubGroups._state_paths(swap_info, fp32, state),
                    fragment_sources=[(f.offset, f.length) for f in fragments],
                    fragment_paths=[f.path for f in fragments],
-                   fragment_file_numels=[swapper._io_aligned_numel(f.length) for f in fragments],
+                   fragment_file_numels=[swapper._io_aligned_numel(f.length) if d == torch.float32
+                                         else grad_store.file_numel(f.length, d) for f, d in zip(fragments, dtypes)],
+                   fragment_dtypes=dtypes,
                    unswapped=sorted(swap_info.unswapped_gradients.items()))
 
 

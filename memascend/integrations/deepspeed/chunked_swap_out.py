@@ -42,50 +42,54 @@ from typing import Any
 
 import torch
 
-from memascend.integrations.deepspeed import chunk_plan
+from memascend.integrations.deepspeed import chunk_plan, grad_store
 from memascend.integrations.deepspeed.chunk_io import range_io_for
 
-_ALIGN_NUMEL = chunk_plan.CHUNK_ALIGN_NUMEL
-"""Pieces start at multiples of this many elements, in the buffer and in the file (4 KiB of fp32)."""
+_ALIGN_BYTES = 4096
+"""Pieces start at multiples of this many bytes, in the buffer and in the file."""
 
 
 class PieceWriter:
-    """Writes whole files in order, in pieces, through one locked fp32 buffer.
+    """Writes whole files in order, in pieces, through one locked buffer.
 
     Args:
         io: ranged I/O (:class:`~.chunk_io.AioRangeIO` or :class:`~.chunk_io.StoreRangeIO`).
-        buffer: a locked 1-D fp32 tensor, its numel a multiple of 1024 elements.
+        buffer: a locked 1-D tensor of the files' dtype (fp32, or a 16-bit view of the fp32
+            window: :mod:`.grad_store`), its bytes a multiple of 4 KiB.
+        window: the allocation ``buffer`` views (returned to the manager); ``None``: ``buffer``.
     """
 
-    def __init__(self, io: Any, buffer: torch.Tensor) -> None:
-        if buffer.numel() < _ALIGN_NUMEL or buffer.numel() % _ALIGN_NUMEL:
-            raise ValueError(f"window buffer of {buffer.numel()} elements is not a multiple of {_ALIGN_NUMEL}")
+    def __init__(self, io: Any, buffer: torch.Tensor, window: torch.Tensor | None = None) -> None:
+        self.align_numel = _ALIGN_BYTES // buffer.element_size()
+        if buffer.numel() < self.align_numel or buffer.numel() % self.align_numel:
+            raise ValueError(f"window buffer of {buffer.numel()} elements is not a multiple of {self.align_numel}")
         self.io, self.buffer = io, buffer
+        self.window = buffer if window is None else window
         self.used = 0
         self.pending: list[tuple[torch.Tensor, str, int, int, bool]] = []
         self.pieces_written = 0
 
     def add(self, src: torch.Tensor, path: str, file_numel: int) -> None:
-        """Write 1-D ``src`` (any float dtype) as the fp32 file ``path`` of ``file_numel`` elements
-        (``>= src.numel()``; the rest zero). The file is complete only after :meth:`flush`."""
+        """Write 1-D ``src`` (any float dtype) as the file ``path`` of ``file_numel`` elements of the
+        buffer's dtype (``>= src.numel()``; the rest zero). The file is complete only after :meth:`flush`."""
         numel = src.numel()
         pos = 0
         while pos < file_numel:
             room = self.buffer.numel() - self.used
             piece = min(file_numel - pos, room)
             if piece < file_numel - pos:
-                piece = chunk_plan.align_down(piece, _ALIGN_NUMEL)
+                piece = chunk_plan.align_down(piece, self.align_numel)
             if piece == 0:
                 self.flush()
                 continue
             view = self.buffer.narrow(0, self.used, piece)
             values = max(0, min(numel, pos + piece) - pos)
             if values:
-                view.narrow(0, 0, values).copy_(src.narrow(0, pos, values))
+                grad_store.copy_narrowed(view.narrow(0, 0, values), src.narrow(0, pos, values))
             if values < piece:
                 view.narrow(0, values, piece - values).zero_()
             self.pending.append((view, path, pos, file_numel, pos + piece == file_numel))
-            self.used = min(self.buffer.numel(), chunk_plan.align_up(self.used + piece, _ALIGN_NUMEL))
+            self.used = min(self.buffer.numel(), chunk_plan.align_up(self.used + piece, self.align_numel))
             pos += piece
 
     def flush(self, wait: bool = True) -> None:
@@ -119,15 +123,20 @@ _IN_FLIGHT = "_memascend_gradient_window"
 
 
 def _write_through_window(swapper: Any, chunk_numel: int, items: list[tuple[torch.Tensor, str, int]],
-                          asynchronous: bool = False) -> None:
+                          asynchronous: bool = False, dtype: torch.dtype | None = None) -> None:
     """Write ``(src, path, file_numel)`` items through a window buffer borrowed from the manager;
     ``asynchronous``: the last pieces stay in flight, the window held until
-    :func:`complete_gradient_writes` (or the next call, which completes them first)."""
+    :func:`complete_gradient_writes` (or the next call, which completes them first). ``dtype``:
+    the files' dtype (``None``: the window's, fp32); a 16-bit one writes through a view of the window."""
     manager = swapper.swap_buffer_manager
     writer = swapper.__dict__.pop(_IN_FLIGHT, None)
     if writer is None:
         buffer = manager.allocate_window(window_numel(swapper, chunk_numel), 1)[0]
         writer = PieceWriter(range_io_for(swapper.aio_handle), buffer)
+    wanted = dtype or writer.window.dtype
+    if writer.buffer.dtype != wanted:
+        writer.io.wait()  # the previous call's writes, out of the window about to be viewed anew
+        writer = PieceWriter(writer.io, writer.window.view(wanted), window=writer.window)
     try:
         writer.io.wait()  # the previous call's writes, out of the window about to be refilled
         for src, path, file_numel in items:
@@ -135,12 +144,12 @@ def _write_through_window(swapper: Any, chunk_numel: int, items: list[tuple[torc
         writer.flush(wait=not asynchronous)
     except BaseException:
         writer.io.wait()
-        manager.free_window([writer.buffer])
+        manager.free_window([writer.window])
         raise
     if asynchronous and getattr(writer.io, "pending", 0):
         swapper.__dict__[_IN_FLIGHT] = writer
     else:
-        manager.free_window([writer.buffer])
+        manager.free_window([writer.window])
 
 
 def complete_gradient_writes(swapper: Any) -> None:
@@ -156,15 +165,16 @@ def complete_gradient_writes(swapper: Any) -> None:
     try:
         writer.io.wait()
     finally:
-        swapper.swap_buffer_manager.free_window([writer.buffer])
+        swapper.swap_buffer_manager.free_window([writer.window])
 
 
 def make_swap_out_gradients(original: Any, chunk_numel: int) -> Any:
     """``PartitionedOptimizerSwapper.swap_out_gradients(parameter, gradient_offsets, gradient_tensors)``:
     stock's split (``_adjust_for_misaligned_lengths``; tensors below ``min_aio_bytes`` kept in DRAM as
     ``unswapped_gradients``) and file names (``get_or_create_gradient_paths``), the swappable ones
-    written through the chunk window. A swapper whose manager has no window (stock's) takes
-    ``original``."""
+    written through the chunk window: fp32 files of ``_io_aligned_numel`` elements, or inside
+    :func:`.grad_store.writing_as` 16-bit files of whole 4 KiB blocks (recorded on the swapper).
+    A swapper whose manager has no window (stock's) takes ``original``."""
     from deepspeed.runtime.swap_tensor.optimizer_utils import SWAP_OUT_GRADIENT_TIMER, OptimizerSwapper
 
     @functools.wraps(original)
@@ -185,9 +195,13 @@ def make_swap_out_gradients(original: Any, chunk_numel: int) -> Any:
         if swappable:
             # stock's pending asynchronous gradient writes share the handle: none may be in flight
             self._flush_gradient_swapper(self.gradient_swapper)
-            paths = swap_info.get_or_create_gradient_paths([o for _, o in swappable], [t.numel() for t, _ in swappable])
-            _write_through_window(self, chunk_numel, [(t, p, self._io_aligned_numel(t.numel()))
-                                                      for (t, _), p in zip(swappable, paths)], asynchronous=True)
+            numels = [t.numel() for t, _ in swappable]
+            paths = swap_info.get_or_create_gradient_paths([o for _, o in swappable], numels)
+            dtype = grad_store.call_dtype(self)
+            sizes = [grad_store.file_numel(n, dtype) if dtype else self._io_aligned_numel(n) for n in numels]
+            _write_through_window(self, chunk_numel, [(t, p, size) for (t, _), p, size in zip(swappable, paths, sizes)],
+                                  asynchronous=True, dtype=dtype)
+            grad_store.record_written(self, paths, numels, dtype)
         self._stop_timer(SWAP_OUT_GRADIENT_TIMER)
         self.timer_names.add(SWAP_OUT_GRADIENT_TIMER)
         return None

@@ -54,7 +54,8 @@ from typing import Any
 
 import torch
 
-from memascend.integrations.deepspeed.aligned_io import read_fragments
+from memascend.integrations.deepspeed import grad_store
+from memascend.integrations.deepspeed.aligned_io import read_widened
 
 _MAP_ATTR = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 _NUMEL_ATTR = "_memascend_streamed_numel"
@@ -112,13 +113,15 @@ def eligible(optimizer: Any, stock_partition_grads: Callable[..., Any] | None = 
     return master in (torch.float32, optimizer.gradient_accumulation_dtype)
 
 
-def make_setup_for_real_optimizer(original: Callable[..., Any], stage3_cls: type) -> Callable[..., Any]:
+def make_setup_for_real_optimizer(original: Callable[..., Any], stage3_cls: type,
+                                  store_16bit: bool = False) -> Callable[..., Any]:
     """Replacement for ``DeepSpeedZeroOptimizer_Stage3._setup_for_real_optimizer``.
 
     Stock's steps in stock's order (fp32 partitions, optimizer states, IPG bucket buffers), but
     ``grad_partitions_flat_buffer`` is an empty tensor of the accumulation dtype and the
     per-parameter view map is empty; not eligible, or a DeepSpeed whose source differs from the
-    one mirrored here: ``original``.
+    one mirrored here: ``original``. ``store_16bit``: the gradient files may be written in the
+    16-bit dtype where that is exact (:func:`.grad_store.decide`).
     """
     from deepspeed import comm as dist
     from deepspeed.accelerator import get_accelerator
@@ -145,6 +148,7 @@ def make_setup_for_real_optimizer(original: Callable[..., Any], stage3_cls: type
         self.grad_partitions_flat_buffer = torch.empty(0, dtype=self.gradient_accumulation_dtype, device=self.device)
         setattr(self, _MAP_ATTR, {})
         setattr(self, ACTIVE_ATTR, True)
+        grad_store.decide(self, store_16bit)
         pinned_memory_summary("ZeRO-3 optimizer init")
 
     _setup_for_real_optimizer.__wrapped__ = original  # type: ignore[attr-defined]
@@ -182,7 +186,8 @@ def read_regions(optimizer: Any, regions: Sequence[tuple[int, int, int]]) -> lis
 
     Returns:
         One 1-D CPU tensor of ``numel`` elements per region: a fresh copy for a swapped sub-group
-        (its fragments read from their files, in-DRAM fragments copied), the view of the sub-group's
+        (its fragments read from their files, widened where stored 16-bit, :func:`.aligned_io.read_widened`;
+        in-DRAM fragments copied), the view of the sub-group's
         fp32 ``.grad`` for one kept in DRAM.
 
     Raises:
@@ -221,7 +226,7 @@ def read_regions(optimizer: Any, regions: Sequence[tuple[int, int, int]]) -> lis
                                "elements on the swap target")
         out.append(region)
     if views:
-        read_fragments(_read_handle(swapper), views, paths)
+        read_widened(_read_handle(swapper), swapper, views, paths)
     return out
 
 
@@ -322,7 +327,9 @@ def _stream_bucket(optimizer: Any, live: list, previous: list, check: Callable[[
         if not get_accelerator().is_synchronized_device() and param.grad is not None:
             param.grad.record_stream(get_accelerator().current_stream())
         param.grad = None
-    optimizer._swap_out_offload_fp32_gradients(gradients, offsets)
+    store = grad_store.bucket_dtype(optimizer, [g for _, g in live], any(p is not None for p in previous))
+    with grad_store.writing_as(getattr(optimizer, "optimizer_swapper", None), store):
+        optimizer._swap_out_offload_fp32_gradients(gradients, offsets)
 
 
 def make_finalize_offload_gradient_accumulation(original: Callable[..., Any]) -> Callable[..., Any]:
