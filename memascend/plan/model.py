@@ -532,6 +532,7 @@ def plan_for_report(report: dict) -> EnginePlan:
     if settings is not None:  # reports from before param_pool_bytes ran with a count-bounded pool
         settings = {"param_pool_bytes": None, **settings}
         settings = {"enable_grad_streaming": False, **settings}  # from before it: the gradient buffer
+        settings = {"enable_16bit_gradient_swap": False, **settings}  # from before it: fp32 gradient files
     window = _ran_with_swap_window(report.get("memory_breakdown", {}).get("locked", {}))
     return plan_run(cfg, world_size=int(report["host"]["world_size"]), memascend_settings=settings,
                     user_ds_config=report.get("user_deepspeed_config"), chunk_window=window)[report["engine"]]

@@ -19,6 +19,8 @@ target per rank (:class:`Placement`):
   (master, moments, gradient: 16 bytes per element) and written (the same 16: the gradient in
   backward, the others after Adam) once per step; with gradient streaming and gradient accumulation,
   each later micro step reads its fp32 gradient back and writes the sum (4 + 4 bytes per element);
+  with one micro step per step in bf16/fp16 the streamed gradient is stored in that dtype
+  (``enable_16bit_gradient_swap``: 2 bytes per element instead of 4, each way);
 * parameters: a partition on NVMe only is read at its use in forward and in backward (activation
   checkpointing's recompute runs right before the backward of its layer, which finds it still
   gathered), except where stage 3 keeps it gathered until its next use (the reuse window at the turn
@@ -208,12 +210,25 @@ def plan_placement(cfg: RunConfig, dims: ModelDims, ds_config: dict, settings, w
         streaming = settings is not None and getattr(settings, "enable_grad_streaming", False)
         # each later micro step reads its fp32 gradient region back and writes the sum
         per_numel = OPTIMIZER_NVME_BYTES_PER_NUMEL + (FP32_BYTES * (cfg.train.grad_accum - 1) if streaming else 0)
+        if streaming and _gradients_stored_16bit(cfg, settings):  # the gradient file in the 16-bit dtype
+            per_numel -= FP32_BYTES - e
         out.update(optimizer_kept_groups=kept, optimizer_kept_numel=sum(group_numels[:kept]),
                    optimizer_nvme_numel=sum(swapped), optimizer_read_bytes=sum(swapped) * per_numel,
                    optimizer_write_bytes=sum(swapped) * per_numel)
     elif z.get("offload_optimizer", {}).get("device") == "cpu":
         out.update(optimizer_kept_groups=len(group_numels), optimizer_kept_numel=sum(group_numels))
     return Placement(**out)
+
+
+def _gradients_stored_16bit(cfg: RunConfig, settings: object) -> bool:
+    """Whether the streamed gradient files are 16-bit (``grad_store.decide``'s conditions the plan
+    can see: the setting with the chunk window and the aligned fragment reads, one micro step per
+    step, a 16-bit training dtype)."""
+    return bool(getattr(settings, "enable_16bit_gradient_swap", False)
+                and getattr(settings, "fix_unaligned_gradient_io", False)
+                and getattr(settings, "optimizer_chunk_numel", None) is not None
+                and getattr(settings, "enable_optimizer_pool", False)
+                and cfg.train.grad_accum == 1 and cfg.train.dtype in ("bf16", "fp16"))
 
 
 def measured_step_bytes(report: dict) -> tuple[int, int] | None:

@@ -30,7 +30,9 @@ speed``), SmolLM2 with ``param_dram_numel`` 0, llama-0.1b 1 x 256 with activatio
 ``param_dram_numel`` 0, llama-tiny 2 x 128 with ``param_dram_numel`` 0, mistral-0.07b (untied) 2 x 256,
 SmolLM2 on two ranks (``memascend finetune`` / the regress runner, 3-4 steps), and SmolLM2 with its first 7
 of 13 optimizer sub-groups and 92 M parameter elements in DRAM (``optimizer_dram_numel`` 83182464,
-``param_dram_numel`` 92032704, the seam's implementation of the setting, 3 steps)."""
+``param_dram_numel`` 92032704, the seam's implementation of the setting, 3 steps), and the default job and
+llama-1b 1 x 256 with 16-bit gradient files (``enable_16bit_gradient_swap``; the ``speed`` matrix's lean
+rows, ``baselines/cpu-2c-24g/speed/sixteen-bit-gradients*``)."""
 KEPT = Path(__file__).parent / "data" / "swap-io" / "smollm2-bf16-256x4-optimizer-dram-7of13-memascend.json"
 TOLERANCE = 0.15
 

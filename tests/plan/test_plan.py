@@ -13,7 +13,11 @@ from memascend.cli.main import cli
 from memascend.plan import plan_for_report
 
 REPO = Path(__file__).resolve().parents[2]
-RECORDED = sorted(REPO.glob("baselines/**/reports/*.json"))
+RECORDED = sorted(p for p in REPO.glob("baselines/**/reports/*.json")
+                  if json.loads(p.read_text())["host"].get("device_type", "cpu") == "cpu")
+"""Recorded CPU-host runs. The plan models a CPU host's memory; a CUDA run's reports
+(``baselines/<gpu profile>/gpu/reports``) add the CUDA runtime's host memory and keep activations on
+the GPU, which it does not model."""
 HELD_OUT = sorted((Path(__file__).parent / "data" / "heldout").glob("*.json"))
 """Reports no planner constant was calibrated on, all 2 x 256 tokens, bf16, params and optimizer on
 NVMe: from-scratch Llamas with untied embeddings (576 wide, 24 and 20 layers, 3 steps; the 20-layer
