@@ -199,7 +199,8 @@ def _run_step(case: Case, io, chunk_numel: int, read_ahead: bool, has_moments: b
         numel=case.numel, file_numel=chunk_plan.align_up(case.numel, 256), numel_alignment=256, group_id=0,
         state=state, has_moments=has_moments, paths={k: k for k in ("param", *chunked_step.STATE_KEYS)},
         fragment_sources=case.fragments, fragment_paths=[f"grad{i}" for i in range(len(case.fragments))],
-        fragment_file_numels=[chunk_plan.align_up(n, 256) for _, n in case.fragments], unswapped=case.unswapped)
+        fragment_file_numels=[chunk_plan.align_up(n, 256) for _, n in case.fragments],
+        fragment_dtypes=[torch.float32] * len(case.fragments), unswapped=case.unswapped)
     monkeypatch.setattr(chunked_step._SubGroupFiles, "of", classmethod(lambda cls, o, s: files))
     monkeypatch.setattr(chunked_step, "_adam_on_chunk", _fake_adam)
     plan = chunked_step.ChunkedSubGroups.__new__(chunked_step.ChunkedSubGroups)
@@ -279,7 +280,8 @@ def test_read_ahead_crosses_into_the_next_chunked_sub_group(monkeypatch):
             numel=case.numel, file_numel=chunk_plan.align_up(case.numel, 256), numel_alignment=256, group_id=0,
             state={"step": 3}, has_moments=True, paths={k: f"{g}/{k}" for k in ("param", *chunked_step.STATE_KEYS)},
             fragment_sources=case.fragments, fragment_paths=[f"{g}/grad{i}" for i in range(len(case.fragments))],
-            fragment_file_numels=[chunk_plan.align_up(n, 256) for _, n in case.fragments], unswapped=case.unswapped)
+            fragment_file_numels=[chunk_plan.align_up(n, 256) for _, n in case.fragments],
+            fragment_dtypes=[torch.float32] * len(case.fragments), unswapped=case.unswapped)
     io = DeferredIO({f"{g}/{k}": t for g, c in enumerate(cases) for k, t in c.files.items()})
     monkeypatch.setattr(chunked_step._SubGroupFiles, "of", classmethod(lambda cls, o, s: files_of[s]))
     monkeypatch.setattr(chunked_step, "_adam_on_chunk", _fake_adam)

@@ -28,9 +28,10 @@ FIXTURE = json.loads((Path(__file__).parent / "data" / "report_keys.json").read_
 PACKAGE = Path(__file__).resolve().parents[2] / "memascend"
 
 ADDED_STEP_KEYS = ["lr", "locked_bytes", "nvme_read_bytes", "nvme_write_bytes", "eval_loss", "swap_read_bytes",
-                   "swap_write_bytes", "io_wait_s", "phase_io", "phase_floor_s", "phase_cpu_s", "phase_sys_s"]
+                   "swap_write_bytes", "io_wait_s", "phase_io", "phase_floor_s", "phase_cpu_s", "phase_sys_s",
+                   "step_worker_s"]
 """Keys a step record gained after the fixture was recorded (TensorBoard, --eval-every, the swap I/O
-meter), at its end."""
+meter, the step overlap's worker seconds), at its end."""
 ADDED_TRAIN_KEYS = {"lr_scheduler", "eval_every", "report_to", "verbose", "deterministic"}
 """``config.train`` keys added by issue 23 (the optimizer, evaluation and logging flags) and ``--deterministic``."""
 
@@ -83,7 +84,7 @@ def test_step_record_has_the_keys_and_values_of_the_old_record():
                    "tokens_per_s": 128.0, "rss_bytes": 1 << 29, "minor_faults": 1000, "skipped": False,
                    "lr": 1e-4, "locked_bytes": 1 << 20, "nvme_read_bytes": 4096, "nvme_write_bytes": 8192,
                    "eval_loss": None, "swap_read_bytes": 0, "swap_write_bytes": 0, "io_wait_s": 0.0, "phase_io": None,
-                   "phase_floor_s": None, "phase_cpu_s": None, "phase_sys_s": None}
+                   "phase_floor_s": None, "phase_cpu_s": None, "phase_sys_s": None, "step_worker_s": None}
     assert dataclasses.replace(record(), eval_loss=3.5).to_dict()["eval_loss"] == 3.5
     assert list(rec["phase_s"]) == list(report_mod.PHASES)
     # JSON as steps.jsonl writes it: a list, not a tuple; the record is frozen and its dict a copy
