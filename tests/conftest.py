@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -34,6 +35,19 @@ def run_cli(args: list[str], cwd: Path, timeout_s: float = 900, env: dict | None
         text=True,
         timeout=timeout_s,
     )
+
+
+def finetune_report(tmp_path: Path, name: str, args: list[str], *extra: str) -> dict:
+    """Run ``memascend finetune ARGS EXTRA`` into ``tmp_path / name`` with the swap folder
+    ``tmp_path / f"swap-{name}"``; assert it succeeded; return its ``report.json`` with
+    ``losses_hex`` (each step's loss as ``float.hex``, for bit-for-bit comparisons)."""
+    out = tmp_path / name
+    proc = run_cli(["finetune", *args, *extra, "--output", str(out), "--nvme-path", str(tmp_path / f"swap-{name}")],
+                   tmp_path, timeout_s=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads((out / "report.json").read_text())
+    report["losses_hex"] = [step["loss"].hex() for step in report["steps"]]
+    return report
 
 
 @pytest.fixture(scope="session")

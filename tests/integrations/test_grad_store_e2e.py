@@ -8,11 +8,9 @@ CPU (DeepSpeed refuses the dtype there), so it has no end-to-end case here.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import finetune_report
 
 pytest.importorskip("deepspeed")
 
@@ -21,13 +19,7 @@ ARGS = ["--from-scratch", "llama-tiny", "--grad-accum", "1", "--steps", "3", "--
 
 
 def _finetune(tmp_path, name: str, *extra: str) -> dict:
-    out = tmp_path / name
-    proc = run_cli(["finetune", *ARGS, *extra, "--output", str(out), "--nvme-path", str(tmp_path / f"swap-{name}")],
-                   tmp_path, timeout_s=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads((out / "report.json").read_text())
-    report["losses_hex"] = [step["loss"].hex() for step in report["steps"]]
-    return report
+    return finetune_report(tmp_path, name, ARGS, *extra)
 
 
 def _check_16bit(report: dict) -> None:

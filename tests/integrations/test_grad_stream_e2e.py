@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import finetune_report
 
 pytest.importorskip("deepspeed")
 
@@ -29,13 +29,7 @@ AMX, so step 2 differs between an Intel host with AMX and an AMD EPYC with AVX51
 
 
 def _finetune(tmp_path, name: str, *extra: str) -> dict:
-    out = tmp_path / name
-    proc = run_cli(["finetune", *ARGS, *extra, "--output", str(out), "--nvme-path", str(tmp_path / f"swap-{name}")],
-                   tmp_path, timeout_s=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads((out / "report.json").read_text())
-    report["losses_hex"] = [step["loss"].hex() for step in report["steps"]]
-    return report
+    return finetune_report(tmp_path, name, ARGS, *extra)
 
 
 @pytest.fixture(scope="module")
