@@ -104,6 +104,12 @@ CAP_HEADERS = ["config", "params", "base outcome", "base cap peak GiB", "base RS
                "ma outcome", "ma cap peak GiB", "ma RSS GiB", "ma wall s"]
 
 
+def search_axis(results: list[ConfigResult]) -> str:
+    """What a capped search grows: ``"seq_len"`` when its configurations differ in tokens per
+    sequence (the ``context`` search), else ``"model"`` (the ``scaling`` search)."""
+    return "seq_len" if len({r.config.seq_len for r in results}) > 1 else "model"
+
+
 def largest_under_cap(results: list[ConfigResult]) -> dict[str, dict]:
     """Per engine, the largest configuration of a capped search that completed, and where it stopped.
 
@@ -111,8 +117,9 @@ def largest_under_cap(results: list[ConfigResult]) -> dict[str, dict]:
     did not complete (the cap stopped it, or it failed) or was skipped.
 
     Returns:
-        ``{engine: {"largest": {config, model, param_numel, cap_peak_bytes, peak_rss_bytes, wall_s} | None,
-        "stopped_at": {config, model, param_numel, status, outcome} | None, "fit_all": bool}}``;
+        ``{engine: {"largest": {config, model, param_numel, seq_len, steps, cap_peak_bytes, peak_rss_bytes,
+        wall_s, step_s} | None, "stopped_at": {config, model, param_numel, seq_len, steps, status, outcome,
+        wall_s} | None, "fit_all": bool}}``; ``step_s``: the run's median seconds per step;
         ``stopped_at`` with status ``error`` means the search ended on a failure, not the cap, so
         ``largest`` is only a lower bound.
     """
@@ -124,11 +131,12 @@ def largest_under_cap(results: list[ConfigResult]) -> dict[str, dict]:
             metrics = getattr(r, engine)
             numel = metrics.param_numel if metrics else r.config.param_numel
             base = {"config": r.config.name, "model": r.config.from_scratch or r.config.model, "param_numel": numel,
-                    "steps": r.config.steps}
+                    "seq_len": r.config.seq_len, "steps": r.config.steps}
             status = run.get("status")
             if status == "ok":
                 largest = {**base, "cap_peak_bytes": (run.get("cap") or {}).get("peak_bytes"),
-                           "peak_rss_bytes": metrics.peak_rss_bytes if metrics else None, "wall_s": run.get("wall_s")}
+                           "peak_rss_bytes": metrics.peak_rss_bytes if metrics else None, "wall_s": run.get("wall_s"),
+                           "step_s": metrics.median_step_s if metrics else None}
                 continue
             if status in ("capped", "error"):
                 stopped = {**base, "status": status, "outcome": run.get("outcome"), "wall_s": run.get("wall_s")}
@@ -138,39 +146,62 @@ def largest_under_cap(results: list[ConfigResult]) -> dict[str, dict]:
     return out
 
 
-def largest_summary(largest: dict[str, dict], cap: str) -> str:
-    """One line: ``under the 16 GiB cap: baseline llama-0.5b (0.45 B), memascend llama-3b (2.77 B): 6.1x``."""
+def _searched(entry: dict, axis: str) -> str:
+    """One searched size: ``llama-3b (2.77 B params)`` or ``32,768 tokens``."""
+    if axis == "seq_len":
+        return f"{entry['seq_len']:,} tokens"
+    return f"{entry['model']} ({format_params(entry['param_numel'])} params)"
+
+
+def largest_summary(largest: dict[str, dict], cap: str, axis: str = "model") -> str:
+    """One line: ``largest model trainable under the 16 GiB cap: baseline llama-0.5b (0.45 B params),
+    memascend llama-3b (2.77 B params): memascend trains a 6.1x larger model``; with ``axis``
+    ``"seq_len"``: ``longest sequence trainable under the 8 GiB cap: baseline 8,192 tokens, memascend
+    32,768 tokens: memascend trains a 4.0x longer sequence``."""
+    what = "longest sequence" if axis == "seq_len" else "largest model"
+    size = "seq_len" if axis == "seq_len" else "param_numel"
     parts = []
     for engine, e in largest.items():
         lg = e["largest"]
-        parts.append(f"{engine} " + (f"{lg['model']} ({format_params(lg['param_numel'])} params)" if lg else "none"))
+        parts.append(f"{engine} " + (_searched(lg, axis) if lg else "none"))
         if e["stopped_at"] and e["stopped_at"]["status"] == "error":
-            parts[-1] += f" (search ended on a failure at {e['stopped_at']['model']})"
+            parts[-1] += f" (search ended on a failure at {_searched(e['stopped_at'], axis)})"
         elif e["fit_all"]:
-            parts[-1] += " (every model searched fit)"
+            parts[-1] += " (every size searched fit)" if axis == "seq_len" else " (every model searched fit)"
     b, m = (largest.get(k, {}).get("largest") for k in ("baseline", "memascend"))
     ratio = ""
-    if b and m and b["param_numel"] and m["param_numel"]:
-        x = m["param_numel"] / b["param_numel"]
-        ratio = (f": memascend trains a {x:.1f}x larger model" if x > 1 else
-                 ": the same model" if x == 1 else f": memascend's largest is {1 / x:.1f}x SMALLER")
-    return f"largest model trainable under the {cap} cap: " + ", ".join(parts) + ratio
+    if b and m and b[size] and m[size]:
+        x = m[size] / b[size]
+        bigger, noun = ("longer", "sequence") if axis == "seq_len" else ("larger", "model")
+        ratio = (f": memascend trains a {x:.1f}x {bigger} {noun}" if x > 1 else
+                 f": the same {noun}" if x == 1 else f": memascend's {what.split()[0]} is {1 / x:.1f}x SHORTER"
+                 if axis == "seq_len" else f": memascend's largest is {1 / x:.1f}x SMALLER")
+    return f"{what} trainable under the {cap} cap: " + ", ".join(parts) + ratio
 
 
 LARGEST_HEADERS = ["engine", "largest model that trained {steps} steps under {cap}", "params", "cap peak GiB",
                    "peak RSS GiB", "wall s", "next model"]
+LONGEST_HEADERS = ["engine", "longest sequence that trained {steps} steps under {cap}", "params", "cap peak GiB",
+                   "peak RSS GiB", "s/step", "next length"]
 
 
-def largest_rows(largest: dict[str, dict]) -> list[list[str]]:
+def largest_headers(axis: str, steps: int, cap: str) -> list[str]:
+    """The header of :func:`largest_rows` for a search along ``axis`` (:func:`search_axis`)."""
+    return [h.format(steps=steps, cap=cap) for h in (LONGEST_HEADERS if axis == "seq_len" else LARGEST_HEADERS)]
+
+
+def largest_rows(largest: dict[str, dict], axis: str = "model") -> list[list[str]]:
     rows = []
     for engine, e in largest.items():
         lg, st = e["largest"], e["stopped_at"]
         label = "stock (`--engine baseline`)" if engine == "baseline" else "memascend"
-        nxt = (f"{st['model']}: {st['outcome']}" + (f" after {st['wall_s']:.0f} s" if st.get("wall_s") else "") if st else
-               ("- (every model searched fit)" if e["fit_all"] else "-"))
-        rows.append([label, lg["model"] if lg else "none", format_params(lg["param_numel"]) if lg else "-",
+        name = (lambda x: f"{x['seq_len']:,}") if axis == "seq_len" else (lambda x: x["model"])
+        nxt = (f"{name(st)}: {st['outcome']}" + (f" after {st['wall_s']:.0f} s" if st.get("wall_s") else "") if st else
+               (f"- (every {'length' if axis == 'seq_len' else 'model'} searched fit)" if e["fit_all"] else "-"))
+        time_s = (lg.get("step_s") if axis == "seq_len" else lg.get("wall_s")) if lg else None
+        rows.append([label, name(lg) if lg else "none", format_params(lg["param_numel"]) if lg else "-",
                      _gib(lg["cap_peak_bytes"]) if lg else "-", _gib(lg["peak_rss_bytes"]) if lg else "-",
-                     f"{lg['wall_s']:.0f}" if lg and lg.get("wall_s") else "-", nxt])
+                     f"{time_s:.0f}" if time_s else "-", nxt])
     return rows
 
 
@@ -465,9 +496,11 @@ def write_outputs(results: list[ConfigResult], out_dir: Path, meta: dict, timeli
         md += [f"Memory cap: {cap['cap']} per run, {cap_enforcement(cap)}.", ""]
     if largest is not None:
         steps = max(r.config.steps for r in results)
-        md += [f"## Largest model trainable for {steps} steps under the {cap['cap']} cap", "",
-               _md([h.format(steps=steps, cap=cap["cap"]) for h in LARGEST_HEADERS], largest_rows(largest)), "",
-               largest_summary(largest, cap["cap"]) + ".", ""]
+        axis = search_axis(results)
+        title = "Longest sequence" if axis == "seq_len" else "Largest model"
+        md += [f"## {title} trainable for {steps} steps under the {cap['cap']} cap", "",
+               _md(largest_headers(axis, steps, cap["cap"]), largest_rows(largest, axis)), "",
+               largest_summary(largest, cap["cap"], axis) + ".", ""]
     if cap:
         peak = ("cap peak: the cgroup's peak (RSS + page cache)" if cap.get("enforced")
                 else "cap peak: the process tree's sampled RSS (not enforced)")

@@ -108,16 +108,17 @@ def _print_results(console, results: list[ConfigResult], matrix: Matrix, configs
     """The pair table, the phase and cap tables, the largest model per engine, every regression."""
     from memascend.regress.output import (
         CAP_HEADERS,
-        LARGEST_HEADERS,
         PHASE_HEADERS,
         SPEED_HEADERS,
         cap_rows,
+        largest_headers,
         largest_rows,
         largest_summary,
         largest_under_cap,
         phase_rows,
         rich_plain_table,
         rich_table,
+        search_axis,
         speed_rows,
     )
 
@@ -133,9 +134,10 @@ def _print_results(console, results: list[ConfigResult], matrix: Matrix, configs
     if cap_meta and matrix.capped_search:
         largest = largest_under_cap(results)
         steps = max(c.steps for c in configs)
-        console.print(rich_plain_table([h.format(steps=steps, cap=cap_meta["cap"]) for h in LARGEST_HEADERS],
-                                       largest_rows(largest), "largest model per engine"))
-        console.print(f"[bold]{largest_summary(largest, cap_meta['cap'])}[/bold]"
+        axis = search_axis(results)
+        console.print(rich_plain_table(largest_headers(axis, steps, cap_meta["cap"]), largest_rows(largest, axis),
+                                       "longest sequence per engine" if axis == "seq_len" else "largest model per engine"))
+        console.print(f"[bold]{largest_summary(largest, cap_meta['cap'], axis)}[/bold]"
                       + ("" if cap_meta["enforced"] else " [yellow](cap NOT enforced: uncapped peaks)[/yellow]"))
     for r in results:
         for c in r.checks:

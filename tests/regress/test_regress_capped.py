@@ -1,4 +1,4 @@
-"""``memascend regress --memory-cap``: the capped largest-model search (matrix ``scaling``).
+"""``memascend regress --memory-cap``: the capped searches (matrices ``scaling`` and ``context``).
 
 The decision logic runs on synthetic outcomes (which engine fit, which was OOM-killed); the last two
 tests run the real thing: llama-tiny trained by both engines under a cgroup cap it fits and one it
@@ -98,6 +98,28 @@ def test_search_stops_each_engine_at_its_first_oom_and_reports_the_largest_side_
     assert "| stock (`--engine baseline`) | llama-0.5b | 0.45 B |" in md
     assert "llama-1b: OOM-killed under the 16 GiB cap (cgroup peak 16 GiB) after 5 s" in md
     assert "enforced by cgroup-v1" in md
+
+
+def test_the_context_search_reports_the_longest_sequence_per_engine(tmp_path, monkeypatch):
+    calls = []
+    _fake_capped_runs(monkeypatch, lambda cfg, e: ("oom", 0) if e == "baseline" and cfg.seq_len > 8192
+                      else ("fit", 1.0 + cfg.seq_len / 8192), calls)
+    res = _invoke(tmp_path, "--memory-cap", "16GiB", matrix="context")
+    assert res.exit_code == 0, res.output
+    context = [c.name for c in get_matrix("context").configs]
+    assert [c for c, e in calls if e == "baseline"] == context[:5]
+    assert [c for c, e in calls if e == "memascend"] == context
+    assert ("longest sequence trainable under the 16 GiB cap: baseline 8,192 tokens, memascend 32,768 tokens "
+            "(every size searched fit): memascend trains a 4.0x longer sequence") in " ".join(res.output.split())
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    largest = doc["largest_under_cap"]
+    assert largest["baseline"]["largest"]["seq_len"] == 8192 and largest["baseline"]["stopped_at"]["seq_len"] == 16384
+    assert largest["memascend"]["largest"]["seq_len"] == 32768 and largest["memascend"]["largest"]["step_s"] == 5.0
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "## Longest sequence trainable for 3 steps under the 16 GiB cap" in md
+    assert "| stock (`--engine baseline`) | 8,192 | 0.11 B |" in md
+    assert "16,384: OOM-killed under the 16 GiB cap" in md
+    assert "largest model" not in md.lower()
 
 
 def test_memascend_oom_killed_where_stock_fits_is_a_regression(tmp_path, monkeypatch):
