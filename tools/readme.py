@@ -60,6 +60,7 @@ BLOCKS: dict[str, Callable[[rb.Baselines], str]] = {
     "chunking-table": rc.chunking_table,
     "chunking-notes": rc.chunking_notes,
     "caps-plan-notes": rc.caps_plan_notes,
+    "context-table": rc.context_table,
     "frameworks-table": rf.frameworks_table,
     "frameworks-notes": rf.frameworks_notes,
     "speed-table": rs.speed_table,

@@ -176,3 +176,48 @@ def caps_plan_notes(b: Baselines) -> str:
     worst_locked = max(abs(r["locked"][2]) for r in rows) * 100
     return (f"Planned against measured peak RSS / locked memory, memascend's {len(rows)} runs of the 4 GiB search: "
             f"{cells} (worst {worst_rss:.1f} % RSS, {worst_locked:.1f} % locked; target 15 %).")
+
+
+CONTEXT_CAPS = ("3g", "8g")
+"""Cap folders under ``context/`` (``memascend regress --matrix context --memory-cap``), ascending."""
+
+
+def _context_cell(r: ConfigResult, engine: str) -> str:
+    run = r.runs.get(engine) or {}
+    metrics = getattr(r, engine)
+    status = run.get("status")
+    if status == "ok" and metrics is not None:
+        return f"fit: {gib(metrics.peak_rss_bytes)} GiB, {metrics.median_step_s:.0f} s/step"
+    if status == "capped":
+        return "OOM-killed" + (f" after {run['wall_s']:.0f} s" if run.get("wall_s") else "")
+    if status == "skipped":
+        return "not run (a shorter length was OOM-killed)"
+    return status or "-"
+
+
+def context_table(b: Baselines) -> str:
+    """Per cap of the ``context`` search: every length each engine ran (peak RSS, median s/step, or
+    the OOM kill), the losses where both fit, and the longest sequence per engine."""
+    from memascend.regress.output import largest_summary, largest_under_cap
+
+    out = []
+    for cap in CONTEXT_CAPS:
+        rel = f"context/{cap}/results.json"
+        if not (b.root / rel).is_file():
+            continue
+        doc, results = b.json(rel), b.results(rel)
+        rows = []
+        for r in results:
+            both = r.baseline is not None and r.memascend is not None
+            rows.append([f"{r.config.seq_len:,}", _context_cell(r, "baseline"), _context_cell(r, "memascend"),
+                         ("bit-identical" if r.check("losses").ok else "different") if both else "-"])
+        out += [f"Under {doc['memory_cap']['cap']} ({cap_word(doc)}; {max(r.config.steps for r in results)} steps):", "",
+                _md(["tokens per sequence", "stock", "memascend", "losses"], rows).rstrip("\n"), "",
+                largest_summary(largest_under_cap(results), doc["memory_cap"]["cap"], "seq_len") + ".", ""]
+    return "\n".join(out)
+
+
+def cap_word(doc: dict) -> str:
+    """How a results file's cap was held: ``cgroup-v1 hard limit`` or ``not enforced``."""
+    cap = doc["memory_cap"]
+    return f"{cap['mechanism']} hard limit" if cap.get("enforced") else "not enforced: sampled peaks"
