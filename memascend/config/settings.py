@@ -66,6 +66,10 @@ class MemAscendSettings:
         enable_fused_overflow_check: replace stage 3's ``has_overflow`` full-buffer
             ``isinf``/``isnan`` masks and ``_has_inf_or_nan`` with the fused, allocation-free check
             (``memascend.ops.overflow_check``).
+        enable_exact_grad_norm: take stage 3's per-parameter fp64 gradient norm of a CPU gradient
+            from 16 Ki-element pieces instead of an fp64 copy of the partition, bit-identical
+            (:mod:`memascend.integrations.deepspeed.exact_norm`; stock's copy where its self-check
+            fails).
         param_prefetch_slots: slot budget the parameter prefetcher may use; ``None`` means the
             config's ``offload_param.buffer_count`` (the stock prefetch schedule).
         optimizer_sub_group_numel: elements per optimizer sub-group written into
@@ -258,6 +262,7 @@ class MemAscendSettings:
     enable_optimizer_pool: bool = True
     enable_arena_pinning: bool = True
     enable_fused_overflow_check: bool = True
+    enable_exact_grad_norm: bool = True
     param_prefetch_slots: int | None = None
     optimizer_sub_group_numel: int | Literal["auto"] | None = "auto"
     grad_norm_sub_group_numel: int | None = None

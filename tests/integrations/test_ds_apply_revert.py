@@ -43,6 +43,7 @@ def _seam_objects():
         "stage3.has_overflow": (S3, "has_overflow"),
         "stage3._has_inf_or_nan": (S3, "_has_inf_or_nan"),
         "stage3._get_norm_groups": (S3, "_get_norm_groups"),
+        "stage3._constant_buffered_norm2": (S3, "_constant_buffered_norm2"),  # enable_exact_grad_norm
         "stage3.__init__": (S3, "__init__"),
         "stage3._post_step": (S3, "_post_step"),
         "stage3.partition_grads": (S3, "partition_grads"),
@@ -205,7 +206,7 @@ def _only(**on) -> ma_ds.MemAscendSettings:
     off = dict.fromkeys(("enable_param_pool", "enable_optimizer_pool", "enable_arena_pinning",
                          "enable_fused_overflow_check", "enable_malloc_policy", "enable_grad_buffer_release",
                          "fix_unaligned_gradient_io", "fix_exact_resume", "enable_host_block_cache",
-                         "enable_grad_streaming", "enable_step_overlap"), False)
+                         "enable_grad_streaming", "enable_step_overlap", "enable_exact_grad_norm"), False)
     return ma_ds.MemAscendSettings(**{**off, **on})
 
 
@@ -225,6 +226,10 @@ def test_each_flag_patches_only_its_seams():
     ma_ds.apply(_only(grad_norm_sub_group_numel=1 << 20))
     during = _snapshot()
     assert {k for k in before if during[k] is not before[k]} == {"stage3._get_norm_groups", INIT}
+    ma_ds.revert()
+    ma_ds.apply(_only(enable_exact_grad_norm=True))
+    during = _snapshot()
+    assert {k for k in before if during[k] is not before[k]} == {"stage3._constant_buffered_norm2", INIT}
     ma_ds.revert()
     ma_ds.apply(_only(enable_malloc_policy=True))
     during = _snapshot()

@@ -9,13 +9,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memascend.integrations.deepspeed import grad_norm, step_memory
+from memascend.integrations.deepspeed import exact_norm, grad_norm, step_memory
 from memascend.integrations.deepspeed.accounting import (
     gradient_transients,
     memory_breakdown,
     peak_sample,
     step_transient_bytes,
 )
+from memascend.integrations.deepspeed.exact_norm import make_constant_buffered_norm2, transient_bytes
 from memascend.integrations.deepspeed.optimizer_swapper import OnDemandSwapBufferManager
 from memascend.integrations.deepspeed.single_rank_reduce import make_reduce_scatter_coalesced
 from memascend.memory import host_allocator
@@ -192,19 +193,28 @@ def test_gradient_transients_norm_copy_and_reduce_path(monkeypatch):
     opt = S(fp16_groups=[[part(10), part(300_000_000)], [part(7)]], dp_process_group=None)
     # stock's reduce-scatter: the norm's fp64 piece (the CPU has fp64) is capped at 250e6 elements;
     # up to two bucket copies
-    assert gradient_transients(opt, 64) == {"grad_norm_copy_bytes": 8 * 250_000_000,
+    assert gradient_transients(opt, 64) == {"grad_norm_copy_bytes": 8 * 250_000_000, "grad_norm_path": "stock_copy",
                                             "single_rank_reduce": False, "reduce_copy_bytes": 128}
+    # exact_norm patched in (self-check passed): its piece buffer instead of the copy
+    monkeypatch.setattr(stage3.DeepSpeedZeroOptimizer_Stage3, "_constant_buffered_norm2",
+                        make_constant_buffered_norm2(stage3.DeepSpeedZeroOptimizer_Stage3._constant_buffered_norm2))
+    assert gradient_transients(opt, 64)["grad_norm_path"] == "exact_chunked"
+    assert gradient_transients(opt, 64)["grad_norm_copy_bytes"] == transient_bytes(250_000_000) == 8 * (16384 + 4)
+    monkeypatch.setattr(exact_norm, "_check_result", False)  # self-check failed: stock's copy
+    assert gradient_transients(opt, 64)["grad_norm_path"] == "stock_copy"
+    assert gradient_transients(opt, 64)["grad_norm_copy_bytes"] == 8 * 250_000_000
+    monkeypatch.undo()
     opt.fp16_groups = [[part(1000)]]
     assert gradient_transients(opt, 64)["grad_norm_copy_bytes"] == 8000
-    assert gradient_transients(None, 64) == {"grad_norm_copy_bytes": 0, "single_rank_reduce": False,
-                                             "reduce_copy_bytes": 0}
+    assert gradient_transients(None, 64) == {"grad_norm_copy_bytes": 0, "grad_norm_path": "stock_copy",
+                                             "single_rank_reduce": False, "reduce_copy_bytes": 0}
     # the single-rank path in force on a one-rank group: no copies
     monkeypatch.setattr(stage3, "reduce_scatter_coalesced",
                         make_reduce_scatter_coalesced(stage3.reduce_scatter_coalesced, lambda group: 1))
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
-    assert gradient_transients(opt, 64) == {"grad_norm_copy_bytes": 8000, "single_rank_reduce": True,
-                                            "reduce_copy_bytes": 0}
+    assert gradient_transients(opt, 64) == {"grad_norm_copy_bytes": 8000, "grad_norm_path": "stock_copy",
+                                            "single_rank_reduce": True, "reduce_copy_bytes": 0}
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     assert gradient_transients(opt, 64)["reduce_copy_bytes"] == 128
 

@@ -13,6 +13,7 @@ import json
 
 import pytest
 
+from memascend.integrations.deepspeed.exact_norm import transient_bytes
 from tests.conftest import finetune_report
 
 pytest.importorskip("deepspeed")
@@ -45,7 +46,9 @@ def test_no_gradient_buffer_and_stock_losses(streamed, baseline_losses_hex):
     assert grads["swap_files"]["stored_dtype"] == "float32" and grads["swap_files"]["files_16bit"] == 0
     # one rank: each bucket's reduce-scatter is its gradients themselves, the losses still stock's
     assert grads["single_rank_reduce"] is True and grads["reduce_copy_bytes"] == 0
-    assert grads["grad_norm_copy_bytes"] == 8 * streamed["model"]["largest_param_numel"]  # fp64 norm on the CPU
+    # fp64 norm on the CPU from exact_norm's piece buffer, no copy of the partition
+    assert grads["grad_norm_path"] == "exact_chunked"
+    assert grads["grad_norm_copy_bytes"] == transient_bytes(streamed["model"]["largest_param_numel"])
     assert streamed["losses_hex"] == baseline_losses_hex
 
 

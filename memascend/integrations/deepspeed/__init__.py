@@ -55,6 +55,9 @@ What each flag patches (DeepSpeed 0.19.8 names):
   ``._has_inf_or_nan``.
 * ``grad_norm_sub_group_numel`` (set): ``DeepSpeedZeroOptimizer_Stage3._get_norm_groups`` computes
   the per-group norms over the stock sub-groups (:mod:`.grad_norm`).
+* ``enable_exact_grad_norm``: ``DeepSpeedZeroOptimizer_Stage3._constant_buffered_norm2`` takes a CPU gradient's fp64
+  norm in 16 Ki-element pieces instead of an fp64 copy of it, bit-identical (:mod:`.exact_norm`;
+  stock's computation where its self-check fails).
 * ``enable_malloc_policy``, ``enable_grad_buffer_release``, ``enable_optimizer_pool``:
   glibc ``mallopt`` thresholds when applied (:mod:`memascend.memory.host_allocator`; restored by
   :func:`revert`),
@@ -347,6 +350,14 @@ def _patch_grad_norm(settings: MemAscendSettings) -> None:
                     make_get_norm_groups(stage3._get_norm_groups, settings.grad_norm_sub_group_numel))
 
 
+def _patch_exact_norm(settings: MemAscendSettings) -> None:
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as stage3
+
+    from memascend.integrations.deepspeed.exact_norm import make_constant_buffered_norm2
+
+    _registry.patch(stage3, "_constant_buffered_norm2", make_constant_buffered_norm2(stage3._constant_buffered_norm2))
+
+
 def _set_malloc_policy(settings: MemAscendSettings) -> None:
     global _malloc_before
     from memascend.memory import host_allocator
@@ -508,6 +519,7 @@ _FLAG_GROUPS: tuple[tuple[Callable[[MemAscendSettings], bool], Callable[[MemAsce
     (lambda s: s.enable_optimizer_pool, _patch_optimizer_pool),
     (lambda s: s.enable_arena_pinning, _patch_arena_pinning),
     (lambda s: s.grad_norm_sub_group_numel is not None, _patch_grad_norm),
+    (lambda s: s.enable_exact_grad_norm, _patch_exact_norm),
     (lambda s: s.enable_malloc_policy, _set_malloc_policy),
     (lambda s: s.enable_malloc_policy or s.enable_host_block_cache or s.enable_activation_swap, _patch_engine_forward),
     (lambda s: s.enable_grad_streaming, _patch_grad_stream),

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from memascend.integrations.deepspeed import exact_norm
+
 
 def _nbytes(tensor: Any) -> int:
     return 0 if tensor is None else int(tensor.numel()) * int(tensor.element_size())
@@ -142,19 +144,35 @@ def gradient_transients(optimizer: Any, bucket_bytes: int) -> dict[str, Any]:
         bucket_bytes: bytes of the reduce bucket (:func:`memory_breakdown`'s ``reduce_buckets``).
 
     Returns:
-        ``grad_norm_copy_bytes``: the largest copy stage 3's per-parameter gradient norm
-        (``_constant_buffered_norm2``: ``part.to(get_norm_dtype()).norm(2)``) makes at the
-        accumulation boundary: the largest partition, at most :data:`NORM_BUFFER_NUMEL` elements,
-        in the norm dtype (fp64 wherever the accelerator has it, the CPU included: 8 bytes per
-        element); ``single_rank_reduce``: whether the bucket's reduce-scatter over one rank returns
+        ``grad_norm_copy_bytes``: the most stage 3's per-parameter gradient norm
+        (``_constant_buffered_norm2``) holds at the accumulation boundary for the largest
+        partition: stock's ``part.to(get_norm_dtype()).norm(2)`` copies the partition, at most
+        :data:`NORM_BUFFER_NUMEL` elements, into the norm dtype (fp64 wherever the accelerator has
+        it, the CPU included: 8 bytes per element); with :mod:`.exact_norm` patched in and its
+        self-check passed, its fp64 piece buffer (:func:`.exact_norm.transient_bytes`);
+        ``grad_norm_path``: ``"exact_chunked"`` or ``"stock_copy"`` (:func:`.exact_norm.norm_path`;
+        ``"stock_copy"`` where the patch is not in place or the self-check failed);
+        ``single_rank_reduce``: whether the bucket's reduce-scatter over one rank returns
         the gradients themselves (:mod:`.single_rank_reduce`); ``reduce_copy_bytes``: the most the
         reduce-scatter copies a bucket into (stock's flat ``torch.cat`` of a bucket of several
         gradients and the backend's own temporary: twice the bucket), 0 on the single-rank path.
     """
     numels = [int(p.partition_numel()) for group in (getattr(optimizer, "fp16_groups", None) or []) for p in group]
     single = _single_rank_reduce(optimizer)
-    return {"grad_norm_copy_bytes": _norm_dtype_bytes() * min(max(numels, default=0), NORM_BUFFER_NUMEL),
+    largest = min(max(numels, default=0), NORM_BUFFER_NUMEL)
+    path = _grad_norm_path()
+    copy_bytes = exact_norm.transient_bytes(largest) if path == "exact_chunked" else _norm_dtype_bytes() * largest
+    return {"grad_norm_copy_bytes": copy_bytes, "grad_norm_path": path,
             "single_rank_reduce": single, "reduce_copy_bytes": 0 if single or optimizer is None else 2 * bucket_bytes}
+
+
+def _grad_norm_path() -> str:
+    from deepspeed.runtime.zero import stage3
+
+    patched = getattr(stage3.DeepSpeedZeroOptimizer_Stage3._constant_buffered_norm2, "__wrapped__", None) is not None
+    if patched and _norm_dtype_bytes() == 8 and exact_norm.self_check():
+        return "exact_chunked"
+    return "stock_copy"
 
 
 def _norm_dtype_bytes() -> int:
