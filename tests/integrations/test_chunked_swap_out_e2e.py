@@ -43,6 +43,11 @@ def _check(report: dict, backend: str, baseline_losses_hex: list[str]) -> None:
     assert locked["optimizer_chunk_buffers_bytes"] > 0  # the step ran in chunks
     # Gradients and the fp32 write-out went through one chunk, not through the largest partition.
     assert locked["optimizer_window_bytes"] == CHUNK_NUMEL * 4 < EMBEDDING_NUMEL * 4 / 40
+    # initialize_optimizer_states skipped its value-preserving round trips (chunked_step
+    # make_initialize_optimizer_states): no buffer of the largest sub-group was ever handed out.
+    # The manager's locked peak is then the window alone.
+    assert locked["optimizer_swap_buffers"] == 0
+    assert locked["optimizer_swap_buffers_bytes"] == locked["optimizer_window_bytes"]
 
 
 @pytest.fixture(scope="module")
