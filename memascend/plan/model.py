@@ -537,10 +537,12 @@ def _ran_with_swap_window(locked: dict) -> bool:
 
 def _ran_with_lean_init(locked: dict) -> bool:
     """Whether a report's chunked run skipped ``initialize_optimizer_states``' round trips
-    (``chunked_step.make_initialize_optimizer_states``): its on-demand manager then never handed out a
-    buffer of the largest sub-group (``optimizer_swap_buffers`` 0); every chunked run before took
-    one there (1). Absent (no on-demand manager): as before."""
-    return "optimizer_chunk_buffers_bytes" in locked and locked.get("optimizer_swap_buffers", 1) == 0
+    (``chunked_step.make_initialize_optimizer_states``): its on-demand manager's locked peak
+    (``optimizer_swap_buffers_bytes``) is then the chunk window alone (``optimizer_window_bytes``);
+    every chunked run before locked a buffer of the largest sub-group on top of it there. Reports
+    without the window's key: as before."""
+    return ("optimizer_chunk_buffers_bytes" in locked and "optimizer_window_bytes" in locked
+            and locked.get("optimizer_swap_buffers_bytes", 0) <= locked["optimizer_window_bytes"])
 
 
 def _ran_with_writeback_released(locked: dict) -> bool:
