@@ -28,9 +28,12 @@ MODEL_SIZED_SETTINGS = ("optimizer_sub_group_numel", "reduce_bucket_numel", "par
 """The :class:`MemAscendSettings` that live in DeepSpeed's own config and may be ``"auto"``:
 :func:`prepare_ds_config` sizes them from the model's parameters."""
 
-PARAM_DRAM_AUTO_MAX_BYTES = 1024**3
+PARAM_DRAM_AUTO_MAX_BYTES = 512 * 1024**2
 """``param_dram_numel="auto"``: largest total of one rank's parameter partitions (bytes) whose DRAM
-copy is kept; above it every partition lives on NVMe only (``max_in_cpu`` 0)."""
+copy is kept; above it every partition lives on NVMe only (``max_in_cpu`` 0). 512 MiB: the default
+job's SmolLM2-135M (257 MiB of bf16) and llama-0.1b (216 MiB) keep their copy, and with it their
+speed; from llama-0.5b (862 MiB) up the copy, 2 bytes per parameter, would be the largest term of
+the peak (``host_memory_budget`` can buy it back)."""
 
 AUTO_CHUNK_NUMEL = 8 << 20
 """The largest ``optimizer_chunk_numel="auto"`` chunk, and the one taken where the model is not

@@ -289,10 +289,17 @@ def _add_host_baseline(add, cfg: RunConfig, dims: ModelDims, ma: bool, settings,
 
 
 def _add_param_offload(add, cfg: RunConfig, dims: ModelDims, z: dict, e: int, w: int, part: int, sub: int,
-                       ma: bool, settings) -> None:
+                       ma: bool, settings, lean_init: bool = True, writeback_released: bool = True) -> None:
     """The parameter side of ``offload_param``: swap slab or pool, the DRAM copy, the write-back buffer
     (``part``: elements per rank of the parameters the optimizer holds, whose flat copy and write-back
-    stage 3 keeps)."""
+    stage 3 keeps).
+
+    The write-back buffer (the largest sub-group's 16-bit partitions, locked): stock's and runs
+    from before ``writeback_released`` hold it from construction on; memascend's pooled swapper holds it
+    only while written (``step_memory.release_param_writeback_buffer``): the initial write-out in
+    ``initialize_optimizer_states``, which the chunked step's lean initialization skips
+    (``lean_init``, ``chunked_step.make_initialize_optimizer_states``), and a step that swaps whole
+    sub-groups (the chunked step writes through its own staging)."""
     op = z.get("offload_param", {})
     if op.get("device") == "nvme":
         max_in_cpu = int(op.get("max_in_cpu", ds_defaults.MAX_IN_CPU_NUMEL))
@@ -326,7 +333,15 @@ def _add_param_offload(add, cfg: RunConfig, dims: ModelDims, z: dict, e: int, w:
         add("fp16 flat param memory (max_in_cpu)", in_cpu * e, False, "_create_param_groups_fp16_flat_cpu_memory")
         if part > max_in_cpu:
             wb_numel = sub if ma and settings.enable_param_pool else min(dims.total_numel, sub * w)
-            add("param write-back buffer", _aligned(wb_numel, e) * e, True, "reserve_partitioned_swap_space")
+            wb_bytes = _aligned(wb_numel, e) * e
+            if not (ma and settings.enable_param_pool and writeback_released):
+                add("param write-back buffer", wb_bytes, True, "reserve_partitioned_swap_space")
+            else:
+                chunked = _step_chunk_numel(z, sub, ma, settings) is not None
+                phases = ([] if chunked and lean_init else ["initialize"]) + ([] if chunked else ["step"])
+                for phase in phases:
+                    add("param write-back buffer (held while written)", wb_bytes, True,
+                        "PooledParamSwapper._ensure_partitioned_swap_space", phase)
     elif op.get("device") == "cpu":
         add("params in CPU memory", math.ceil(dims.total_numel / w) * e, False, "offload_param device cpu")
 
@@ -395,7 +410,7 @@ def _host_block_cache_in_step(comps: list[Component]) -> list[Component]:
 
 
 def plan_engine(cfg: RunConfig, dims: ModelDims, run: ResolvedRun, world_size: int,
-                chunk_window: bool = True) -> EnginePlan:
+                chunk_window: bool = True, lean_init: bool = True, writeback_released: bool = True) -> EnginePlan:
     """Predict the host memory of ``cfg``'s engine (components summed over ``world_size`` ranks).
 
     Args:
@@ -406,6 +421,11 @@ def plan_engine(cfg: RunConfig, dims: ModelDims, run: ResolvedRun, world_size: i
         chunk_window: ``False`` plans a chunked run from before the chunk-sized swap window
             (:mod:`~memascend.integrations.deepspeed.chunked_swap_out`): two buffers of the largest
             sub-group stream gradients and the fp32 write-out.
+        lean_init: with the chunked step, ``initialize_optimizer_states`` takes no buffer of the
+            largest sub-group and writes no 16-bit partition
+            (``chunked_step.make_initialize_optimizer_states``); ``False`` plans a run from before it.
+        writeback_released: memascend's parameter write-back buffer is held only while written;
+            ``False`` plans a run from before that (held from construction on).
     """
     settings = run.settings
     ma = cfg.engine == "memascend"
@@ -432,7 +452,7 @@ def plan_engine(cfg: RunConfig, dims: ModelDims, run: ResolvedRun, world_size: i
     # gradient bucket) hands freed memory back; stock's glibc heap keeps it (GLIBC_MMAP_THRESHOLD_MAX_BYTES).
     trimmed = ma and settings.enable_malloc_policy
     _add_host_baseline(add, cfg, dims, ma, settings, trimmed)
-    _add_param_offload(add, cfg, dims, z, e, w, opt_part, sub, ma, settings)
+    _add_param_offload(add, cfg, dims, z, e, w, opt_part, sub, ma, settings, lean_init, writeback_released)
     _add_gradients(add, cfg, dims, z, e, w, opt_part, release_grads)
     placement = plan_placement(cfg, dims, run.ds_config, settings, w)
     swapping = oo.get("device") == "nvme" and placement.optimizer_kept_groups < placement.optimizer_groups
@@ -444,7 +464,7 @@ def plan_engine(cfg: RunConfig, dims: ModelDims, run: ResolvedRun, world_size: i
     opt_sub = sub
     if swapping and placement.optimizer_kept_groups and ma and settings.enable_optimizer_pool:
         opt_sub = max(sum(g) for g in swapped_groups)  # the on-demand buffers fit the largest one still swapped
-    _add_optimizer(add, z, opt_part, opt_sub, ma, settings, chunk_window, swapping)
+    _add_optimizer(add, z, opt_part, opt_sub, ma, settings, chunk_window, swapping, lean_init)
     if swapping and getattr(settings, "fix_unaligned_gradient_io", False) \
             and _step_chunk_numel(z, opt_sub, ma, settings) is None:  # chunked: read through its own slab
         slab = _bounce_slab_numel(swapped_groups, _swap_align_bytes(cfg.offload.nvme_path))
@@ -462,7 +482,8 @@ def plan_engine(cfg: RunConfig, dims: ModelDims, run: ResolvedRun, world_size: i
 
 def plan_run(cfg: RunConfig, world_size: int = 1, dims: ModelDims | None = None,
              memascend_settings: dict | None = None, user_ds_config: dict | None = None,
-             chunk_window: bool = True) -> dict[str, EnginePlan]:
+             chunk_window: bool = True, lean_init: bool = True,
+             writeback_released: bool = True) -> dict[str, EnginePlan]:
     """Predict both engines for ``cfg`` on ``world_size`` ranks of one host.
 
     Each engine is planned from its own :func:`memascend.config.render.resolve` (the baseline's config
@@ -474,6 +495,7 @@ def plan_run(cfg: RunConfig, world_size: int = 1, dims: ModelDims | None = None,
         user_ds_config: the user's DeepSpeed JSON itself, in place of ``cfg``'s (its section
             becomes the settings unless ``memascend_settings`` is given).
         chunk_window: as :func:`plan_engine` (``False``: a run from before the chunk-sized window).
+        lean_init, writeback_released: as :func:`plan_engine` (``False``: a run from before them).
 
     Raises:
         UserError: a bad ``"memascend"`` section or contradicting settings.
@@ -492,7 +514,7 @@ def plan_run(cfg: RunConfig, world_size: int = 1, dims: ModelDims | None = None,
     for engine in ("baseline", "memascend"):
         engine_cfg = dataclasses.replace(cfg, engine=engine)
         plans[engine] = plan_engine(engine_cfg, dims, resolve(engine_cfg, shape, world_size), world_size,
-                                    chunk_window)
+                                    chunk_window, lean_init, writeback_released)
     return plans
 
 
@@ -511,6 +533,23 @@ def _ran_with_swap_window(locked: dict) -> bool:
     if "optimizer_window_bytes" in locked:
         return True
     return "optimizer_chunk_buffers_bytes" in locked and locked.get("optimizer_swap_buffers") == 1
+
+
+def _ran_with_lean_init(locked: dict) -> bool:
+    """Whether a report's chunked run skipped ``initialize_optimizer_states``' round trips
+    (``chunked_step.make_initialize_optimizer_states``): its on-demand manager's locked peak
+    (``optimizer_swap_buffers_bytes``) is then the chunk window alone (``optimizer_window_bytes``);
+    every chunked run before locked a buffer of the largest sub-group on top of it there. Reports
+    without the window's key: as before."""
+    return ("optimizer_chunk_buffers_bytes" in locked and "optimizer_window_bytes" in locked
+            and locked.get("optimizer_swap_buffers_bytes", 0) <= locked["optimizer_window_bytes"])
+
+
+def _ran_with_writeback_released(locked: dict) -> bool:
+    """Whether a report's run held the parameter write-back buffer only while written: those reports
+    record ``param_writeback_buffer_held_bytes`` (what was held at the end); older ones held it
+    from construction on."""
+    return "param_writeback_buffer_held_bytes" in locked
 
 
 def plan_for_report(report: dict) -> EnginePlan:
@@ -533,9 +572,11 @@ def plan_for_report(report: dict) -> EnginePlan:
         settings = {"param_pool_bytes": None, **settings}
         settings = {"enable_grad_streaming": False, **settings}  # from before it: the gradient buffer
         settings = {"enable_16bit_gradient_swap": False, **settings}  # from before it: fp32 gradient files
-    window = _ran_with_swap_window(report.get("memory_breakdown", {}).get("locked", {}))
+    locked = report.get("memory_breakdown", {}).get("locked", {})
     return plan_run(cfg, world_size=int(report["host"]["world_size"]), memascend_settings=settings,
-                    user_ds_config=report.get("user_deepspeed_config"), chunk_window=window)[report["engine"]]
+                    user_ds_config=report.get("user_deepspeed_config"), chunk_window=_ran_with_swap_window(locked),
+                    lean_init=_ran_with_lean_init(locked),
+                    writeback_released=_ran_with_writeback_released(locked))[report["engine"]]
 
 
 def plan_presets(cfg: RunConfig, world_size: int = 1) -> list[tuple[str, int, dict[str, EnginePlan]]]:

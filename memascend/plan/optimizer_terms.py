@@ -116,12 +116,13 @@ def _add_chunked_step(add, chunk: int, released: bool, read_ahead: bool = True) 
         "calibrated (MEMASCEND_STEP_TEMP_BYTES_PER_SUB_GROUP_NUMEL), per chunk", "step")
 
 
-def _add_swap_window(add, settings, sub: int, released: bool) -> None:
+def _add_swap_window(add, settings, sub: int, released: bool, lean_init: bool = True) -> None:
     """:mod:`~memascend.integrations.deepspeed.chunked_swap_out`: one locked window of at most a chunk
     streams the initial fp32 write-out and the gradients out; stage 3's ``initialize_optimizer_states``
     still swaps each sub-group's master weights in whole, into one buffer of the largest sub-group.
     Released: the window exists at construction and in backward, the buffer at construction; kept:
-    both resident."""
+    both resident. ``lean_init``: ``initialize_optimizer_states`` skips that swap-in
+    (``chunked_step.make_initialize_optimizer_states``), no buffer of the largest sub-group."""
     from memascend.config.sizing import resolve_chunk_numel
     from memascend.integrations.deepspeed.chunk_plan import window_numel
 
@@ -129,12 +130,14 @@ def _add_swap_window(add, settings, sub: int, released: bool) -> None:
     for phase in ("initialize", "backward") if released else ("resident",):
         add(f"optimizer swap window streaming the fp32 write-out and gradients out (1 x {window:,} fp32)",
             window * _FP32, True, "chunked_swap_out (OnDemandSwapBufferManager.allocate_window)", phase)
+    if lean_init:
+        return
     add(f"optimizer swap buffer of the initial state swap-in (1 x {sub:,} fp32)", _aligned(sub, _FP32) * _FP32,
         True, "stage3 initialize_optimizer_states (swap_in_optimizer_state)", "initialize" if released else "resident")
 
 
 def _add_optimizer(add, z: dict, part: int, sub: int, ma: bool, settings, chunk_window: bool = True,
-                   swapping: bool = True) -> None:
+                   swapping: bool = True, lean_init: bool = True) -> None:
     """The optimizer side of ``offload_optimizer`` and the step's temporaries (``chunk_window``:
     with the chunked step, gradients and the fp32 write-out stream through a chunk-sized window;
     ``False`` for runs from before it; ``swapping`` ``False``: every sub-group is kept in DRAM
@@ -150,7 +153,7 @@ def _add_optimizer(add, z: dict, part: int, sub: int, ma: bool, settings, chunk_
         for what, source, phase in (("the fp32 write-out", "initialize_parameters", "initialize"),
                                     ("gradients out", "swap_out_gradients", "backward")):
             if chunk_window and settings.enable_optimizer_pool:
-                _add_swap_window(add, settings, sub, released)
+                _add_swap_window(add, settings, sub, released, lean_init)
                 break
             add(f"optimizer swap buffers streaming {what} ({STAGING_BUFFERS_IN_USE} x {sub:,} fp32)", staging, True,
                 f"OnDemandSwapBufferManager.allocate_all ({source})", phase if released else "resident")

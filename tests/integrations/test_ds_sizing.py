@@ -57,11 +57,14 @@ def _nvme_config(dtype: str = "bf16", **offload_param) -> dict:
 
 @pytest.mark.parametrize(("dtype", "param_numel", "world_size", "expected"), [
     ("bf16", 1_004_000_000, 1, 0),       # llama-1b: 1.87 GiB of bf16 partitions
-    ("bf16", 452_000_000, 1, None),      # llama-0.5b: 0.84 GiB, the copy is kept
-    ("bf16", 135_000_000, 1, None),      # SmolLM2-135M
+    ("bf16", 452_000_000, 1, 0),         # llama-0.5b: 862 MiB of bf16 partitions
+    ("bf16", 268_000_000, 1, None),      # 511 MiB, the copy is kept
+    ("bf16", 135_000_000, 1, None),      # SmolLM2-135M: 257 MiB
+    ("bf16", 113_000_000, 1, None),      # llama-0.1b: 216 MiB
     ("fp32", 300_000_000, 1, 0),         # 1.12 GiB of fp32
-    ("bf16", 1_004_000_000, 2, None),    # 0.94 GiB per rank
-    ("bf16", 1_200_000_000, 2, 0),       # 1.12 GiB per rank
+    ("fp32", 130_000_000, 1, None),      # 496 MiB of fp32
+    ("bf16", 520_000_000, 2, None),      # 496 MiB per rank
+    ("bf16", 1_004_000_000, 2, 0),       # 957 MiB per rank
 ])
 def test_auto_param_dram_drops_the_copy_of_a_large_model_only(dtype, param_numel, world_size, expected):
     numels = [param_numel // 4] * 4

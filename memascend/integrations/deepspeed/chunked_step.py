@@ -36,8 +36,10 @@ Eligible: a sub-group that ``PartitionedOptimizerSwapper`` swaps (not the pipeli
 ZenFlow or a torch autocast grad scaler; any other sub-group takes the stock path.
 
 Replaces (``MemAscendSettings.optimizer_chunk_numel`` set): the five
-``DeepSpeedZeroOptimizer_Stage3`` methods named above; each keeps stock's behaviour for a sub-group
-that is not chunked.
+``DeepSpeedZeroOptimizer_Stage3`` methods named above, each keeping stock's behaviour for a sub-group
+that is not chunked, and ``initialize_optimizer_states``, which skips its value-preserving round
+trips when every sub-group is chunked and Adam holds no state yet
+(:func:`make_initialize_optimizer_states`).
 """
 
 from __future__ import annotations
@@ -599,6 +601,65 @@ def make_release_sub_group(originals: dict[str, Any], settings: MemAscendSetting
     return _release_sub_group
 
 
+_WIDENS_EXACTLY = {torch.bfloat16, torch.float16, torch.float32}
+"""16-bit (or fp32) parameter dtypes whose values the fp32 master weights hold exactly."""
+
+
+def lean_init_eligible(opt: Any) -> bool:
+    """Whether ``initialize_optimizer_states`` of stage-3 optimizer ``opt`` may skip its round trips.
+
+    Every sub-group is stepped in chunks (:func:`eligible`), holds no optimizer state yet
+    (``DeepSpeedCPUAdam`` creates ``exp_avg``/``exp_avg_sq`` at its first step; Adagrad, which
+    creates state at construction, is not eligible), and the 16-bit parameters widen exactly to
+    the fp32 master weights, which ``_create_fp32_partitions`` built from them.
+    """
+    groups = getattr(opt, "fp32_partitioned_groups_flat", None) or []
+    if not groups or getattr(opt, "dtype", None) not in _WIDENS_EXACTLY:
+        return False
+    state = getattr(opt.optimizer, "state", {})
+    return all(eligible(opt, i) and not state.get(fp32) for i, fp32 in enumerate(groups))
+
+
+def make_initialize_optimizer_states(originals: dict[str, Any], settings: MemAscendSettings) -> Any:
+    """``initialize_optimizer_states`` (DeepSpeed 0.19.8 ``DeepSpeedZeroOptimizer_Stage3``) without
+    its per-sub-group round trips where they move no value (:func:`lean_init_eligible`, and the
+    chunked step on: ``optimizer_chunk_numel`` set).
+
+    Stock, for each swapped sub-group, locks ``states + 1`` buffers of the largest sub-group
+    (``swap_in_optimizer_state``: with no state yet, one fp32 buffer, read from the file
+    ``initialize_parameters`` has just written), hangs a zero-filled fp32 gradient of the largest
+    sub-group on it, writes the fp32 values back to the 16-bit parameters' swap files through the
+    parameter swapper's write-back buffer (``_partitioned_params_swap_out``: the largest sub-group's
+    16-bit partitions, locked) or into their DRAM partitions, and writes the fp32 buffer back to
+    its file (``swap_out_optimizer_state``), dropping the gradient. With Adam's lazy state every
+    one of these writes stores the bytes already there: the fp32 master weights are the 16-bit
+    partitions widened (``_create_fp32_partitions`` -> ``_swap_in_sub_group_to_flat_buffer``), and
+    narrowing them back is exact. Skipping them leaves the same files, the same DRAM partitions, the
+    same statuses (``NOT_AVAILABLE`` for swapped partitions, fp32 tensors empty with no ``.grad``)
+    and removes, at llama-1b, the optimizer's largest-sub-group buffer (416 MiB locked), the
+    parameter write-back buffer (192 MiB locked) and the zeroed gradient (416 MiB) from
+    ``deepspeed.initialize``. Any other optimizer takes stock's method.
+    """
+    original = originals["initialize_optimizer_states"]
+
+    @functools.wraps(original)
+    def initialize_optimizer_states(self):
+        if _chunked(self, settings) is None or not lean_init_eligible(self):
+            return original(self)
+        from deepspeed.runtime.zero.stage3 import INIT_OPTIMIZER_TIMER
+
+        self.optimizer_swapper.init_timers()
+        self.timers(INIT_OPTIMIZER_TIMER).start()
+        for fp32 in self.fp32_partitioned_groups_flat:
+            fp32.grad = None  # what stock's swap-out leaves
+        self.timers(INIT_OPTIMIZER_TIMER).stop()
+        self.timers.log({INIT_OPTIMIZER_TIMER})
+        self.optimizer_swapper.log_timers()
+        return None
+
+    return initialize_optimizer_states
+
+
 #: (stage-3 method, factory) pairs patched by :func:`patch` (the package's ``_patch_chunked_step``).
 PATCHED_METHODS = (
     ("_prepare_sub_group", make_prepare_sub_group),
@@ -606,6 +667,7 @@ PATCHED_METHODS = (
     ("_optimizer_step", make_optimizer_step),
     ("_reassign_or_swap_out_partitioned_parameters", make_reassign_or_swap_out),
     ("_release_sub_group", make_release_sub_group),
+    ("initialize_optimizer_states", make_initialize_optimizer_states),
 )
 
 
