@@ -167,10 +167,14 @@ def gradient_transients(optimizer: Any, bucket_bytes: int) -> dict[str, Any]:
 
 
 def _grad_norm_path() -> str:
+    """``"exact_chunked"`` where the patched norm takes its exact path (the gradients it is given are
+    on the CPU: the accelerator is the CPU; the norm dtype is fp64; the self-check passed), else
+    ``"stock_copy"`` (on a GPU the patch hands the device's gradients to stock's method)."""
+    from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.zero import stage3
 
     patched = getattr(stage3.DeepSpeedZeroOptimizer_Stage3._constant_buffered_norm2, "__wrapped__", None) is not None
-    if patched and _norm_dtype_bytes() == 8 and exact_norm.self_check():
+    if patched and get_accelerator().device_name() == "cpu" and _norm_dtype_bytes() == 8 and exact_norm.self_check():
         return "exact_chunked"
     return "stock_copy"
 

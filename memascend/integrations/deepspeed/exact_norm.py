@@ -22,7 +22,7 @@ fixed vectors (every tail length, a wide exponent spread, zeros, subnormals, inf
 bf16 and fp16, 1 and the process's torch threads) once per process, before the first use; on any
 difference in a bit the patch calls stock's computation for the rest of the run.
 :func:`norm_path` says which ran (``report.json`` ``memory_breakdown.gradient_buffers
-.reduce_buckets.grad_norm_path``).
+.grad_norm_path``).
 """
 
 from __future__ import annotations
