@@ -451,10 +451,14 @@ def plan_engine(cfg: RunConfig, dims: ModelDims, run: ResolvedRun, world_size: i
     # memascend's malloc policy (fixed 4 MiB mmap threshold, trims after every step and before each
     # gradient bucket) hands freed memory back; stock's glibc heap keeps it (GLIBC_MMAP_THRESHOLD_MAX_BYTES).
     trimmed = ma and settings.enable_malloc_policy
+    placement = plan_placement(cfg, dims, run.ds_config, settings, w)
+    # The lean initialization needs every sub-group swapped by the optimizer swapper
+    # (chunked_step.lean_init_eligible); with sub-groups kept in DRAM, or the optimizer not on NVMe,
+    # stock's initialize_optimizer_states runs.
+    lean_init = lean_init and oo.get("device") == "nvme" and not placement.optimizer_kept_groups
     _add_host_baseline(add, cfg, dims, ma, settings, trimmed)
     _add_param_offload(add, cfg, dims, z, e, w, opt_part, sub, ma, settings, lean_init, writeback_released)
     _add_gradients(add, cfg, dims, z, e, w, opt_part, release_grads)
-    placement = plan_placement(cfg, dims, run.ds_config, settings, w)
     swapping = oo.get("device") == "nvme" and placement.optimizer_kept_groups < placement.optimizer_groups
     if oo.get("device") == "nvme" and placement.optimizer_kept_numel:
         add(f"optimizer sub-groups kept in DRAM ({placement.optimizer_kept_groups} of {placement.optimizer_groups}: "
