@@ -172,10 +172,10 @@ def largest_summary(largest: dict[str, dict], cap: str, axis: str = "model") -> 
     ratio = ""
     if b and m and b[size] and m[size]:
         x = m[size] / b[size]
-        bigger, noun = ("longer", "sequence") if axis == "seq_len" else ("larger", "model")
+        most, bigger, smaller, noun = (("longest", "longer", "SHORTER", "sequence") if axis == "seq_len" else
+                                       ("largest", "larger", "SMALLER", "model"))
         ratio = (f": memascend trains a {x:.1f}x {bigger} {noun}" if x > 1 else
-                 f": the same {noun}" if x == 1 else f": memascend's {what.split()[0]} is {1 / x:.1f}x SHORTER"
-                 if axis == "seq_len" else f": memascend's largest is {1 / x:.1f}x SMALLER")
+                 f": the same {noun}" if x == 1 else f": memascend's {most} is {1 / x:.1f}x {smaller}")
     return f"{what} trainable under the {cap} cap: " + ", ".join(parts) + ratio
 
 
@@ -192,10 +192,10 @@ def largest_headers(axis: str, steps: int, cap: str) -> list[str]:
 
 def largest_rows(largest: dict[str, dict], axis: str = "model") -> list[list[str]]:
     rows = []
+    name = (lambda x: f"{x['seq_len']:,}") if axis == "seq_len" else (lambda x: x["model"])
     for engine, e in largest.items():
         lg, st = e["largest"], e["stopped_at"]
         label = "stock (`--engine baseline`)" if engine == "baseline" else "memascend"
-        name = (lambda x: f"{x['seq_len']:,}") if axis == "seq_len" else (lambda x: x["model"])
         nxt = (f"{name(st)}: {st['outcome']}" + (f" after {st['wall_s']:.0f} s" if st.get("wall_s") else "") if st else
                (f"- (every {'length' if axis == 'seq_len' else 'model'} searched fit)" if e["fit_all"] else "-"))
         time_s = (lg.get("step_s") if axis == "seq_len" else lg.get("wall_s")) if lg else None
