@@ -71,6 +71,7 @@ from dataclasses import dataclass
 
 from memascend.config import RunConfig, ds_defaults
 from memascend.config.render import (
+    OPTIMIZER_NVME_BYTES_PER_PARAM,
     ModelShape,
     ResolvedRun,
     nvme_swap_bytes,
@@ -98,7 +99,7 @@ from memascend.plan.optimizer_terms import (
     _sub_groups,
     _swap_align_bytes,
 )
-from memascend.plan.placement import Placement, plan_placement
+from memascend.plan.placement import Placement, _gradients_stored_16bit, plan_placement
 from memascend.plan.shapes import (
     ModelDims,
     activation_parts,
@@ -409,6 +410,27 @@ def _host_block_cache_in_step(comps: list[Component]) -> list[Component]:
                       "host_cache (freed blocks keep their pages; the step's temporaries reuse them)", "step")]
 
 
+def _swap_folder_bytes(cfg: RunConfig, dims: ModelDims, placement: Placement, settings: object | None, e: int,
+                       w: int, param_on_nvme: bool, optimizer_on_nvme: bool, opt_numel: int) -> int:
+    """Bytes of the files a run keeps on its swap target, all ranks (report.json ``nvme.swap_folder_bytes``).
+
+    The 16-bit parameters (:func:`memascend.config.render.nvme_swap_bytes`), and per element of the
+    optimizer sub-groups the swapper swaps (``placement.optimizer_nvme_numel``: neither those kept in
+    DRAM by ``optimizer_dram_numel`` nor those too small to swap) the fp32 master weights, two Adam
+    moments and the gradient file: fp32, or the 16-bit dtype where the streamed gradients are stored
+    so (:func:`memascend.plan.placement._gradients_stored_16bit`, ``grad_store.decide``).
+    """
+    if not optimizer_on_nvme:
+        return nvme_swap_bytes(dims.total_numel, e, param_on_nvme, False)
+    grad_file_bytes = _FP32
+    if settings is not None and getattr(settings, "enable_grad_streaming", False) \
+            and _gradients_stored_16bit(cfg, settings):
+        grad_file_bytes = e
+    per_numel = OPTIMIZER_NVME_BYTES_PER_PARAM - _FP32 + grad_file_bytes
+    swapped_numel = min(opt_numel, placement.optimizer_nvme_numel * w)
+    return nvme_swap_bytes(dims.total_numel, e, param_on_nvme, False) + swapped_numel * per_numel
+
+
 def plan_engine(cfg: RunConfig, dims: ModelDims, run: ResolvedRun, world_size: int,
                 chunk_window: bool = True, lean_init: bool = True, writeback_released: bool = True) -> EnginePlan:
     """Predict the host memory of ``cfg``'s engine (components summed over ``world_size`` ranks).
@@ -478,8 +500,8 @@ def plan_engine(cfg: RunConfig, dims: ModelDims, run: ResolvedRun, world_size: i
                           activation_dram_bytes=getattr(settings, "activation_dram_bytes", None))
     if ma and getattr(settings, "enable_host_block_cache", False):
         comps.extend(_host_block_cache_in_step(comps))
-    nvme = nvme_swap_bytes(dims.total_numel, e, op.get("device") == "nvme", oo.get("device") == "nvme",
-                           opt_numel)
+    nvme = _swap_folder_bytes(cfg, dims, placement, settings if ma else None, e, w, op.get("device") == "nvme",
+                              oo.get("device") == "nvme", opt_numel)
     return EnginePlan(cfg.engine, tuple(sorted(comps, key=lambda c: -c.bytes)), nvme,
                       run.nvme_bytes_per_rank, run.upfront_locked_bytes, placement)
 

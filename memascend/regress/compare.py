@@ -55,7 +55,7 @@ class RunMetrics:
         median_step_s: median step time, first step excluded.
         tokens_per_s: median tokens per second (all ranks).
         nvme_read_bytes / nvme_write_bytes: bytes through the process's I/O counters during training.
-        swap_folder_bytes: size of the swap folder after the first step.
+        swap_folder_bytes: the swap folder's largest size (report.json ``nvme.swap_folder_bytes``).
         losses: per-step mean loss over ranks.
         param_numel: model parameters.
         param_dtype: dtype of the parameter partitions DeepSpeed trained (``bfloat16`` ...).

@@ -388,6 +388,8 @@ class FinetuneRecipe:
             for step in range(self.start_step, self.steps):
                 self._after_step(step, self.train_step(step), bar)
             step_overlap.join_all()  # the last step's sub-groups, where they run beside the forward
+            if self.raw_store is None:
+                self._sample_swap_folder()  # the last optimizer step's files are complete now
         finally:
             step_overlap.join_all(raise_errors=False)
             bar.close()
@@ -469,6 +471,15 @@ class FinetuneRecipe:
             phase_cpu["sys"][name] += cpu1.system - cpu0.system
         return float(loss.detach().float())
 
+    def _sample_swap_folder(self) -> None:
+        """Keep the largest allocated size of the swap folder (:func:`folder_bytes`) seen so far in
+        :attr:`peak_swap_bytes`. Sampled after every step and once the last step's optimizer step has
+        finished: with the step beside the next forward (:mod:`~memascend.integrations.deepspeed.step_overlap`)
+        a step's optimizer files are only written during the following step, so the folder after the
+        first step alone misses the optimizer states the lean initialization never wrote."""
+        if self.swap_dir is not None:
+            self.peak_swap_bytes = max(self.peak_swap_bytes, folder_bytes(self.swap_dir))
+
     def _after_step(self, step: int, record: StepRecord, bar) -> None:
         every = self.cfg.train.eval_every
         if every and record.step % every == 0 and math.isfinite(record.loss):
@@ -478,8 +489,8 @@ class FinetuneRecipe:
             self.run_log.step(record.to_dict())
         if self.raw_store is not None:
             self.raw_store.sample_usage()
-        elif self.swap_dir is not None and step == self.start_step:
-            self.peak_swap_bytes = folder_bytes(self.swap_dir)
+        else:
+            self._sample_swap_folder()
         bar.set_postfix(loss=f"{record.loss:.4f}", tok_s=f"{record.tokens_per_s:.0f}",
                         rss=f"{record.rss_bytes / 2**30:.2f}GiB")
         bar.update(1)

@@ -234,7 +234,8 @@ class ReportInputs:
             raw-store target).
         memory_breakdown: :func:`memascend.integrations.deepspeed.accounting.memory_breakdown`.
         io_read_bytes, io_write_bytes: this process's block I/O during the training loop.
-        swap_folder_bytes: the swap folder's size after the first step (0 without one).
+        swap_folder_bytes: the swap folder's largest allocated size, sampled after every step and after
+            the last optimizer step finished (0 without one).
         nvme_backend: ``raw_store``, ``folder`` or ``None`` (no NVMe).
         store_report, store_ranks: the raw store's report, and every rank's (``None``: no store).
         seeding: what seeded the RNGs (:func:`memascend.train.determinism.seed_training`).

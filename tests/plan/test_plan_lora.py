@@ -26,8 +26,10 @@ def test_frozen_parameters_have_no_optimizer_terms():
         names = " ".join(c.name for c in lora[engine].components)
         assert "vocabulary projection weight gradient" not in names
         assert lora[engine].peak_rss_bytes < full[engine].peak_rss_bytes
-        # NVMe: every 16-bit parameter, the optimizer state of the adapters only (16 bytes each)
-        assert lora[engine].nvme_bytes == dims.total_numel * 2 + 4_884_480 * 16
+        # NVMe: every 16-bit parameter, the optimizer state of the adapters only: 16 bytes each, 14
+        # where memascend writes their gradient files in bf16
+        per_adapter_bytes = 16 if engine == "baseline" else 14
+        assert lora[engine].nvme_bytes == dims.total_numel * 2 + 4_884_480 * per_adapter_bytes
     # within 15 % of the measured peaks (GiB)
     for engine, rss_gib, locked_gib in (("baseline", 3.60, 1.02), ("memascend", 2.09, 0.0775)):
         assert abs(lora[engine].peak_rss_bytes / 2**30 / rss_gib - 1) < 0.15, engine
