@@ -362,6 +362,11 @@ def _add_gradients(add, cfg: RunConfig, dims: ModelDims, z: dict, e: int, w: int
     if z.get("contiguous_gradients", ds_defaults.CONTIGUOUS_GRADIENTS):
         add(f"reduce bucket ({min(bucket_numel, grads_numel):,} of {bucket_numel:,} elements touched)",
             min(bucket_numel, grads_numel) * e, False, "DeepSpeedZeroOptimizer_Stage3 ipg_buckets (reduce_bucket_size)")
+    elif w > 1:
+        # No buffer: a bucket's whole gradients wait for their reduce themselves, beside the
+        # partitions the reduce-scatter makes (on one rank those are views of them).
+        add("gradients waiting for their reduce (one bucket, no bucket buffer)", min(bucket_numel, grads_numel) * e,
+            False, "DeepSpeedZeroOptimizer_Stage3 __add_grad_to_ipg_bucket (contiguous_gradients false)", "backward")
     if release_grads == "stream":
         # grad_stream: no whole-partition buffer; the reduced bucket's partitions go to the swapper's
         # pinned buffers as they are (converted by its copy), and accumulating, the fp32 regions

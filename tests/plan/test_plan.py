@@ -316,6 +316,8 @@ def test_per_rank_costs_are_duplicated_and_gathered_parameters_appear_on_two_ran
         # memascend runs without the reduce bucket buffer (enable_bucketless_reduce)
         per_rank = ("framework baseline", "corpus and token blocks") + (("reduce bucket",) if engine == "baseline" else ())
         assert any(n.startswith("reduce bucket") for n in by_name) is (engine == "baseline")
+        # without the buffer, two ranks hold a bucket's whole gradients beside their partitions
+        assert any(n.startswith("gradients waiting") for n in by_name2) is (engine == "memascend")
         for name in per_rank:
             key = next(n for n in by_name if n.startswith(name))
             key2 = next(n for n in by_name2 if n.startswith(name))
