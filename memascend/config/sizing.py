@@ -318,6 +318,12 @@ def auto_reduce_bucket_numel(param_numels: Iterable[int], config_numel: int, buc
     the end of backward, is not joined by a bucket of the largest parameter's size of layer
     gradients. Each at most ``config_numel`` (the config's ``reduce_bucket_size``), at least 1.
 
+    Measured on llama-1b (bf16, 256 tokens, activation checkpointing, parameters and optimizer on
+    NVMe, 3 steps; its peak is at the end of the first backward): peak RSS 1,526 MiB with the buffer
+    and the largest parameter (100.7 M elements), 1,526 MiB without the buffer at that bucket size
+    (the layer gradients waiting beside the embedding's take the buffer's place), 1,334 MiB without
+    it at the largest layer parameter (11.5 M) and 1,334 MiB at 4 Mi elements; losses identical.
+
     Args:
         param_numels: elements of every parameter (tied weights once), in registration order.
         config_numel: the config's ``reduce_bucket_size`` (elements).
