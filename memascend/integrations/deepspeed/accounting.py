@@ -175,7 +175,7 @@ def _bucket_bytes_without_buffer(optimizer: Any, params: Sequence[Any]) -> int:
     elements (at most every gradient's) or the largest gradient where that is larger (reduced in a
     bucket of its own), in the widest communication dtype of its ``ipg_buckets``; 0 without
     parameters."""
-    numels = [int(getattr(p, "ds_numel", p.numel())) for p in params]
+    numels = [int(p.ds_numel) if hasattr(p, "ds_numel") else int(p.numel()) for p in params]
     if optimizer is None or not numels:
         return 0
     bucket_numel = max(min(int(getattr(optimizer, "reduce_bucket_size", 0)), sum(numels)), max(numels))
