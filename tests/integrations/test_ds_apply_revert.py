@@ -4,7 +4,6 @@ it was; settings load from a DeepSpeed config."""
 from __future__ import annotations
 
 import dataclasses
-
 import json
 
 import pytest
