@@ -21,7 +21,7 @@ class DsDefault:
     """One DeepSpeed default.
 
     Attributes:
-        value: the value (elements, bytes or a count, as the key says).
+        value: the value (elements, bytes or a count, as the key says; a switch is a ``bool``).
         source: where DeepSpeed 0.19.8 sets it: ``module:Class.field`` (a pydantic config field's
             default) or ``module:NAME`` (a module constant).
     """
@@ -41,6 +41,9 @@ DS_DEFAULTS: Mapping[str, DsDefault] = MappingProxyType({
     "zero_optimization.stage3_max_live_parameters": DsDefault(1_000_000_000, f"{_ZERO}.max_live_parameters"),
     "zero_optimization.stage3_max_reuse_distance": DsDefault(1_000_000_000, f"{_ZERO}.max_reuse_distance"),
     "zero_optimization.stage3_prefetch_bucket_size": DsDefault(50_000_000, f"{_ZERO}.prefetch_bucket_size"),
+    # ZeRO stage 3 switches (1: on)
+    "zero_optimization.contiguous_gradients": DsDefault(True, f"{_ZERO}.contiguous_gradients"),
+    "zero_optimization.reduce_scatter": DsDefault(True, f"{_ZERO}.reduce_scatter"),
     # parameter and optimizer offload (counts; elements)
     "zero_optimization.offload_param.buffer_count": DsDefault(5, f"{_OFFLOAD}:DeepSpeedZeroOffloadParamConfig.buffer_count"),
     "zero_optimization.offload_param.buffer_size": DsDefault(100_000_000,
@@ -89,6 +92,12 @@ MAX_REUSE_DISTANCE_NUMEL = ds_default("zero_optimization.stage3_max_reuse_distan
 """``zero_optimization.stage3_max_reuse_distance`` (elements)."""
 PREFETCH_BUCKET_NUMEL = ds_default("zero_optimization.stage3_prefetch_bucket_size")
 """``zero_optimization.stage3_prefetch_bucket_size`` (elements; 0 turns stage 3's prefetch off)."""
+CONTIGUOUS_GRADIENTS = bool(ds_default("zero_optimization.contiguous_gradients"))
+"""``zero_optimization.contiguous_gradients``: stage 3 copies each gradient into its reduce (IPG) bucket
+buffer of ``reduce_bucket_size`` elements."""
+REDUCE_SCATTER = bool(ds_default("zero_optimization.reduce_scatter"))
+"""``zero_optimization.reduce_scatter``: stage 3 reduces a bucket parameter by parameter
+(``__avg_scatter_grads``), never from the bucket buffer."""
 PARAM_BUFFER_COUNT = ds_default("zero_optimization.offload_param.buffer_count")
 """``offload_param.buffer_count``: the parameter swapper's locked buffers."""
 PARAM_BUFFER_SIZE_NUMEL = ds_default("zero_optimization.offload_param.buffer_size")

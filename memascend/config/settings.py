@@ -164,7 +164,25 @@ class MemAscendSettings:
             first hands freed activation memory back
             (:mod:`memascend.integrations.deepspeed.step_memory`). Gradient values do not depend
             on the bucketing (each parameter is reduced on its own with
-            ``reduce_scatter``, the default). ``None``: keep the config's.
+            ``reduce_scatter``, the default). ``None``: keep the config's. With
+            ``enable_bucketless_reduce`` in effect there is no bucket buffer and the size is only
+            how many gradient elements stage 3 lets wait for their reduce: ``"auto"`` is then the
+            largest parameter of the model's repeated layers
+            (:func:`memascend.config.sizing.auto_reduce_bucket_numel`; the embedding is reduced in
+            a bucket of its own), so fewer gradients wait beside the embedding's at the end of
+            backward.
+        enable_bucketless_reduce: ``zero_optimization.contiguous_gradients`` false (written by
+            :func:`memascend.config.sizing.rewrite_ds_config`) where stage 3 reduces with
+            ``reduce_scatter`` (the default) and the DeepSpeed JSON does not set
+            ``contiguous_gradients`` itself (the user's value stands). Stock 0.19.8 then allocates
+            no reduce (IPG) bucket buffer (``_setup_for_real_optimizer``: ``reduce_bucket_size``
+            elements of the communication dtype, 2 bytes each in bf16/fp16) and copies no gradient
+            into it (``__add_grad_to_ipg_bucket``); with ``reduce_scatter`` its
+            ``__reduce_and_partition_ipg_grads`` reduces the gradients themselves
+            (``__avg_scatter_grads``) and never reads the buffer, so the gradients are bit-identical.
+            Resolved by :func:`memascend.config.sizing.prepare_ds_config` to whether stage 3 runs
+            without the buffer (report.json ``memory_breakdown.gradient_buffers.reduce_buckets``:
+            ``allocated_bytes`` 0).
         enable_torch_thp: torch's CPU allocator (c10 ``alloc_cpu``) advises ``MADV_HUGEPAGE`` on
             every host tensor of 2 MiB or more (``THP_MEM_ALLOC_ENABLE=1``),
             so memory handed back between phases is faulted in again one 2 MiB page at a time
@@ -281,6 +299,7 @@ class MemAscendSettings:
     enable_grad_buffer_release: bool = True
     enable_optimizer_buffer_release: bool = True
     reduce_bucket_numel: int | Literal["auto"] | None = "auto"
+    enable_bucketless_reduce: bool = True
     enable_torch_thp: bool = True
     enable_host_block_cache: bool = True
     enable_grad_streaming: bool = True

@@ -19,7 +19,8 @@ Unlocked:
   * ``grad_partitions_flat_buffer``: the whole gradient partition in the gradient-accumulation dtype;
   * the reduce (IPG) bucket: ``reduce_bucket_size`` elements of the gradient dtype allocated on every
     rank, of which the whole, unpartitioned gradients touch ``min(bucket, total_numel)`` (per rank,
-    not divided by the rank count; stock's 5e8-element bucket in fp32 is 4 bytes/param);
+    not divided by the rank count; stock's 5e8-element bucket in fp32 is 4 bytes/param); none with
+    ``contiguous_gradients`` false (memascend's ``enable_bucketless_reduce``);
   * the optimizer step's fp32 gradient of the largest sub-group (and stock's overflow check);
   * optimizer sub-groups kept in DRAM (``optimizer_dram_numel``): fp32 master weights, two moments
     and gradient, 16 bytes per element for the whole run; once every sub-group is kept, no optimizer
@@ -355,11 +356,18 @@ def _add_gradients(add, cfg: RunConfig, dims: ModelDims, z: dict, e: int, w: int
     # every rank, but gradients are copied into it whole and unpartitioned, so only the first
     # ``min(bucket, total_numel)`` elements' pages are ever written (report.json
     # ``memory_breakdown.gradient_buffers.reduce_buckets.resident_at_end_bytes``).
+    # With ``contiguous_gradients`` false (memascend's enable_bucketless_reduce) there is no buffer.
     bucket_numel = int(z.get("reduce_bucket_size", ds_defaults.REDUCE_BUCKET_NUMEL))
     # frozen parameters (LoRA) have no gradient
     grads_numel = dims.total_numel if dims.trainable_numels is None else sum(dims.trainable_numels)
-    add(f"reduce bucket ({min(bucket_numel, grads_numel):,} of {bucket_numel:,} elements touched)",
-        min(bucket_numel, grads_numel) * e, False, "DeepSpeedZeroOptimizer_Stage3 ipg_buckets (reduce_bucket_size)")
+    if z.get("contiguous_gradients", ds_defaults.CONTIGUOUS_GRADIENTS):
+        add(f"reduce bucket ({min(bucket_numel, grads_numel):,} of {bucket_numel:,} elements touched)",
+            min(bucket_numel, grads_numel) * e, False, "DeepSpeedZeroOptimizer_Stage3 ipg_buckets (reduce_bucket_size)")
+    elif w > 1:
+        # No buffer: a bucket's whole gradients wait for their reduce themselves, beside the
+        # partitions the reduce-scatter makes (on one rank those are views of them).
+        add("gradients waiting for their reduce (one bucket, no bucket buffer)", min(bucket_numel, grads_numel) * e,
+            False, "DeepSpeedZeroOptimizer_Stage3 __add_grad_to_ipg_bucket (contiguous_gradients false)", "backward")
     if release_grads == "stream":
         # grad_stream: no whole-partition buffer; the reduced bucket's partitions go to the swapper's
         # pinned buffers as they are (converted by its copy), and accumulating, the fp32 regions
@@ -598,6 +606,7 @@ def plan_for_report(report: dict) -> EnginePlan:
         settings = {"param_pool_bytes": None, **settings}
         settings = {"enable_grad_streaming": False, **settings}  # from before it: the gradient buffer
         settings = {"enable_16bit_gradient_swap": False, **settings}  # from before it: fp32 gradient files
+        settings = {"enable_bucketless_reduce": False, **settings}  # from before it: the bucket buffer
     locked = report.get("memory_breakdown", {}).get("locked", {})
     return plan_run(cfg, world_size=int(report["host"]["world_size"]), memascend_settings=settings,
                     user_ds_config=report.get("user_deepspeed_config"), chunk_window=_ran_with_swap_window(locked),

@@ -3,6 +3,7 @@ it was; settings load from a DeepSpeed config."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -346,10 +347,13 @@ def test_bad_config_files_are_user_errors(tmp_path):
 def test_rewrite_ds_config_sets_sub_group_size_without_mutating_input():
     cfg = {"zero_optimization": {"stage": 3, "sub_group_size": 10**9}}
     out = ma_ds.rewrite_ds_config(cfg, ma_ds.MemAscendSettings(optimizer_sub_group_numel=1 << 20))
-    assert out["zero_optimization"] == {"stage": 3, "sub_group_size": 1 << 20}
-    assert cfg["zero_optimization"]["sub_group_size"] == 10**9
+    # enable_bucketless_reduce (default on): no IPG bucket buffer
+    assert out["zero_optimization"] == {"stage": 3, "sub_group_size": 1 << 20, "contiguous_gradients": False}
+    assert cfg["zero_optimization"] == {"stage": 3, "sub_group_size": 10**9}
     # "auto" needs the model's shapes (prepare_ds_config); without them the config is kept.
-    assert ma_ds.rewrite_ds_config(cfg, ma_ds.MemAscendSettings()) == cfg
+    kept = ma_ds.rewrite_ds_config(cfg, ma_ds.MemAscendSettings())
+    assert kept == {"zero_optimization": {**cfg["zero_optimization"], "contiguous_gradients": False}}
+    assert ma_ds.rewrite_ds_config(cfg, ma_ds.MemAscendSettings(enable_bucketless_reduce=False)) == cfg
 
 
 def test_rewrite_ds_config_moves_nvme_params_out_of_dram_only_when_offloaded_to_nvme():
@@ -357,9 +361,10 @@ def test_rewrite_ds_config_moves_nvme_params_out_of_dram_only_when_offloaded_to_
     out = ma_ds.rewrite_ds_config(nvme, ma_ds.MemAscendSettings(param_dram_numel=0))
     assert out["zero_optimization"]["offload_param"] == {"device": "nvme", "nvme_path": "/x", "max_in_cpu": 0}
     assert "max_in_cpu" not in nvme["zero_optimization"]["offload_param"]
-    assert ma_ds.rewrite_ds_config(nvme, ma_ds.MemAscendSettings()) == nvme  # default: keep the config's
+    keep = ma_ds.MemAscendSettings(enable_bucketless_reduce=False)
+    assert ma_ds.rewrite_ds_config(nvme, keep) == nvme  # default: keep the config's
     cpu = {"zero_optimization": {"offload_param": {"device": "cpu"}}}
-    assert ma_ds.rewrite_ds_config(cpu, ma_ds.MemAscendSettings(param_dram_numel=0)) == cpu
+    assert ma_ds.rewrite_ds_config(cpu, dataclasses.replace(keep, param_dram_numel=0)) == cpu
 
 
 def test_prepare_ds_config_resolves_auto_sub_group_and_stock_norm_grouping():

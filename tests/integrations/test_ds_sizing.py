@@ -12,8 +12,11 @@ from memascend.config.sizing import (
     auto_chunked_sub_group_numel,
     auto_param_dram_numel,
     auto_param_pool_bytes,
+    auto_reduce_bucket_numel,
     auto_sub_group_numel,
+    bucketless_reduce_applies,
     largest_layer_numel,
+    largest_layer_param_numel,
     layer_param_count,
     prepare_ds_config,
     stock_sub_groups,
@@ -186,3 +189,49 @@ def test_the_optimizer_sizes_come_from_the_trainable_parameters_only():
     assert lora.param_pool_bytes == full.param_pool_bytes and lora.param_dram_numel == full.param_dram_numel
     same = prepare_ds_config(_nvme_config("bf16"), MemAscendSettings(), param_numels=numels, optimizer_numels=numels)
     assert same == (full_ds, full)
+
+
+_LLAMA_1B = [49_152 * 2048] + ([2048 * 2048, 2048 * 512, 2048 * 512, 2048 * 2048, 2048 * 5632, 2048 * 5632,
+                                5632 * 2048, 2048, 2048] * 20) + [2048]
+"""llama-1b's parameters in registration order (tied embedding, 20 layers, final norm)."""
+
+
+def test_bucketless_reduce_turns_contiguous_gradients_off_and_the_bucket_to_a_layer_parameter():
+    """Default settings: no IPG bucket buffer (``contiguous_gradients`` false, reduce-scatter on) and
+    the reduce bucket is the largest layer parameter (the MLP's 2048 x 5632), not the embedding."""
+    ds, resolved = prepare_ds_config(_nvme_config(), MemAscendSettings(), param_numels=_LLAMA_1B)
+    zero = ds["zero_optimization"]
+    assert zero["contiguous_gradients"] is False and resolved.enable_bucketless_reduce is True
+    assert zero["reduce_bucket_size"] == resolved.reduce_bucket_numel == 2048 * 5632
+    assert largest_layer_param_numel(_LLAMA_1B) == 2048 * 5632
+    # without the buffer's copy nothing needs to hold the embedding's gradient whole
+    assert auto_reduce_bucket_numel(_LLAMA_1B, 500_000_000, bucketless=False) == 49_152 * 2048
+    assert auto_reduce_bucket_numel(_LLAMA_1B, 1_000_000, bucketless=True) == 1_000_000  # the config's is smaller
+    assert largest_layer_param_numel([7, 3]) == 7 and largest_layer_param_numel([]) == 0  # nothing repeats
+
+
+@pytest.mark.parametrize(("zero", "bucketless"), [
+    ({"contiguous_gradients": True}, False),          # the user's own value stands
+    ({"contiguous_gradients": False}, True),          # already off: no buffer either way
+    ({"contiguous_gradients": "auto"}, True),
+    ({"reduce_scatter": False}, False),               # stock reduces from the buffer: keep it
+    ({"reduce_scatter": True}, True),
+])
+def test_a_contiguous_gradients_or_reduce_scatter_of_the_users_json_stands(zero, bucketless):
+    config = _nvme_config()
+    config["zero_optimization"].update(zero)
+    ds, resolved = prepare_ds_config(config, MemAscendSettings(), param_numels=_LLAMA_1B)
+    assert bucketless_reduce_applies(config) is bucketless
+    assert resolved.enable_bucketless_reduce is bucketless
+    expected = zero.get("contiguous_gradients", True) if not bucketless else False
+    assert ds["zero_optimization"].get("contiguous_gradients", True) is expected
+    assert ds["zero_optimization"]["reduce_bucket_size"] == (2048 * 5632 if bucketless else 49_152 * 2048)
+    assert prepare_ds_config(ds, resolved, param_numels=_LLAMA_1B) == (ds, resolved)  # idempotent
+
+
+def test_bucketless_reduce_off_keeps_stocks_buffer_and_the_largest_parameter():
+    ds, resolved = prepare_ds_config(_nvme_config(), MemAscendSettings(enable_bucketless_reduce=False),
+                                     param_numels=_LLAMA_1B)
+    assert "contiguous_gradients" not in ds["zero_optimization"] and resolved.enable_bucketless_reduce is False
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 49_152 * 2048
+    assert MemAscendSettings.baseline().enable_bucketless_reduce is False

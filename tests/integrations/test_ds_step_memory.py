@@ -217,6 +217,16 @@ def test_gradient_transients_norm_copy_and_reduce_path(monkeypatch):
                                             "single_rank_reduce": True, "reduce_copy_bytes": 0}
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     assert gradient_transients(opt, 64)["reduce_copy_bytes"] == 128
+    # no bucket buffer (contiguous_gradients false): twice the most one bucket holds, reduce_bucket_size
+    # elements of the communication dtype or the largest gradient (reduced in a bucket of its own)
+    import torch
+
+    grads = [S(partition_numel=lambda: 500, ds_numel=1000), S(partition_numel=lambda: 1500, ds_numel=3000)]
+    bucketless = S(fp16_groups=[grads], dp_process_group=None, reduce_bucket_size=2000,
+                   ipg_buckets={torch.bfloat16: S(buffer=None)})
+    assert gradient_transients(bucketless, 0)["reduce_copy_bytes"] == 2 * 3000 * 2
+    bucketless.reduce_bucket_size = 3500
+    assert gradient_transients(bucketless, 0)["reduce_copy_bytes"] == 2 * 3500 * 2
 
 
 def test_partition_grads_trims_before_stock(monkeypatch):

@@ -42,6 +42,10 @@ def test_no_gradient_buffer_and_stock_losses(streamed, baseline_losses_hex):
     assert streamed["memascend_settings"]["enable_grad_streaming"] is True
     grads = streamed["memory_breakdown"]["gradient_buffers"]
     assert grads["grad_partitions_flat"]["allocated_bytes"] == 0
+    # enable_bucketless_reduce: no reduce (IPG) bucket buffer, no gradient copied into one
+    assert streamed["memascend_settings"]["enable_bucketless_reduce"] is True
+    assert streamed["deepspeed_config"]["zero_optimization"]["contiguous_gradients"] is False
+    assert grads["reduce_buckets"] == {"allocated_bytes": 0, "resident_at_end_bytes": 0}
     # two micro steps add in fp32: the gradient files stay fp32 (grad_store)
     assert grads["swap_files"]["stored_dtype"] == "float32" and grads["swap_files"]["files_16bit"] == 0
     # one rank: each bucket's reduce-scatter is its gradients themselves, the losses still stock's
@@ -50,6 +54,21 @@ def test_no_gradient_buffer_and_stock_losses(streamed, baseline_losses_hex):
     assert grads["grad_norm_path"] == "exact_chunked"
     assert grads["grad_norm_copy_bytes"] == transient_bytes(streamed["model"]["largest_param_numel"])
     assert streamed["losses_hex"] == baseline_losses_hex
+
+
+def test_a_contiguous_gradients_of_the_users_json_keeps_the_bucket_buffer(tmp_path, baseline_losses_hex):
+    """``"contiguous_gradients": true`` in the user's DeepSpeed JSON stands: stage 3 allocates its
+    bucket buffer of ``reduce_bucket_size`` bf16 elements (the largest parameter, since each gradient
+    is copied into it whole) and the losses are the same."""
+    config = tmp_path / "contiguous.json"
+    config.write_text(json.dumps({"zero_optimization": {"contiguous_gradients": True}}))
+    run = _finetune(tmp_path, "contiguous", "--deepspeed-config", str(config))
+    zero = run["deepspeed_config"]["zero_optimization"]
+    assert zero["contiguous_gradients"] is True and run["memascend_settings"]["enable_bucketless_reduce"] is False
+    assert zero["reduce_bucket_size"] == run["model"]["largest_param_numel"]
+    assert run["memory_breakdown"]["gradient_buffers"]["reduce_buckets"]["allocated_bytes"] == \
+        2 * zero["reduce_bucket_size"]
+    assert run["losses_hex"] == baseline_losses_hex
 
 
 @pytest.mark.slow

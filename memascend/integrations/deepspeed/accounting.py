@@ -155,15 +155,32 @@ def gradient_transients(optimizer: Any, bucket_bytes: int) -> dict[str, Any]:
         ``single_rank_reduce``: whether the bucket's reduce-scatter over one rank returns
         the gradients themselves (:mod:`.single_rank_reduce`); ``reduce_copy_bytes``: the most the
         reduce-scatter copies a bucket into (stock's flat ``torch.cat`` of a bucket of several
-        gradients and the backend's own temporary: twice the bucket), 0 on the single-rank path.
+        gradients and the backend's own temporary: twice the bucket; without the bucket buffer,
+        ``bucket_bytes`` 0, twice the most gradient elements one bucket holds,
+        :func:`_bucket_bytes_without_buffer`), 0 on the single-rank path.
     """
-    numels = [int(p.partition_numel()) for group in (getattr(optimizer, "fp16_groups", None) or []) for p in group]
+    params = [p for group in (getattr(optimizer, "fp16_groups", None) or []) for p in group]
+    numels = [int(p.partition_numel()) for p in params]
     single = _single_rank_reduce(optimizer)
     largest = min(max(numels, default=0), NORM_BUFFER_NUMEL)
     path = _grad_norm_path()
     copy_bytes = exact_norm.transient_bytes(largest) if path == "exact_chunked" else _norm_dtype_bytes() * largest
+    reduced_bytes = bucket_bytes or _bucket_bytes_without_buffer(optimizer, params)
     return {"grad_norm_copy_bytes": copy_bytes, "grad_norm_path": path,
-            "single_rank_reduce": single, "reduce_copy_bytes": 0 if single or optimizer is None else 2 * bucket_bytes}
+            "single_rank_reduce": single, "reduce_copy_bytes": 0 if single or optimizer is None else 2 * reduced_bytes}
+
+
+def _bucket_bytes_without_buffer(optimizer: Any, params: Sequence[Any]) -> int:
+    """Bytes of the largest bucket stage 3 reduces without a bucket buffer: ``reduce_bucket_size``
+    elements (at most every gradient's) or the largest gradient where that is larger (reduced in a
+    bucket of its own), in the widest communication dtype of its ``ipg_buckets``; 0 without
+    parameters."""
+    numels = [int(p.ds_numel) if hasattr(p, "ds_numel") else int(p.numel()) for p in params]
+    if optimizer is None or not numels:
+        return 0
+    bucket_numel = max(min(int(getattr(optimizer, "reduce_bucket_size", 0)), sum(numels)), max(numels))
+    dtypes = list((getattr(optimizer, "ipg_buckets", None) or {}).keys()) or [getattr(optimizer, "dtype", torch.float32)]
+    return bucket_numel * max(torch.empty(0, dtype=d).element_size() for d in dtypes)
 
 
 def _grad_norm_path() -> str:
@@ -218,8 +235,9 @@ def memory_breakdown(engine: Any, summary: Mapping[str, Any], samples: Sequence[
         :func:`param_pool_classes`); DRAM buffers of stage 3, each as ``allocated_bytes`` and
         ``resident_at_end_bytes`` (``mincore``: pages never written or released cost no RSS):
         ``gradient_buffers.grad_partitions_flat`` (the flat 16-bit gradient partitions),
-        ``gradient_buffers.reduce_buckets`` (with the transients of reducing one bucket,
-        :func:`gradient_transients`), ``gradient_buffers.swap_files`` (the dtype streamed gradients
+        ``gradient_buffers.reduce_buckets`` (stage 3's reduce (IPG) bucket buffers; 0 bytes where it
+        runs without them, ``contiguous_gradients`` false: ``enable_bucketless_reduce``), with the
+        transients of reducing one bucket (:func:`gradient_transients`), ``gradient_buffers.swap_files`` (the dtype streamed gradients
         are stored in on the swap target and the bytes that saved, :func:`.grad_store.stats`;
         ``None`` where they do not stream) and ``param_dram_copy`` (16-bit partitions kept in DRAM,
         ``offload_param.max_in_cpu``); ``runtime_after_load_bytes`` (RSS when the load phase ended:

@@ -117,8 +117,10 @@ def make_setup_for_real_optimizer(original: Callable[..., Any], stage3_cls: type
                                   store_16bit: bool = False) -> Callable[..., Any]:
     """Replacement for ``DeepSpeedZeroOptimizer_Stage3._setup_for_real_optimizer``.
 
-    Stock's steps in stock's order (fp32 partitions, optimizer states, IPG bucket buffers), but
-    ``grad_partitions_flat_buffer`` is an empty tensor of the accumulation dtype and the
+    Stock's steps in stock's order (fp32 partitions, optimizer states, IPG bucket buffers of
+    ``reduce_bucket_size`` elements per communication dtype only with ``contiguous_gradients``, which
+    ``enable_bucketless_reduce`` turns off: the gradients are then reduced where autograd left them),
+    but ``grad_partitions_flat_buffer`` is an empty tensor of the accumulation dtype and the
     per-parameter view map is empty; not eligible, or a DeepSpeed whose source differs from the
     one mirrored here: ``original``. ``store_16bit``: the gradient files may be written in the
     16-bit dtype where that is exact (:func:`.grad_store.decide`).
