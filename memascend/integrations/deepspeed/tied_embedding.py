@@ -1,0 +1,312 @@
+"""The input embedding of a tied output head returns its gradient as the rows of the tokens used.
+
+A causal LM whose input embedding and output head are one ``nn.Parameter`` (``tie_word_embeddings``)
+ends every backward pass with two vocabulary-sized gradients of it at once: the head's (``vocab x
+hidden``, from ``F.linear``'s backward, held in autograd's input buffer of the parameter) and the
+lookup's, which stock torch 2.x computes with ``aten::embedding_dense_backward``: a zero-filled
+``vocab x hidden`` tensor to which the gradient of every token position is added. Autograd then adds
+the two. The lookup's gradient is zero outside the rows of the micro-batch's tokens.
+
+:func:`install` replaces the ``forward`` of such an embedding (on the instance; ``nn.Module.__call__``
+and with it every forward hook, DeepSpeed ZeRO-3's parameter fetch included, is unchanged) by
+:class:`SparseRowsLookup` where the lookup records gradients on the CPU. Its backward computes the
+same rows with the same kernel on a compacted problem: ``u, inv = torch.unique(ids, sorted=True,
+return_inverse=True)``, ``aten::embedding_dense_backward(grad, inv, len(u), padding_idx's position in
+u or -1, scale_grad_by_freq)``, each row the kernel's sequential sum over the token positions in order,
+as in stock's ``vocab``-row call; it returns them as a coalesced sparse COO tensor, which autograd adds
+into the head's dense gradient (``dense.add_(sparse)``, or ``dense + sparse`` where the dense one is
+not its own): one vocabulary-sized gradient fewer at the end of the backward pass.
+
+Bit-identical to stock, by a post-accumulate-grad hook on the parameter (:func:`_settle_gradient`,
+registered before DeepSpeed's, which reads ``param.grad``) that sees the parameter's gradient once
+``AccumulateGrad`` stored the backward pass's sum (one graph task):
+
+* rows the lookup did not touch hold, in stock, ``x + 0.0`` (the zero of the dense lookup gradient
+  added, wherever in the sum): that differs from ``x`` only for ``x = -0.0`` (and quiets a NaN), so
+  the hook adds ``0.0`` to every row and copies the touched rows back. ``(a + 0) + b`` equals
+  ``(a + b) + 0`` bit for bit in IEEE arithmetic with round to nearest, so adding the zero last
+  gives stock's bits wherever the lookup's gradient arrived in the sum;
+* a backward pass in which only the lookup's rows reach the parameter (the head unused) leaves a
+  sparse ``param.grad``, which the hook makes dense (``to_dense``: zeros and the rows, stock's
+  tensor) before DeepSpeed's hook reads it;
+* a second lookup of the same parameter in one backward pass returns stock's dense gradient (two
+  sparse gradients would be added to each other first, in another order than stock's).
+
+Only where it is safe and helps: an ``nn.Embedding`` (its class's own ``forward``, none on the
+instance), ``sparse=False``, ``max_norm=None``, trainable, whose weight is the weight of an
+``nn.Linear`` of the same model (the output head); no other embedding with ``sparse=True`` shares it,
+and it has no post-accumulate-grad hook yet (the seam installs before ``DeepSpeedEngine.__init__``).
+At call time the lookup falls back to stock's ``forward`` without gradients (evaluation,
+``no_grad``, inference mode), for a weight off the CPU (the CUDA kernel's summation order is not
+checked here), a frozen or replaced weight, or ``max_norm``/``sparse`` set since.
+
+Replaces torch 2.13 ``nn.Embedding.forward`` (``F.embedding``) and, for its gradient,
+``EmbeddingBackward0``'s ``aten::embedding_dense_backward``. :func:`grad_path` says whether it ran
+(``report.json`` ``memory_breakdown.gradient_buffers.tied_embedding_grad``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["SparseRowsLookup", "eligible_embeddings", "grad_path", "install", "make_engine_init", "reset_stats",
+           "stats", "uninstall"]
+
+
+@dataclasses.dataclass
+class _ParamState:
+    """What one tied parameter's lookups and its gradient hook share within a backward pass."""
+
+    param: nn.Parameter
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    task_id: int = -1
+    """Graph task (``torch._C._current_graph_task_id``) whose sparse rows are pending, or -1."""
+    rows: torch.Tensor | None = None
+    """The rows (int64, sorted) of that task's sparse gradient."""
+
+    def claim(self, task_id: int) -> bool:
+        """Whether the lookup running its backward in ``task_id`` may return sparse rows (the first one)."""
+        with self.lock:
+            return self.task_id != task_id
+
+    def record(self, task_id: int, rows: torch.Tensor) -> None:
+        with self.lock:
+            self.task_id, self.rows = task_id, rows
+
+    def take(self, task_id: int) -> torch.Tensor | None:
+        """The rows recorded in ``task_id`` (forgotten then), or ``None``."""
+        with self.lock:
+            if self.task_id != task_id:
+                return None
+            rows, self.task_id, self.rows = self.rows, -1, None
+            return rows
+
+
+_lock = threading.Lock()
+_handles: list[Any] = []
+"""Gradient hooks of the installed parameters (removed by :func:`uninstall`)."""
+_installed: dict[int, _ParamState] = {}
+"""id(module) -> the state of its weight, for the installed embeddings."""
+_stats = {"sparse_backwards": 0, "dense_backwards": 0, "densified": 0}
+
+
+class SparseRowsLookup(torch.autograd.Function):
+    """``F.embedding(ids, weight, padding_idx, scale_grad_by_freq=...)`` whose weight gradient is the
+    rows of the tokens used, as a coalesced sparse COO tensor.
+
+    Forward: ``ids`` (int64 or int32, any shape ``S``, values in ``[0, vocab)``), ``weight`` (``vocab x
+    hidden``, any floating dtype) -> ``S x hidden`` in the weight's dtype, as ``F.embedding``.
+
+    Backward: the weight's gradient as a sparse COO tensor of shape ``vocab x hidden`` in the incoming
+    gradient's dtype, coalesced, its rows the sorted distinct ids (int64) and its values
+    ``aten::embedding_dense_backward`` of the compacted problem (the row of ``padding_idx``, where
+    used, zeros), bit for bit the rows of stock's dense gradient. The second lookup of the same
+    parameter to run its backward in one graph task returns stock's dense gradient instead
+    (``aten::embedding_dense_backward`` over the whole vocabulary).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None,
+                scale_grad_by_freq: bool, state: _ParamState) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.num_weights = int(weight.shape[0])
+        ctx.padding_idx = -1 if padding_idx is None else int(padding_idx)
+        ctx.scale_grad_by_freq = bool(scale_grad_by_freq)
+        ctx.state = state
+        return F.embedding(ids, weight, padding_idx, None, 2.0, scale_grad_by_freq, False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        (ids,) = ctx.saved_tensors
+        state: _ParamState = ctx.state
+        task_id = torch._C._current_graph_task_id()
+        if not state.claim(task_id):  # another lookup's rows are already in this backward pass
+            _count("dense_backwards")
+            dense = torch.ops.aten.embedding_dense_backward(grad, ids, ctx.num_weights, ctx.padding_idx,
+                                                            ctx.scale_grad_by_freq)
+            return None, dense, None, None, None
+        rows, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+        rows = rows.to(torch.int64)
+        padding = -1
+        if ctx.padding_idx >= 0 and rows.numel():
+            at = int(torch.searchsorted(rows, ctx.padding_idx))
+            padding = at if at < rows.numel() and int(rows[at]) == ctx.padding_idx else -1
+        hidden = grad.shape[-1]
+        values = torch.ops.aten.embedding_dense_backward(grad.reshape(-1, hidden), inverse.reshape(-1),
+                                                         rows.numel(), padding, ctx.scale_grad_by_freq)
+        sparse = torch.sparse_coo_tensor(rows.unsqueeze(0), values, (ctx.num_weights, hidden),
+                                         is_coalesced=True, check_invariants=False)
+        state.record(task_id, rows)
+        _count("sparse_backwards")
+        return None, sparse, None, None, None
+
+
+def _count(key: str) -> None:
+    with _lock:
+        _stats[key] += 1
+
+
+def _settle_gradient(state: _ParamState, param: nn.Parameter) -> None:
+    """The tied parameter's post-accumulate-grad hook: stock's bits in ``param.grad`` where this
+    backward pass's sum held the lookup's sparse rows.
+
+    Runs after ``AccumulateGrad`` stored the pass's gradient (the sum stolen, or added into an earlier
+    ``param.grad``) and before DeepSpeed's hook (:func:`install` registers it first). A sparse
+    ``param.grad`` (only the rows reached the parameter, nothing before) becomes dense (``to_dense``:
+    zeros and the rows, stock's ``embedding_dense_backward`` tensor); in a dense one the rows the
+    lookup did not touch get ``+ 0.0``, as stock's zero rows gave them (in place: the tensor is the
+    pass's own sum or ``param.grad``).
+    """
+    rows = state.take(torch._C._current_graph_task_id())
+    grad = param.grad
+    if rows is None or grad is None:
+        return
+    if grad.is_sparse:
+        _count("densified")
+        param.grad = grad.to_dense()
+        return
+    touched = grad.index_select(0, rows)
+    grad.add_(0.0)
+    grad.index_copy_(0, rows, touched)
+
+
+def _plain_forward(module: nn.Module) -> bool:
+    return type(module).forward is nn.Embedding.forward and "forward" not in vars(module)
+
+
+def eligible_embeddings(model: nn.Module) -> list[nn.Embedding]:
+    """The input embeddings of ``model`` whose lookup :func:`install` replaces.
+
+    An ``nn.Embedding`` qualifies where it uses its class's ``forward`` (no subclass override, none on
+    the instance), ``sparse`` is false, ``max_norm`` is ``None``, its weight requires a gradient and
+    is also the ``weight`` of an ``nn.Linear`` (plain ``forward``) of ``model`` -- a tied output head --
+    and no ``sparse=True`` embedding shares it. Each weight counts once (its first such embedding).
+
+    Args:
+        model: any ``torch.nn.Module`` (a ZeRO-3 partitioned one included: identity of the
+            ``Parameter`` objects is what is compared).
+    """
+    owners: dict[int, list[nn.Module]] = {}
+    modules = list(model.modules())
+    for module in modules:
+        weight = module._parameters.get("weight")
+        if weight is not None:
+            owners.setdefault(id(weight), []).append(module)
+    out: list[nn.Embedding] = []
+    seen: set[int] = set()
+    for module in modules:
+        if not isinstance(module, nn.Embedding) or not _plain_forward(module):
+            continue
+        weight = module._parameters.get("weight")
+        if weight is None or id(weight) in seen or not weight.requires_grad or module.sparse \
+                or module.max_norm is not None:
+            continue
+        sharing = owners.get(id(weight), [])
+        heads = [m for m in sharing if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward]
+        if heads and not any(isinstance(m, nn.Embedding) and m.sparse for m in sharing):
+            seen.add(id(weight))
+            out.append(module)
+    return out
+
+
+def _make_forward(module: nn.Embedding, state: _ParamState) -> Any:
+    stock = nn.Embedding.forward.__get__(module)
+
+    def forward(input: torch.Tensor) -> torch.Tensor:
+        weight = module.weight
+        if (weight is state.param and weight.requires_grad and torch.is_grad_enabled() and weight.device.type == "cpu"
+                and module.max_norm is None and not module.sparse and not torch._C._get_tracing_state()
+                and not torch.compiler.is_compiling()):
+            return SparseRowsLookup.apply(input, weight, module.padding_idx, module.scale_grad_by_freq, state)
+        return stock(input)
+
+    forward.__wrapped__ = stock  # type: ignore[attr-defined]
+    return forward
+
+
+def install(registry: Any, model: nn.Module) -> int:
+    """Replace the lookup of every :func:`eligible_embeddings` of ``model`` (once per module).
+
+    Args:
+        registry: the seam's :class:`~memascend.integrations.deepspeed.patches.PatchRegistry`: each
+            module's instance ``forward`` is patched through it (its revert deletes the attribute, so
+            the class's ``forward`` shows again).
+        model: the model (``DeepSpeedEngine.module``).
+
+    Returns:
+        How many embeddings were replaced now.
+    """
+    count = 0
+    with _lock:
+        for module in eligible_embeddings(model):
+            if id(module) in _installed:
+                continue
+            if getattr(module.weight, "_post_accumulate_grad_hooks", None):
+                continue  # its hook must run before any other (DeepSpeed's reads param.grad)
+            state = _ParamState(module.weight)
+            registry.patch(module, "forward", _make_forward(module, state))
+            _handles.append(module.weight.register_post_accumulate_grad_hook(
+                lambda param, state=state: _settle_gradient(state, param)))
+            _installed[id(module)] = state
+            count += 1
+    return count
+
+
+def make_engine_init(original: Callable[..., None], install_into: Callable[[Any], None]) -> Callable[..., None]:
+    """Replacement for ``DeepSpeedEngine.__init__`` (DeepSpeed 0.19.8: ``(self, args, model, optimizer=None,
+    ...)``) that calls ``install_into(model)`` first, then ``original`` with the same arguments.
+
+    Before: the stage-3 optimizer registers DeepSpeed's post-accumulate-grad hooks in ``original``,
+    after :func:`install`'s, so the gradient is settled before DeepSpeed reads it. Subclasses
+    (``PipelineEngine``) reach it through ``super().__init__``. A ``model`` that is not a
+    ``torch.nn.Module`` is passed on untouched.
+    """
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        model = kwargs["model"] if "model" in kwargs else (args[1] if len(args) > 1 else None)
+        if isinstance(model, nn.Module):
+            install_into(model)
+        original(self, *args, **kwargs)
+
+    return __init__
+
+
+def uninstall() -> None:
+    """Remove the gradient hooks :func:`install` registered and forget the modules (the seam's
+    registry restores their ``forward``). The counters stay for a report written after it."""
+    with _lock:
+        for handle in _handles:
+            handle.remove()
+        _handles.clear()
+        _installed.clear()
+
+
+def reset_stats() -> None:
+    """Zero the counters (the seam calls it when it is applied)."""
+    with _lock:
+        for key in _stats:
+            _stats[key] = 0
+
+
+def stats() -> dict[str, int]:
+    """Counters since :func:`reset_stats`: ``sparse_backwards`` (backward passes of a replaced lookup that
+    returned sparse rows), ``dense_backwards`` (second lookups of a parameter in one backward pass,
+    stock's dense gradient), ``densified`` (sparse rows that reached the parameter alone and were made
+    dense)."""
+    with _lock:
+        return dict(_stats)
+
+
+def grad_path() -> str:
+    """``"sparse_rows"`` where a replaced lookup's backward returned its gradient as rows since the seam
+    was applied, else ``"dense"`` (stock's ``embedding_dense_backward`` only)."""
+    return "sparse_rows" if stats()["sparse_backwards"] else "dense"
