@@ -175,6 +175,11 @@ def _settle_gradient(state: _ParamState, param: nn.Parameter) -> None:
         return
     touched = grad.index_select(0, rows)
     grad.add_(0.0)
+    # A NaN of a touched row keeps the add's encoding: stock's dense add wrote it through the same
+    # kernel lanes (bf16: its lane's canonical NaN), where the sparse add's scalar path wrote another.
+    nan = torch.isnan(touched)
+    if bool(nan.any()):
+        touched = torch.where(nan, grad.index_select(0, rows), touched)
     grad.index_copy_(0, rows, touched)
 
 
@@ -188,7 +193,8 @@ def eligible_embeddings(model: nn.Module) -> list[nn.Embedding]:
     An ``nn.Embedding`` qualifies where it uses its class's ``forward`` (no subclass override, none on
     the instance), ``sparse`` is false, ``max_norm`` is ``None``, its weight requires a gradient and
     is also the ``weight`` of an ``nn.Linear`` (plain ``forward``) of ``model`` -- a tied output head --
-    and no ``sparse=True`` embedding shares it. Each weight counts once (its first such embedding).
+    and no ``sparse=True`` embedding shares it, and it has no post-accumulate-grad hook yet (the
+    settling hook must run first). Each weight counts once (its first such embedding).
 
     Args:
         model: any ``torch.nn.Module`` (a ZeRO-3 partitioned one included: identity of the
@@ -207,8 +213,8 @@ def eligible_embeddings(model: nn.Module) -> list[nn.Embedding]:
             continue
         weight = module._parameters.get("weight")
         if weight is None or id(weight) in seen or not weight.requires_grad or module.sparse \
-                or module.max_norm is not None:
-            continue
+                or module.max_norm is not None or getattr(weight, "_post_accumulate_grad_hooks", None):
+            continue  # (a hook already there, DeepSpeed's reading param.grad, would run before the settling one)
         sharing = owners.get(id(weight), [])
         heads = [m for m in sharing if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward]
         if heads and not any(isinstance(m, nn.Embedding) and m.sparse for m in sharing):
@@ -249,8 +255,6 @@ def install(registry: Any, model: nn.Module) -> int:
         for module in eligible_embeddings(model):
             if id(module) in _installed:
                 continue
-            if getattr(module.weight, "_post_accumulate_grad_hooks", None):
-                continue  # its hook must run before any other (DeepSpeed's reads param.grad)
             state = _ParamState(module.weight)
             registry.patch(module, "forward", _make_forward(module, state))
             _handles.append(module.weight.register_post_accumulate_grad_hook(
