@@ -335,3 +335,25 @@ def test_deepspeed_script_zero3_gives_stocks_losses_and_weights(tmp_path):
     assert (stock["replaced"], stock["grad_path"]) == (False, "dense")
     assert ours["hooks_during"] == stock["hooks_during"] + 1 and ours["hooks_after"] == stock["hooks_after"]
     assert not ours["forward_after"]
+
+
+FINETUNE_ARGS = ["--from-scratch", "llama-tiny", "--steps", "3", "--seq-len", "32", "--micro-batch", "2",
+                 "--eval-blocks", "0", "--no-save-model", "--report-to", "none"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [
+    ["--grad-accum", "1"],
+    ["--grad-accum", "2", "--dtype", "fp16", "--activation-checkpointing", "--loss-chunk-tokens", "16"],
+], ids=["bf16", "fp16-accum-checkpointing-chunked-loss"])
+def test_finetune_gives_the_baselines_losses(tmp_path, extra):
+    """``memascend finetune`` (the lookup sparse) against a live ``--engine baseline`` run (stock)."""
+    pytest.importorskip("deepspeed")
+    from tests.conftest import finetune_report
+
+    ours = finetune_report(tmp_path, "memascend", FINETUNE_ARGS, *extra)
+    stock = finetune_report(tmp_path, "baseline", FINETUNE_ARGS, *extra, "--engine", "baseline")
+    assert ours["memory_breakdown"]["gradient_buffers"]["tied_embedding_grad"] == "sparse_rows"
+    assert stock["memory_breakdown"]["gradient_buffers"]["tied_embedding_grad"] == "dense"
+    assert ours["memascend_settings"]["enable_sparse_tied_embedding_grad"] is True
+    assert ours["losses_hex"] == stock["losses_hex"]
