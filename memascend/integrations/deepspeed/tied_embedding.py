@@ -1,36 +1,42 @@
-"""The input embedding of a tied output head returns its gradient as the rows of the tokens used.
+"""The input embedding of a tied output head adds its gradient rows into the head's, in place.
 
 A causal LM whose input embedding and output head are one ``nn.Parameter`` (``tie_word_embeddings``)
 ends every backward pass with two vocabulary-sized gradients of it at once: the head's (``vocab x
 hidden``, from ``F.linear``'s backward, held in autograd's input buffer of the parameter) and the
 lookup's, which stock torch 2.x computes with ``aten::embedding_dense_backward``: a zero-filled
 ``vocab x hidden`` tensor to which the gradient of every token position is added. Autograd then adds
-the two. The lookup's gradient is zero outside the rows of the micro-batch's tokens.
+the second into the first. The lookup's gradient is zero outside the rows of the micro-batch's tokens.
 
 :func:`install` replaces the ``forward`` of such an embedding (on the instance; ``nn.Module.__call__``
 and with it every forward hook, DeepSpeed ZeRO-3's parameter fetch included, is unchanged) by
 :class:`SparseRowsLookup` where the lookup records gradients on the CPU. Its backward computes the
-same rows with the same kernel on a compacted problem: ``u, inv = torch.unique(ids, sorted=True,
+touched rows with the same kernel on a compacted problem: ``u, inv = torch.unique(ids, sorted=True,
 return_inverse=True)``, ``aten::embedding_dense_backward(grad, inv, len(u), padding_idx's position in
-u or -1, scale_grad_by_freq)``, each row the kernel's sequential sum over the token positions in order,
-as in stock's ``vocab``-row call; it returns them as a coalesced sparse COO tensor, which autograd adds
-into the head's dense gradient (``dense.add_(sparse)``, or ``dense + sparse`` where the dense one is
-not its own): one vocabulary-sized gradient fewer at the end of the backward pass.
+u or -1, scale_grad_by_freq)``, each row the kernel's sequential sum over the token positions in order
+(from +0.0), as in stock's ``vocab``-row call. To autograd it returns a zero of stride 0 expanded to
+``vocab x hidden`` (no memory), which autograd adds in place into the head's gradient: ``lm + 0.0``,
+what stock's zero rows give. A post-accumulate-grad hook on the parameter (:func:`_settle_gradient`,
+registered before DeepSpeed's, which reads ``param.grad``) then adds the rows into ``param.grad`` in
+place. One vocabulary-sized gradient fewer at the end of the backward pass.
 
-Bit-identical to stock, by a post-accumulate-grad hook on the parameter (:func:`_settle_gradient`,
-registered before DeepSpeed's, which reads ``param.grad``) that sees the parameter's gradient once
-``AccumulateGrad`` stored the backward pass's sum (one graph task):
+Bit-identical to stock:
 
-* rows the lookup did not touch hold, in stock, ``x + 0.0`` (the zero of the dense lookup gradient
-  added, wherever in the sum): that differs from ``x`` only for ``x = -0.0`` (and quiets a NaN), so
-  the hook adds ``0.0`` to every row and copies the touched rows back. ``(a + 0) + b`` equals
-  ``(a + b) + 0`` bit for bit in IEEE arithmetic with round to nearest, so adding the zero last
-  gives stock's bits wherever the lookup's gradient arrived in the sum;
-* a backward pass in which only the lookup's rows reach the parameter (the head unused) leaves a
-  sparse ``param.grad``, which the hook makes dense (``to_dense``: zeros and the rows, stock's
-  tensor) before DeepSpeed's hook reads it;
-* a second lookup of the same parameter in one backward pass returns stock's dense gradient (two
-  sparse gradients would be added to each other first, in another order than stock's).
+* untouched rows are ``lm + 0.0`` in both, through the same add kernel (same vector lanes);
+* a touched row is ``(lm + 0.0) + rows`` against stock's ``lm + rows``: ``(a + 0) + b`` equals
+  ``(a + b) + 0`` in IEEE arithmetic with round to nearest, and ``a + b`` is never -0.0 here (the
+  kernel's sums start at +0.0, so ``rows`` is never -0.0), so the values are equal; a NaN takes the
+  encoding of the add that wrote it (bf16: its kernel lane's canonical NaN), so where a touched row
+  holds a NaN the hook adds 0.0 to the whole gradient once more, through stock's lanes (it changes
+  nothing else: no -0.0 is left);
+* where only the rows reach the parameter (the head unused), a tensor hook turns the expanded zero into
+  ``zeros`` with the rows copied in: stock's tensor;
+* the rows are added last, so they must arrive last: only the lookup created first among the
+  parameter's pending lookups (autograd runs nodes created later first) returns the zero, the others
+  stock's dense gradient; and only where ``param.grad`` is empty before the backward pass (a gradient
+  accumulated into an existing one is added in another order: stock's dense gradient then). The
+  lookup is taken to be the parameter's first use in the forward pass (a causal LM's input embedding
+  is its first operation); a use of the weight created before it in the same graph would be summed
+  after the rows.
 
 Only where it is safe and helps: an ``nn.Embedding`` (its class's own ``forward``, none on the
 instance), ``sparse=False``, ``max_norm=None``, trainable, whose weight is the weight of an
@@ -50,6 +56,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -63,25 +70,30 @@ __all__ = ["SparseRowsLookup", "eligible_embeddings", "grad_path", "install", "m
 
 @dataclasses.dataclass
 class _ParamState:
-    """What one tied parameter's lookups and its gradient hook share within a backward pass."""
+    """What one tied parameter's lookups and its gradient hooks share."""
 
     param: nn.Parameter
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    pending: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)
+    """The lookups (their autograd nodes) whose backward has not run; a freed graph drops out."""
     task_id: int = -1
-    """Graph task (``torch._C._current_graph_task_id``) whose sparse rows are pending, or -1."""
-    rows: torch.Tensor | None = None
-    """The rows (int64, sorted) of that task's sparse gradient."""
+    """Graph task (``torch._C._current_graph_task_id``) whose rows are to be added, or -1."""
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    """That task's rows: their indices (int64, sorted) and values (``len x hidden``)."""
 
-    def claim(self, task_id: int) -> bool:
-        """Whether the lookup running its backward in ``task_id`` may return sparse rows (the first one)."""
+    def last_to_arrive(self, node: Any, task_id: int) -> bool:
+        """Whether ``node``'s rows may be added last in ``task_id``: no lookup created before it is
+        pending (autograd runs the nodes created later first) and none of this task has rows yet."""
         with self.lock:
-            return self.task_id != task_id
+            self.pending.discard(node)
+            seq = node._sequence_nr()
+            return self.task_id != task_id and all(other._sequence_nr() > seq for other in list(self.pending))
 
-    def record(self, task_id: int, rows: torch.Tensor) -> None:
+    def record(self, task_id: int, rows: torch.Tensor, values: torch.Tensor) -> None:
         with self.lock:
-            self.task_id, self.rows = task_id, rows
+            self.task_id, self.rows = task_id, (rows, values)
 
-    def take(self, task_id: int) -> torch.Tensor | None:
+    def take(self, task_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The rows recorded in ``task_id`` (forgotten then), or ``None``."""
         with self.lock:
             if self.task_id != task_id:
@@ -95,22 +107,21 @@ _handles: list[Any] = []
 """Gradient hooks of the installed parameters (removed by :func:`uninstall`)."""
 _installed: dict[int, _ParamState] = {}
 """id(module) -> the state of its weight, for the installed embeddings."""
-_stats = {"sparse_backwards": 0, "dense_backwards": 0, "densified": 0}
+_stats = {"rows_backwards": 0, "dense_backwards": 0, "rows_alone": 0}
 
 
 class SparseRowsLookup(torch.autograd.Function):
-    """``F.embedding(ids, weight, padding_idx, scale_grad_by_freq=...)`` whose weight gradient is the
-    rows of the tokens used, as a coalesced sparse COO tensor.
+    """``F.embedding(ids, weight, padding_idx, scale_grad_by_freq=...)`` whose weight gradient is added
+    by the parameter's hooks as the rows of the tokens used.
 
     Forward: ``ids`` (int64 or int32, any shape ``S``, values in ``[0, vocab)``), ``weight`` (``vocab x
     hidden``, any floating dtype) -> ``S x hidden`` in the weight's dtype, as ``F.embedding``.
 
-    Backward: the weight's gradient as a sparse COO tensor of shape ``vocab x hidden`` in the incoming
-    gradient's dtype, coalesced, its rows the sorted distinct ids (int64) and its values
-    ``aten::embedding_dense_backward`` of the compacted problem (the row of ``padding_idx``, where
-    used, zeros), bit for bit the rows of stock's dense gradient. The second lookup of the same
-    parameter to run its backward in one graph task returns stock's dense gradient instead
-    (``aten::embedding_dense_backward`` over the whole vocabulary).
+    Backward: where its rows may be added last (:meth:`_ParamState.last_to_arrive`) and the parameter
+    has no gradient yet, a zero of the incoming gradient's dtype expanded (stride 0) to ``vocab x
+    hidden``, with the rows (the sorted distinct ids, int64, and ``aten::embedding_dense_backward`` of
+    the compacted problem, ``len x hidden``; the row of ``padding_idx``, where used, zeros) left for the
+    hooks; otherwise stock's dense gradient (``aten::embedding_dense_backward`` over the vocabulary).
     """
 
     @staticmethod
@@ -121,6 +132,8 @@ class SparseRowsLookup(torch.autograd.Function):
         ctx.padding_idx = -1 if padding_idx is None else int(padding_idx)
         ctx.scale_grad_by_freq = bool(scale_grad_by_freq)
         ctx.state = state
+        with state.lock:
+            state.pending.add(ctx)
         return F.embedding(ids, weight, padding_idx, None, 2.0, scale_grad_by_freq, False)
 
     @staticmethod
@@ -128,7 +141,7 @@ class SparseRowsLookup(torch.autograd.Function):
         (ids,) = ctx.saved_tensors
         state: _ParamState = ctx.state
         task_id = torch._C._current_graph_task_id()
-        if not state.claim(task_id):  # another lookup's rows are already in this backward pass
+        if not state.last_to_arrive(ctx, task_id) or state.param.grad is not None:
             _count("dense_backwards")
             dense = torch.ops.aten.embedding_dense_backward(grad, ids, ctx.num_weights, ctx.padding_idx,
                                                             ctx.scale_grad_by_freq)
@@ -142,11 +155,10 @@ class SparseRowsLookup(torch.autograd.Function):
         hidden = grad.shape[-1]
         values = torch.ops.aten.embedding_dense_backward(grad.reshape(-1, hidden), inverse.reshape(-1),
                                                          rows.numel(), padding, ctx.scale_grad_by_freq)
-        sparse = torch.sparse_coo_tensor(rows.unsqueeze(0), values, (ctx.num_weights, hidden),
-                                         is_coalesced=True, check_invariants=False)
-        state.record(task_id, rows)
-        _count("sparse_backwards")
-        return None, sparse, None, None, None
+        state.record(task_id, rows, values)
+        _count("rows_backwards")
+        zero = torch.zeros((), dtype=grad.dtype, device=grad.device).expand(ctx.num_weights, hidden)
+        return None, zero, None, None, None
 
 
 def _count(key: str) -> None:
@@ -154,33 +166,35 @@ def _count(key: str) -> None:
         _stats[key] += 1
 
 
-def _settle_gradient(state: _ParamState, param: nn.Parameter) -> None:
-    """The tied parameter's post-accumulate-grad hook: stock's bits in ``param.grad`` where this
-    backward pass's sum held the lookup's sparse rows.
+def _rows_alone(state: _ParamState, grad: torch.Tensor) -> torch.Tensor | None:
+    """The tied parameter's gradient pre-hook: where the lookup's expanded zero alone reached it (the
+    head unused), stock's tensor: zeros with the rows copied in (``vocab x hidden``, contiguous)."""
+    if grad.dim() != 2 or grad.stride() != (0, 0) or grad.numel() < 2:
+        return None
+    taken = state.take(torch._C._current_graph_task_id())
+    if taken is None:
+        return None
+    rows, values = taken
+    _count("rows_alone")
+    return torch.zeros(grad.shape, dtype=grad.dtype, device=grad.device).index_copy_(0, rows, values)
 
-    Runs after ``AccumulateGrad`` stored the pass's gradient (the sum stolen, or added into an earlier
-    ``param.grad``) and before DeepSpeed's hook (:func:`install` registers it first). A sparse
-    ``param.grad`` (only the rows reached the parameter, nothing before) becomes dense (``to_dense``:
-    zeros and the rows, stock's ``embedding_dense_backward`` tensor); in a dense one the rows the
-    lookup did not touch get ``+ 0.0``, as stock's zero rows gave them (in place: the tensor is the
-    pass's own sum or ``param.grad``).
+
+def _settle_gradient(state: _ParamState, param: nn.Parameter) -> None:
+    """The tied parameter's post-accumulate-grad hook: adds this backward pass's rows into
+    ``param.grad`` (``lm + 0.0`` from autograd's in-place sum), in place, with stock's bits.
+
+    Runs after ``AccumulateGrad`` stored the pass's sum and before DeepSpeed's hook (:func:`install`
+    registers it first). Holds ``len(rows) x hidden`` elements besides the gradient.
     """
-    rows = state.take(torch._C._current_graph_task_id())
+    taken = state.take(torch._C._current_graph_task_id())
     grad = param.grad
-    if rows is None or grad is None:
+    if taken is None or grad is None:
         return
-    if grad.is_sparse:
-        _count("densified")
-        param.grad = grad.to_dense()
-        return
-    touched = grad.index_select(0, rows)
-    grad.add_(0.0)
-    # A NaN of a touched row keeps the add's encoding: stock's dense add wrote it through the same
-    # kernel lanes (bf16: its lane's canonical NaN), where the sparse add's scalar path wrote another.
-    nan = torch.isnan(touched)
-    if bool(nan.any()):
-        touched = torch.where(nan, grad.index_select(0, rows), touched)
+    rows, values = taken
+    touched = grad.index_select(0, rows).add_(values)
     grad.index_copy_(0, rows, touched)
+    if bool(torch.isnan(touched).any()):
+        grad.add_(0.0)  # a NaN in stock's encoding: its lane of the full-tensor add (no -0.0 is left)
 
 
 def _plain_forward(module: nn.Module) -> bool:
@@ -257,6 +271,7 @@ def install(registry: Any, model: nn.Module) -> int:
                 continue
             state = _ParamState(module.weight)
             registry.patch(module, "forward", _make_forward(module, state))
+            _handles.append(module.weight.register_hook(lambda grad, state=state: _rows_alone(state, grad)))
             _handles.append(module.weight.register_post_accumulate_grad_hook(
                 lambda param, state=state: _settle_gradient(state, param)))
             _installed[id(module)] = state
@@ -285,7 +300,7 @@ def make_engine_init(original: Callable[..., None], install_into: Callable[[Any]
 
 
 def uninstall() -> None:
-    """Remove the gradient hooks :func:`install` registered and forget the modules (the seam's
+    """Remove the gradient hooks :func:`install` registered (two per weight) and forget the modules (the seam's
     registry restores their ``forward``). The counters stay for a report written after it."""
     with _lock:
         for handle in _handles:
@@ -302,15 +317,15 @@ def reset_stats() -> None:
 
 
 def stats() -> dict[str, int]:
-    """Counters since :func:`reset_stats`: ``sparse_backwards`` (backward passes of a replaced lookup that
-    returned sparse rows), ``dense_backwards`` (second lookups of a parameter in one backward pass,
-    stock's dense gradient), ``densified`` (sparse rows that reached the parameter alone and were made
-    dense)."""
+    """Counters since :func:`reset_stats`: ``rows_backwards`` (backward passes of a replaced lookup whose
+    rows the hooks added), ``dense_backwards`` (replaced lookups that returned stock's dense gradient:
+    a lookup created earlier still pending, or the parameter's gradient not empty), ``rows_alone`` (of
+    ``rows_backwards``, those whose rows alone reached the parameter, made stock's dense tensor)."""
     with _lock:
         return dict(_stats)
 
 
 def grad_path() -> str:
-    """``"sparse_rows"`` where a replaced lookup's backward returned its gradient as rows since the seam
-    was applied, else ``"dense"`` (stock's ``embedding_dense_backward`` only)."""
-    return "sparse_rows" if stats()["sparse_backwards"] else "dense"
+    """``"sparse_rows"`` where a replaced lookup's gradient was added as its rows since the seam was
+    applied (``stats()["rows_backwards"]``), else ``"dense"`` (stock's ``embedding_dense_backward`` only)."""
+    return "sparse_rows" if stats()["rows_backwards"] else "dense"
