@@ -71,10 +71,10 @@ class MemAscendSettings:
             (:mod:`memascend.integrations.deepspeed.exact_norm`; stock's copy where its self-check
             fails).
         enable_sparse_tied_embedding_grad: an input embedding tied to its output head (one trainable
-            ``Parameter``, a causal LM's ``tie_word_embeddings``) returns its gradient as the rows of
-            the micro-batch's tokens (a sparse tensor autograd adds into the head's dense gradient)
-            instead of stock's zero-filled ``vocab x hidden`` one: one vocabulary-sized gradient
-            fewer at the end of each backward pass, gradients bit-identical
+            ``Parameter``, a causal LM's ``tie_word_embeddings``) adds the gradient rows of the
+            micro-batch's tokens into the head's gradient in place instead of making stock's
+            zero-filled ``vocab x hidden`` one: one vocabulary-sized gradient fewer at the end of each
+            backward pass, gradients bit-identical
             (:mod:`memascend.integrations.deepspeed.tied_embedding`; gradients computed on the CPU).
         param_prefetch_slots: slot budget the parameter prefetcher may use; ``None`` means the
             config's ``offload_param.buffer_count`` (the stock prefetch schedule).

@@ -203,9 +203,10 @@ def _add_forward_backward(add, dims: ModelDims, cfg: RunConfig, e: int, w: int, 
     chunks the forward/backward leaves behind (:data:`STOCK_HEAP_BYTES_PER_LAYER_TOKEN_SQ`), counted
     where they exceed them.
 
-    ``sparse_tied_grad`` (``enable_sparse_tied_embedding_grad``): the tied embedding's lookup returns
-    the rows of its tokens (:mod:`memascend.integrations.deepspeed.tied_embedding`), so the backward
-    ends with two vocabulary-sized gradients (lm_head's and autograd's sum with the rows), not three.
+    ``sparse_tied_grad`` (``enable_sparse_tied_embedding_grad``): the tied embedding's lookup adds the
+    rows of its tokens into lm_head's gradient (:mod:`memascend.integrations.deepspeed.tied_embedding`)
+    instead of a vocabulary-sized gradient of its own: one vocabulary-sized tensor fewer at the end of
+    the backward pass.
     """
     act = activation_parts(dims, cfg.train.micro_batch, cfg.data.seq_len, e, cfg.train.activation_checkpointing,
                            cfg.train.loss_chunk_tokens)
@@ -253,13 +254,13 @@ def _add_forward_backward(add, dims: ModelDims, cfg: RunConfig, e: int, w: int, 
         # The backward ends at the embedding: embedding_dense_backward's zero-filled vocab x hidden
         # gradient and autograd's (out-of-place) sum of it with lm_head's, three vocabulary-sized
         # tensors at once, when the activations above are already freed (torch.profiler:
-        # MmBackward0, aten::embedding_dense_backward, aten::add of [vocab, hidden]). The sparse-rows
-        # lookup's gradient is its tokens' rows only: lm_head's and the sum remain.
+        # MmBackward0, aten::embedding_dense_backward, aten::add of [vocab, hidden]). The rows lookup
+        # (tied_embedding) adds its tokens' rows into lm_head's gradient instead: one tensor fewer.
         name, tensors, source = ("tied embedding's own gradient and its sum with lm_head's", 3,
                                  "autograd, embedding backward + gradient accumulation of the tied weight")
         if sparse_tied_grad:
-            name, tensors, source = ("tied embedding's gradient rows summed with lm_head's", 2,
-                                     "autograd, tied_embedding.SparseRowsLookup + gradient accumulation of the tied weight")
+            name, tensors, source = ("tied embedding's gradient rows added into lm_head's", 2,
+                                     "autograd, tied_embedding.SparseRowsLookup rows added in place into lm_head's")
         add(f"{name} (end of backward, beyond the activations)",
             max(0, tensors * dims.vocab_size * dims.hidden_size * e - transient - grad), False, source, "backward")
     if w > 1:

@@ -60,8 +60,8 @@ What each flag patches (DeepSpeed 0.19.8 names):
   stock's computation where its self-check fails).
 * ``enable_sparse_tied_embedding_grad``: ``DeepSpeedEngine.__init__`` first replaces, on the model it
   is given, the ``forward`` of an input embedding tied to an ``nn.Linear`` output head (one trainable
-  ``Parameter``) by a lookup whose gradient is the rows of the tokens used, bit-identical
-  (:mod:`.tied_embedding`; the instance attribute, restored by :func:`revert` with its gradient hook).
+  ``Parameter``) by a lookup whose gradient rows are added in place into the head's, bit-identical
+  (:mod:`.tied_embedding`; the instance attribute, restored by :func:`revert` with its gradient hooks).
 * ``enable_malloc_policy``, ``enable_grad_buffer_release``, ``enable_optimizer_pool``:
   glibc ``mallopt`` thresholds when applied (:mod:`memascend.memory.host_allocator`; restored by
   :func:`revert`),

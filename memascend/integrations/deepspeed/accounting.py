@@ -222,7 +222,7 @@ def memory_breakdown(engine: Any, summary: Mapping[str, Any], samples: Sequence[
         :func:`gradient_transients`), ``gradient_buffers.swap_files`` (the dtype streamed gradients
         are stored in on the swap target and the bytes that saved, :func:`.grad_store.stats`;
         ``None`` where they do not stream), ``gradient_buffers.tied_embedding_grad`` (``"sparse_rows"``
-        where a tied input embedding's backward returned the rows of its tokens since the seam was
+        where a tied input embedding's gradient was added as the rows of its tokens since the seam was
         applied, else ``"dense"``: stock's vocabulary-sized gradient; :func:`.tied_embedding.grad_path`)
         and ``param_dram_copy`` (16-bit partitions kept in DRAM,
         ``offload_param.max_in_cpu``); ``runtime_after_load_bytes`` (RSS when the load phase ended:

@@ -284,7 +284,7 @@ def make_engine_init(original: Callable[..., None], install_into: Callable[[Any]
     ...)``) that calls ``install_into(model)`` first, then ``original`` with the same arguments.
 
     Before: the stage-3 optimizer registers DeepSpeed's post-accumulate-grad hooks in ``original``,
-    after :func:`install`'s, so the gradient is settled before DeepSpeed reads it. Subclasses
+    after :func:`install`'s, so the rows are in the gradient before DeepSpeed reads it. Subclasses
     (``PipelineEngine``) reach it through ``super().__init__``. A ``model`` that is not a
     ``torch.nn.Module`` is passed on untouched.
     """
