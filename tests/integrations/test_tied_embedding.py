@@ -121,7 +121,7 @@ def test_head_unused_leaves_a_dense_gradient_equal_to_stocks(dtype):
     assert stats["rows_alone"] == 1
 
 
-def test_two_lookups_in_one_backward_return_one_sparse_and_one_dense():
+def test_two_lookups_in_one_backward_one_adds_rows_the_other_stocks_dense():
     model = TiedLM(100, 8, torch.bfloat16)
     ids = torch.randint(0, 30, (2, 17), generator=torch.Generator().manual_seed(3))
     stock, ours, stats = _stock_and_ours(model, ids, lookups=2)
