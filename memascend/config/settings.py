@@ -70,6 +70,12 @@ class MemAscendSettings:
             from 16 Ki-element pieces instead of an fp64 copy of the partition, bit-identical
             (:mod:`memascend.integrations.deepspeed.exact_norm`; stock's copy where its self-check
             fails).
+        enable_sparse_tied_embedding_grad: an input embedding tied to its output head (one trainable
+            ``Parameter``, a causal LM's ``tie_word_embeddings``) adds the gradient rows of the
+            micro-batch's tokens into the head's gradient in place instead of making stock's
+            zero-filled ``vocab x hidden`` one: one vocabulary-sized gradient fewer at the end of each
+            backward pass, gradients bit-identical
+            (:mod:`memascend.integrations.deepspeed.tied_embedding`; gradients computed on the CPU).
         param_prefetch_slots: slot budget the parameter prefetcher may use; ``None`` means the
             config's ``offload_param.buffer_count`` (the stock prefetch schedule).
         optimizer_sub_group_numel: elements per optimizer sub-group written into
@@ -281,6 +287,7 @@ class MemAscendSettings:
     enable_arena_pinning: bool = True
     enable_fused_overflow_check: bool = True
     enable_exact_grad_norm: bool = True
+    enable_sparse_tied_embedding_grad: bool = True
     param_prefetch_slots: int | None = None
     optimizer_sub_group_numel: int | Literal["auto"] | None = "auto"
     grad_norm_sub_group_numel: int | None = None

@@ -186,7 +186,8 @@ class EnginePlan:
 
 
 def _add_forward_backward(add, dims: ModelDims, cfg: RunConfig, e: int, w: int, trimmed: bool, *,
-                          swap_activations: bool = False, activation_dram_bytes: int | None = None) -> None:
+                          swap_activations: bool = False, activation_dram_bytes: int | None = None,
+                          sparse_tied_grad: bool = False) -> None:
     """The forward/backward consumers of one rank: activations, the vocabulary projection's weight
     gradient and, on several ranks, the gathered parameters.
 
@@ -203,6 +204,11 @@ def _add_forward_backward(add, dims: ModelDims, cfg: RunConfig, e: int, w: int, 
     backward-phase transients. At long sequences stock's heap holds more than those tensors: the free
     chunks the forward/backward leaves behind (:data:`STOCK_HEAP_BYTES_PER_LAYER_TOKEN_SQ`), counted
     where they exceed them.
+
+    ``sparse_tied_grad`` (``enable_sparse_tied_embedding_grad``): the tied embedding's lookup adds the
+    rows of its tokens into lm_head's gradient (:mod:`memascend.integrations.deepspeed.tied_embedding`)
+    instead of a vocabulary-sized gradient of its own: one vocabulary-sized tensor fewer at the end of
+    the backward pass.
     """
     act = activation_parts(dims, cfg.train.micro_batch, cfg.data.seq_len, e, cfg.train.activation_checkpointing,
                            cfg.train.loss_chunk_tokens)
@@ -250,10 +256,15 @@ def _add_forward_backward(add, dims: ModelDims, cfg: RunConfig, e: int, w: int, 
         # The backward ends at the embedding: embedding_dense_backward's zero-filled vocab x hidden
         # gradient and autograd's (out-of-place) sum of it with lm_head's, three vocabulary-sized
         # tensors at once, when the activations above are already freed (torch.profiler:
-        # MmBackward0, aten::embedding_dense_backward, aten::add of [vocab, hidden]).
-        add("tied embedding's own gradient and its sum with lm_head's (end of backward, beyond the activations)",
-            max(0, 3 * dims.vocab_size * dims.hidden_size * e - transient - grad), False,
-            "autograd, embedding backward + gradient accumulation of the tied weight", "backward")
+        # MmBackward0, aten::embedding_dense_backward, aten::add of [vocab, hidden]). The rows lookup
+        # (tied_embedding) adds its tokens' rows into lm_head's gradient instead: one tensor fewer.
+        name, tensors, source = ("tied embedding's own gradient and its sum with lm_head's", 3,
+                                 "autograd, embedding backward + gradient accumulation of the tied weight")
+        if sparse_tied_grad:
+            name, tensors, source = ("tied embedding's gradient rows added into lm_head's", 2,
+                                     "autograd, tied_embedding.SparseRowsLookup rows added in place into lm_head's")
+        add(f"{name} (end of backward, beyond the activations)",
+            max(0, tensors * dims.vocab_size * dims.hidden_size * e - transient - grad), False, source, "backward")
     if w > 1:
         # Each rank all-gathers every parameter in full (one rank aliases its partition instead:
         # NoGatherCoalescedHandle); with the default reuse distance they stay until their backward use.
@@ -505,7 +516,8 @@ def plan_engine(cfg: RunConfig, dims: ModelDims, run: ResolvedRun, world_size: i
         add("gradient bounce slab (unaligned fragments)", slab * _FP32, True,
             "aligned_io.read_fragments (fix_unaligned_gradient_io)", "step")
     _add_forward_backward(add, dims, cfg, e, w, trimmed, swap_activations=ma and settings.enable_activation_swap,
-                          activation_dram_bytes=getattr(settings, "activation_dram_bytes", None))
+                          activation_dram_bytes=getattr(settings, "activation_dram_bytes", None),
+                          sparse_tied_grad=ma and getattr(settings, "enable_sparse_tied_embedding_grad", False))
     if ma and getattr(settings, "enable_host_block_cache", False):
         comps.extend(_host_block_cache_in_step(comps))
     nvme = _swap_folder_bytes(cfg, dims, placement, settings if ma else None, e, w, op.get("device") == "nvme",
@@ -607,6 +619,9 @@ def plan_for_report(report: dict) -> EnginePlan:
         settings = {"enable_grad_streaming": False, **settings}  # from before it: the gradient buffer
         settings = {"enable_16bit_gradient_swap": False, **settings}  # from before it: fp32 gradient files
         settings = {"enable_bucketless_reduce": False, **settings}  # from before it: the bucket buffer
+        # the sparse-rows lookup where the report says it ran (none before it: stock's dense gradient)
+        ran = report.get("memory_breakdown", {}).get("gradient_buffers", {}).get("tied_embedding_grad")
+        settings = {**settings, "enable_sparse_tied_embedding_grad": ran == "sparse_rows"}
     locked = report.get("memory_breakdown", {}).get("locked", {})
     return plan_run(cfg, world_size=int(report["host"]["world_size"]), memascend_settings=settings,
                     user_ds_config=report.get("user_deepspeed_config"), chunk_window=_ran_with_swap_window(locked),

@@ -53,6 +53,7 @@ def _seam_objects():
         "stage3.reduce_scatter_coalesced": (stage3_module, "reduce_scatter_coalesced"),  # enable_grad_streaming
         "stage3._swappable_optimizer_subgroup": (S3, "_swappable_optimizer_subgroup"),  # optimizer_dram_numel
         "engine.forward": (DeepSpeedEngine, "forward"),
+        "engine.__init__": (DeepSpeedEngine, "__init__"),  # enable_sparse_tied_embedding_grad
         "PartitionedOptimizerSwapper._swap_in_pinned_gradients": (PartitionedOptimizerSwapper,
                                                                   "_swap_in_pinned_gradients"),
         "OptimizerSwapper._writeback_gradients": (optimizer_utils.OptimizerSwapper, "_writeback_gradients"),
@@ -207,7 +208,8 @@ def _only(**on) -> ma_ds.MemAscendSettings:
     off = dict.fromkeys(("enable_param_pool", "enable_optimizer_pool", "enable_arena_pinning",
                          "enable_fused_overflow_check", "enable_malloc_policy", "enable_grad_buffer_release",
                          "fix_unaligned_gradient_io", "fix_exact_resume", "enable_host_block_cache",
-                         "enable_grad_streaming", "enable_step_overlap", "enable_exact_grad_norm"), False)
+                         "enable_grad_streaming", "enable_step_overlap", "enable_exact_grad_norm",
+                         "enable_sparse_tied_embedding_grad"), False)
     return ma_ds.MemAscendSettings(**{**off, **on})
 
 
@@ -231,6 +233,10 @@ def test_each_flag_patches_only_its_seams():
     ma_ds.apply(_only(enable_exact_grad_norm=True))
     during = _snapshot()
     assert {k for k in before if during[k] is not before[k]} == {"stage3._constant_buffered_norm2", INIT}
+    ma_ds.revert()
+    ma_ds.apply(_only(enable_sparse_tied_embedding_grad=True))
+    during = _snapshot()
+    assert {k for k in before if during[k] is not before[k]} == {"engine.__init__", INIT}
     ma_ds.revert()
     ma_ds.apply(_only(enable_malloc_policy=True))
     during = _snapshot()

@@ -175,8 +175,9 @@ def test_largest_preset_under_cap():
     assert mine < base
     fits = largest_preset_under_cap(cfg, (base + mine) // 2)
     assert fits["baseline"] is None
-    # memascend fits llama-tiny at least (llama-0.1b too since gradients stream through one chunk, up
-    # to llama-0.5b without the reduce bucket buffer and with a layer-sized bucket)
+    # memascend fits llama-tiny at least (llama-0.1b too since gradients stream through one chunk,
+    # larger ones without the reduce bucket buffer and with the tied embedding's gradient as its
+    # tokens' rows)
     assert fits["memascend"][0] in ("llama-tiny", "llama-0.1b", "llama-0.3b", "llama-0.5b")
     big = largest_preset_under_cap(cfg, 1 << 50)
     assert big["baseline"][0] == big["memascend"][0] == "llama-70b"

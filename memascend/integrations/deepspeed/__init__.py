@@ -58,6 +58,10 @@ What each flag patches (DeepSpeed 0.19.8 names):
 * ``enable_exact_grad_norm``: ``DeepSpeedZeroOptimizer_Stage3._constant_buffered_norm2`` takes a CPU gradient's fp64
   norm in 16 Ki-element pieces instead of an fp64 copy of it, bit-identical (:mod:`.exact_norm`;
   stock's computation where its self-check fails).
+* ``enable_sparse_tied_embedding_grad``: ``DeepSpeedEngine.__init__`` first replaces, on the model it
+  is given, the ``forward`` of an input embedding tied to an ``nn.Linear`` output head (one trainable
+  ``Parameter``) by a lookup whose gradient rows are added in place into the head's, bit-identical
+  (:mod:`.tied_embedding`; the instance attribute, restored by :func:`revert` with its gradient hooks).
 * ``enable_malloc_policy``, ``enable_grad_buffer_release``, ``enable_optimizer_pool``:
   glibc ``mallopt`` thresholds when applied (:mod:`memascend.memory.host_allocator`; restored by
   :func:`revert`),
@@ -179,6 +183,9 @@ def apply(settings: MemAscendSettings | None = None) -> MemAscendSettings:
             if _applied == settings:
                 return _applied
             raise UserError("memascend is already applied to DeepSpeed with other settings; call revert() first")
+        from memascend.integrations.deepspeed import tied_embedding
+
+        tied_embedding.reset_stats()  # the report's tied_embedding_grad: what ran since this apply
         mark = len(_registry)
         try:
             _patch_all(settings)  # the host block cache is installed by the engine's first forward
@@ -270,8 +277,9 @@ def revert() -> None:
                 host_cache.uninstall()
             _restore_malloc_policy()
         finally:
-            from memascend.integrations.deepspeed import activations
+            from memascend.integrations.deepspeed import activations, tied_embedding
 
+            tied_embedding.uninstall()
             activations.close()
             if store is not None:
                 store.close()
@@ -356,6 +364,25 @@ def _patch_exact_norm(settings: MemAscendSettings) -> None:
     from memascend.integrations.deepspeed.exact_norm import make_constant_buffered_norm2
 
     _registry.patch(stage3, "_constant_buffered_norm2", make_constant_buffered_norm2(stage3._constant_buffered_norm2))
+
+
+def _patch_tied_embedding(settings: MemAscendSettings) -> None:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from memascend.integrations.deepspeed import tied_embedding
+
+    _registry.patch(DeepSpeedEngine, "__init__", tied_embedding.make_engine_init(DeepSpeedEngine.__init__,
+                                                                                  _install_tied_embedding))
+
+
+def _install_tied_embedding(model: Any) -> None:
+    """``DeepSpeedEngine.__init__`` got ``model``: its tied input embeddings get the sparse-rows lookup
+    while memascend is applied with ``enable_sparse_tied_embedding_grad``."""
+    from memascend.integrations.deepspeed import tied_embedding
+
+    with _lock:
+        if _applied is not None and _applied.enable_sparse_tied_embedding_grad:
+            tied_embedding.install(_registry, model)
 
 
 def _set_malloc_policy(settings: MemAscendSettings) -> None:
@@ -520,6 +547,7 @@ _FLAG_GROUPS: tuple[tuple[Callable[[MemAscendSettings], bool], Callable[[MemAsce
     (lambda s: s.enable_arena_pinning, _patch_arena_pinning),
     (lambda s: s.grad_norm_sub_group_numel is not None, _patch_grad_norm),
     (lambda s: s.enable_exact_grad_norm, _patch_exact_norm),
+    (lambda s: s.enable_sparse_tied_embedding_grad, _patch_tied_embedding),
     (lambda s: s.enable_malloc_policy, _set_malloc_policy),
     (lambda s: s.enable_malloc_policy or s.enable_host_block_cache or s.enable_activation_swap, _patch_engine_forward),
     (lambda s: s.enable_grad_streaming, _patch_grad_stream),

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from memascend.integrations.deepspeed import exact_norm
+from memascend.integrations.deepspeed import exact_norm, tied_embedding
 
 
 def _nbytes(tensor: Any) -> int:
@@ -239,7 +239,10 @@ def memory_breakdown(engine: Any, summary: Mapping[str, Any], samples: Sequence[
         runs without them, ``contiguous_gradients`` false: ``enable_bucketless_reduce``), with the
         transients of reducing one bucket (:func:`gradient_transients`), ``gradient_buffers.swap_files`` (the dtype streamed gradients
         are stored in on the swap target and the bytes that saved, :func:`.grad_store.stats`;
-        ``None`` where they do not stream) and ``param_dram_copy`` (16-bit partitions kept in DRAM,
+        ``None`` where they do not stream), ``gradient_buffers.tied_embedding_grad`` (``"sparse_rows"``
+        where a tied input embedding's gradient was added as the rows of its tokens since the seam was
+        applied, else ``"dense"``: stock's vocabulary-sized gradient; :func:`.tied_embedding.grad_path`)
+        and ``param_dram_copy`` (16-bit partitions kept in DRAM,
         ``offload_param.max_in_cpu``); ``runtime_after_load_bytes`` (RSS when the load phase ended:
         interpreter, libraries, tokenizer, data); ``step_transient_bytes``
         (:func:`step_transient_bytes`: activations and their gradients, unlocked); ``malloc``
@@ -284,7 +287,8 @@ def memory_breakdown(engine: Any, summary: Mapping[str, Any], samples: Sequence[
                    "param_pool_classes": param_pool_classes(engine)},
         "gradient_buffers": {"grad_partitions_flat": grad_flat, "reduce_buckets": buckets,
                              **gradient_transients(optimizer, buckets["allocated_bytes"]),
-                             "swap_files": grad_store.stats(optimizer)},
+                             "swap_files": grad_store.stats(optimizer),
+                             "tied_embedding_grad": tied_embedding.grad_path()},
         "param_dram_copy": param_dram,
         "optimizer_dram": optimizer_dram,
         "runtime_after_load_bytes": runtime,
