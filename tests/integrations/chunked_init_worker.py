@@ -97,14 +97,16 @@ def main() -> None:
                        "requires_grad": bool(fp32.requires_grad), "ds_id": str(fp32.ds_id)})
     from deepspeed.runtime.zero.partition_parameters import PartitionedParamStatus
 
-    statuses = sorted({str(p.ds_tensor.status) for p in model.parameters()})
-    stats = None
+    statuses = [[str(p.ds_status), str(p.ds_tensor.status), int(p.data.numel())] for p in model.parameters()]
+    stats = skipped = None
     if args.engine == "memascend":
-        from memascend.integrations.deepspeed import chunked_init
+        from memascend.integrations.deepspeed import chunked_init, grad_hook_setup
 
         found = chunked_init.stats(opt)
         stats = dataclasses.asdict(found) if found is not None else None
+        skipped = grad_hook_setup.skipped(opt)
     report = {"engine": args.engine, "groups": groups, "chunked_init": stats, "statuses": statuses,
+              "hooks": len(opt._grad_acc_hooks), "hook_gathers_skipped": skipped,
               "subgroup_to_device": {str(k): v for k, v in getattr(opt, "subgroup_to_device", {}).items()},
               "param_groups_empty": all(not g["params"] for g in opt.optimizer.param_groups),
               "not_available": str(PartitionedParamStatus.NOT_AVAILABLE)}

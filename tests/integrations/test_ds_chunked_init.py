@@ -187,7 +187,8 @@ def test_files_hold_the_partitions_widened_through_a_window(tmp_path, aio_ok):
     manager = swapper.swap_buffer_manager
     assert manager.peak_window_bytes == WINDOW * 4 and manager.all_buffers == []
     assert chunked_init.report(opt) == {"fp32_partitions": "chunked", "chunked_sub_groups": 3,
-                                        "window_numel": WINDOW, "read_slab_bytes": stats.read_slab_bytes}
+                                        "window_numel": WINDOW, "read_slab_bytes": stats.read_slab_bytes,
+                                        "hook_setup_gathers_skipped": None}
 
 
 def test_sub_groups_in_the_dram_flat_buffer_are_stocks(tmp_path, aio_ok):
@@ -227,7 +228,7 @@ def test_stock_method_where_it_does_not_apply(tmp_path, aio_ok, change):
     calls = []
     patched = chunked_init.make_create_fp32_partitions(lambda self: calls.append(self), WINDOW)
     assert patched(opt) is None and calls == [opt] and chunked_init.stats(opt) is None
-    assert chunked_init.report(opt) == {"fp32_partitions": "stock"}
+    assert chunked_init.report(opt) == {"fp32_partitions": "stock", "hook_setup_gathers_skipped": None}
 
 
 def test_report_without_an_optimizer():

@@ -96,14 +96,19 @@ def report(opt: Any) -> dict[str, Any] | None:
     says how ``_create_fp32_partitions`` built the fp32 master weights, ``"chunked"``
     (:func:`build_chunked`, with ``chunked_sub_groups``, ``window_numel`` fp32 elements and
     ``read_slab_bytes`` locked) or ``"stock"`` (stock's method: each swapped sub-group staged whole
-    in DRAM); ``None`` without a stage-3 optimizer."""
+    in DRAM); ``hook_setup_gathers_skipped``: parameters whose gather-and-release round trip the
+    gradient-hook setup skipped (:mod:`.grad_hook_setup`; ``None``: stock's setup gathered every
+    parameter); ``None`` without a stage-3 optimizer."""
+    from memascend.integrations.deepspeed import grad_hook_setup
+
     if opt is None or not hasattr(opt, "fp32_partitioned_groups_flat"):
         return None
     done = stats(opt)
-    if done is None:
-        return {"fp32_partitions": "stock"}
-    return {"fp32_partitions": "chunked", "chunked_sub_groups": done.sub_groups, "window_numel": done.window_numel,
-            "read_slab_bytes": done.read_slab_bytes}
+    out: dict[str, Any] = {"fp32_partitions": "stock"}
+    if done is not None:
+        out = {"fp32_partitions": "chunked", "chunked_sub_groups": done.sub_groups, "window_numel": done.window_numel,
+               "read_slab_bytes": done.read_slab_bytes}
+    return {**out, "hook_setup_gathers_skipped": grad_hook_setup.skipped(opt)}
 
 
 class _PartitionReader:
