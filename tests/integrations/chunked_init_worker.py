@@ -34,6 +34,8 @@ def main() -> None:
     parser.add_argument("--sub-group-size", type=int, default=1_200_000)
     parser.add_argument("--dram-numel", type=int, default=0, help="memascend optimizer_dram_numel")
     parser.add_argument("--fast-init", action="store_true", help="offload_optimizer.fast_init")
+    parser.add_argument("--param-buffer-numel", type=int, default=1 << 20,
+                        help="offload_param.buffer_size (fast_init stages a whole sub-group in one)")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     args = parser.parse_args()
 
@@ -55,7 +57,7 @@ def main() -> None:
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {
             "stage": 3, "sub_group_size": args.sub_group_size,
-            "offload_param": {"device": "nvme", "nvme_path": args.nvme, "buffer_count": 8, "buffer_size": 1 << 20,
+            "offload_param": {"device": "nvme", "nvme_path": args.nvme, "buffer_count": 8, "buffer_size": args.param_buffer_numel,
                               "max_in_cpu": 0},
             "offload_optimizer": {"device": "nvme", "nvme_path": args.nvme, "buffer_count": 4,
                                   "fast_init": args.fast_init},
