@@ -3,7 +3,7 @@ builds the fp32 master weights chunk by chunk (:mod:`memascend.integrations.deep
 and registers the gradient hooks without gathering the partitioned parameters
 (:mod:`memascend.integrations.deepspeed.grad_hook_setup`), and trains to stock DeepSpeed's losses
 bit for bit: llama-tiny, bf16, the gradient-streaming test's two steps (compared with its recorded
-``--engine baseline`` losses; ``slow``: with a live baseline run too).
+``--engine baseline`` losses; ``slow``: with a live baseline run too, and on the raw store).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import json
 
 import pytest
 
+from tests.conftest import finetune_report, run_cli
 from tests.integrations.test_grad_stream_e2e import ARGS
-from tests.conftest import finetune_report
 
 pytest.importorskip("deepspeed")
 
@@ -47,3 +47,15 @@ def test_live_baseline_and_the_dram_copy(tmp_path, chunked):
                                                             "hook_setup_gathers_skipped": None}
     assert dram["memory_breakdown"]["optimizer_init"]["fp32_partitions"] == "stock"
     assert stock["losses_hex"] == chunked["losses_hex"] == dram["losses_hex"]
+
+
+@pytest.mark.slow
+def test_chunked_build_on_the_raw_store(tmp_path, baseline_losses_hex):
+    """The 16-bit partitions read and the fp32 keys written through the raw store's ranged I/O."""
+    out = tmp_path / "store"
+    proc = run_cli(["finetune", *ARGS, "--deepspeed-config", _no_dram_copy(tmp_path), "--output", str(out),
+                    "--nvme-path", str(tmp_path / "run.store")], tmp_path, timeout_s=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["memory_breakdown"]["optimizer_init"]["fp32_partitions"] == "chunked"
+    assert [s["loss"].hex() for s in report["steps"]] == baseline_losses_hex

@@ -236,8 +236,9 @@ def test_report_without_an_optimizer():
 
 
 def test_patched_with_the_chunk_window_and_reverted():
-    import memascend.integrations.deepspeed as ma_ds
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as S3
+
+    import memascend.integrations.deepspeed as ma_ds
 
     before = vars(S3)["_create_fp32_partitions"]
     try:
