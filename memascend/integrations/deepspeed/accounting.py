@@ -232,7 +232,8 @@ def memory_breakdown(engine: Any, summary: Mapping[str, Any], samples: Sequence[
         ``activation_swap`` (:func:`.activations.stats`: bytes of saved tensors written to and read
         back from the swap folder, and those the DRAM allowance kept per forward pass, ``None``
         without ``enable_activation_swap``); ``optimizer_init`` (:func:`.chunked_init.report`: whether
-        the fp32 master weights were built chunk by chunk or staged whole by stock);
+        the fp32 master weights were built chunk by chunk or staged whole by stock, and whether the
+        gradient-hook setup gathered every parameter);
         ``unattributed_bytes``: peak RSS minus runtime, the locked
         bytes at the peak sample (the whole locked peak without samples), resident stage-3
         buffers, the optimizer state in DRAM and the step transient. The stage-3 buffers are
