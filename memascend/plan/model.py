@@ -451,7 +451,8 @@ def _swap_folder_bytes(cfg: RunConfig, dims: ModelDims, placement: Placement, se
 
 
 def plan_engine(cfg: RunConfig, dims: ModelDims, run: ResolvedRun, world_size: int,
-                chunk_window: bool = True, lean_init: bool = True, writeback_released: bool = True) -> EnginePlan:
+                chunk_window: bool = True, lean_init: bool = True, writeback_released: bool = True,
+                chunked_init: bool = True) -> EnginePlan:
     """Predict the host memory of ``cfg``'s engine (components summed over ``world_size`` ranks).
 
     Args:
@@ -467,6 +468,10 @@ def plan_engine(cfg: RunConfig, dims: ModelDims, run: ResolvedRun, world_size: i
             (``chunked_step.make_initialize_optimizer_states``); ``False`` plans a run from before it.
         writeback_released: memascend's parameter write-back buffer is held only while written;
             ``False`` plans a run from before that (held from construction on).
+        chunked_init: with the chunk window, ``_create_fp32_partitions`` builds the fp32 master
+            weights of sub-groups whose 16-bit partitions are on NVMe chunk by chunk through the
+            window and a small locked read slab (``chunked_init.build_chunked``); ``False`` plans a
+            run from before it.
     """
     settings = run.settings
     ma = cfg.engine == "memascend"
@@ -510,6 +515,15 @@ def plan_engine(cfg: RunConfig, dims: ModelDims, run: ResolvedRun, world_size: i
     if swapping and placement.optimizer_kept_groups and ma and settings.enable_optimizer_pool:
         opt_sub = max(sum(g) for g in swapped_groups)  # the on-demand buffers fit the largest one still swapped
     _add_optimizer(add, z, opt_part, opt_sub, ma, settings, chunk_window, swapping, lean_init)
+    if chunked_init and swapping and chunk_window and ma and settings.enable_optimizer_pool \
+            and op.get("device") == "nvme" and placement.param_nvme_numel \
+            and _step_chunk_numel(z, opt_sub, ma, settings) is not None:
+        from memascend.config.sizing import resolve_chunk_numel
+        from memascend.integrations.deepspeed.chunk_plan import grad_slab_numel, window_numel
+
+        window = window_numel(_aligned(opt_sub, _FP32), resolve_chunk_numel(settings.optimizer_chunk_numel))
+        add("16-bit read slab of the chunked fp32 master-weight build", grad_slab_numel(window, False) * _FP32,
+            True, "chunked_init.build_chunked (_create_fp32_partitions)", "initialize")
     if swapping and getattr(settings, "fix_unaligned_gradient_io", False) \
             and _step_chunk_numel(z, opt_sub, ma, settings) is None:  # chunked: read through its own slab
         slab = _bounce_slab_numel(swapped_groups, _swap_align_bytes(cfg.offload.nvme_path))
@@ -529,7 +543,7 @@ def plan_engine(cfg: RunConfig, dims: ModelDims, run: ResolvedRun, world_size: i
 def plan_run(cfg: RunConfig, world_size: int = 1, dims: ModelDims | None = None,
              memascend_settings: dict | None = None, user_ds_config: dict | None = None,
              chunk_window: bool = True, lean_init: bool = True,
-             writeback_released: bool = True) -> dict[str, EnginePlan]:
+             writeback_released: bool = True, chunked_init: bool = True) -> dict[str, EnginePlan]:
     """Predict both engines for ``cfg`` on ``world_size`` ranks of one host.
 
     Each engine is planned from its own :func:`memascend.config.render.resolve` (the baseline's config
@@ -541,7 +555,8 @@ def plan_run(cfg: RunConfig, world_size: int = 1, dims: ModelDims | None = None,
         user_ds_config: the user's DeepSpeed JSON itself, in place of ``cfg``'s (its section
             becomes the settings unless ``memascend_settings`` is given).
         chunk_window: as :func:`plan_engine` (``False``: a run from before the chunk-sized window).
-        lean_init, writeback_released: as :func:`plan_engine` (``False``: a run from before them).
+        lean_init, writeback_released, chunked_init: as :func:`plan_engine` (``False``: a run from
+            before them).
 
     Raises:
         UserError: a bad ``"memascend"`` section or contradicting settings.
@@ -560,7 +575,7 @@ def plan_run(cfg: RunConfig, world_size: int = 1, dims: ModelDims | None = None,
     for engine in ("baseline", "memascend"):
         engine_cfg = dataclasses.replace(cfg, engine=engine)
         plans[engine] = plan_engine(engine_cfg, dims, resolve(engine_cfg, shape, world_size), world_size,
-                                    chunk_window, lean_init, writeback_released)
+                                    chunk_window, lean_init, writeback_released, chunked_init)
     return plans
 
 
@@ -589,6 +604,13 @@ def _ran_with_lean_init(locked: dict) -> bool:
     without the window's key: as before."""
     return ("optimizer_chunk_buffers_bytes" in locked and "optimizer_window_bytes" in locked
             and locked.get("optimizer_swap_buffers_bytes", 0) <= locked["optimizer_window_bytes"])
+
+
+def _ran_with_chunked_init(breakdown: dict) -> bool:
+    """Whether a report's run built the fp32 master weights chunk by chunk
+    (``memory_breakdown.optimizer_init.fp32_partitions == "chunked"``,
+    ``chunked_init.report``); reports from before that key planned without its read slab."""
+    return (breakdown.get("optimizer_init") or {}).get("fp32_partitions") == "chunked"
 
 
 def _ran_with_writeback_released(locked: dict) -> bool:
@@ -626,7 +648,8 @@ def plan_for_report(report: dict) -> EnginePlan:
     return plan_run(cfg, world_size=int(report["host"]["world_size"]), memascend_settings=settings,
                     user_ds_config=report.get("user_deepspeed_config"), chunk_window=_ran_with_swap_window(locked),
                     lean_init=_ran_with_lean_init(locked),
-                    writeback_released=_ran_with_writeback_released(locked))[report["engine"]]
+                    writeback_released=_ran_with_writeback_released(locked),
+                    chunked_init=_ran_with_chunked_init(report.get("memory_breakdown", {})))[report["engine"]]
 
 
 def plan_presets(cfg: RunConfig, world_size: int = 1) -> list[tuple[str, int, dict[str, EnginePlan]]]:

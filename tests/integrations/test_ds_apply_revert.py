@@ -62,6 +62,8 @@ def _seam_objects():
         "PartitionedOptimizerSwapper.initialize_parameters": (PartitionedOptimizerSwapper, "initialize_parameters"),
         "PartitionedOptimizerSwapper.flush_gradients": (PartitionedOptimizerSwapper, "flush_gradients"),
         "stage3.independent_gradient_partition_epilogue": (S3, "independent_gradient_partition_epilogue"),
+        "stage3._create_fp32_partitions": (S3, "_create_fp32_partitions"),  # chunked_init
+        "stage3.create_reduce_and_remove_grad_hooks": (S3, "create_reduce_and_remove_grad_hooks"),  # grad_hook_setup
         "engine._load_checkpoint": (DeepSpeedEngine, "_load_checkpoint"),
         "stage3.reset_swap_buffers": (S3, "reset_swap_buffers"),  # fix_exact_resume
         "deepspeed.initialize": (deepspeed, "initialize"),

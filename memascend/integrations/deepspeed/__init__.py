@@ -88,7 +88,11 @@ What each flag patches (DeepSpeed 0.19.8 names):
   NVMe-swapped sub-group chunk by chunk (:mod:`.chunked_step`); other sub-groups as stock.
 * ``optimizer_chunk_numel`` (set) with ``enable_optimizer_pool``:
   ``PartitionedOptimizerSwapper.swap_out_gradients`` and ``.initialize_parameters`` write through a
-  chunk-sized window instead of buffers of the largest sub-group (:mod:`.chunked_swap_out`).
+  chunk-sized window instead of buffers of the largest sub-group (:mod:`.chunked_swap_out`), and
+  ``DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions`` builds the swapped sub-groups' fp32
+  master weights through it chunk by chunk, without a whole sub-group in DRAM (:mod:`.chunked_init`);
+  on one rank ``.create_reduce_and_remove_grad_hooks`` registers the gradient hooks without
+  gathering and releasing every partitioned parameter (:mod:`.grad_hook_setup`).
 * ``enable_step_overlap`` with ``optimizer_chunk_numel`` set: ``DeepSpeedZeroOptimizer_Stage3.step``
   runs the chunked sub-groups on a worker thread beside the next forward; ``.backward_prologue``,
   ``.checkpoint_event_prologue``, ``.state_dict``, ``.load_state_dict``, ``GatheredParameters.__enter__``
@@ -524,9 +528,11 @@ def _patch_step_overlap(settings: MemAscendSettings) -> None:
 
 
 def _patch_chunked_swap_out(settings: MemAscendSettings) -> None:
-    from memascend.integrations.deepspeed import chunked_swap_out
+    from memascend.integrations.deepspeed import chunked_init, chunked_swap_out, grad_hook_setup
 
     chunked_swap_out.patch(_registry, resolve_chunk_numel(settings.optimizer_chunk_numel))
+    chunked_init.patch(_registry, resolve_chunk_numel(settings.optimizer_chunk_numel))
+    grad_hook_setup.patch(_registry)
 
 
 def _patch_fused_overflow(settings: MemAscendSettings) -> None:

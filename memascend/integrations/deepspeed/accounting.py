@@ -252,14 +252,16 @@ def memory_breakdown(engine: Any, summary: Mapping[str, Any], samples: Sequence[
         mapped against ``peak_in_use_bytes`` live, the difference being its fragmentation);
         ``activation_swap`` (:func:`.activations.stats`: bytes of saved tensors written to and read
         back from the swap folder, and those the DRAM allowance kept per forward pass, ``None``
-        without ``enable_activation_swap``);
+        without ``enable_activation_swap``); ``optimizer_init`` (:func:`.chunked_init.report`: whether
+        the fp32 master weights were built chunk by chunk or staged whole by stock, and whether the
+        gradient-hook setup gathered every parameter);
         ``unattributed_bytes``: peak RSS minus runtime, the locked
         bytes at the peak sample (the whole locked peak without samples), resident stage-3
         buffers, the optimizer state in DRAM and the step transient. The stage-3 buffers are
         measured at the end of the run, so that rest is an estimate (a buffer released at the end
         and refaulted by the step is in the transient instead).
     """
-    from memascend.integrations.deepspeed import activations, grad_store
+    from memascend.integrations.deepspeed import activations, chunked_init, grad_store
     from memascend.integrations.deepspeed.optimizer_dram import dram_report
     from memascend.memory.host_allocator import malloc_stats
 
@@ -296,6 +298,7 @@ def memory_breakdown(engine: Any, summary: Mapping[str, Any], samples: Sequence[
         "malloc": malloc_stats(),
         "host_block_cache": _host_block_cache_stats(),
         "activation_swap": activations.stats(),
+        "optimizer_init": chunked_init.report(optimizer),
         "unattributed_bytes": peak - runtime - locked_at_peak - resident - transient,
     }
 
