@@ -237,14 +237,24 @@ def _with_trainable_rows(blocks: TokenBlocks) -> TokenBlocks:
 def build_blocks(docs: Sequence[Document], tokenizer, seq_len: int, eval_blocks: int, seed: int) -> DataSplit:
     """Tokenise, split by document and pack into blocks.
 
+    Args:
+        docs: the corpus.
+        tokenizer: a loaded tokenizer, or a :class:`memascend.data.token_cache.FolderTokenizer`,
+            loaded only if the token cache does not hold this corpus's tokens.
+        seq_len: tokens per block.
+        eval_blocks: held-out blocks wanted.
+        seed: shuffles the documents before the held-out ones are taken.
+
     Raises:
-        UserError: the corpus is too small for one training block after the held-out split.
+        UserError: the corpus is too small for one training block after the held-out split; what
+            loading a :class:`~memascend.data.token_cache.FolderTokenizer` raises.
     """
     order = list(range(len(docs)))
     random.Random(seed).shuffle(order)
     # one (ids, mask) list per document, from the token cache when it holds this corpus and tokenizer
-    by_doc = token_cache.tokenized_documents(docs, tokenizer, TOKENIZE_WINDOW_CHARS,
-                                             lambda doc: _tokenize_pieces(doc, tokenizer))
+    by_doc = token_cache.tokenized_documents(
+        docs, tokenizer, TOKENIZE_WINDOW_CHARS,
+        lambda doc: _tokenize_pieces(doc, token_cache.loaded_tokenizer(tokenizer)))
     tokenized = [by_doc[i] for i in order]
     del by_doc
     total = sum(_num_tokens(d) for d in tokenized)
