@@ -42,8 +42,10 @@ def load_inputs(cfg: RunConfig, out_dir: Path) -> RunInputs:
     (:mod:`memascend.data.prepare`), lay the model out on the meta device; hand back what loading left
     after each stage (:func:`trim_after_stage`) and mark the fixed-cost points ``tokenizer`` (what
     the tokenizer's part of the child's results holds here: its saved files) and ``data`` (the
-    blocks, the meta-device model's imports) (:mod:`memascend.telemetry.footprint`; the child's
-    peak RSS: :func:`memascend.telemetry.footprint.note_child_peak` ``"data"``).
+    blocks, the meta-device model's imports: ``transformers``' model classes, imported without SciPy
+    by :func:`memascend.models.loading.import_modeling_without_scipy`)
+    (:mod:`memascend.telemetry.footprint`; the child's peak RSS:
+    :func:`memascend.telemetry.footprint.note_child_peak` ``"data"``).
 
     Raises:
         UserError: ``--seq-len`` over the model's limit, an unusable ``--output``, unreadable data, a
@@ -52,7 +54,7 @@ def load_inputs(cfg: RunConfig, out_dir: Path) -> RunInputs:
         RuntimeError: the data process died without sending its results.
     """
     from memascend.data import prepare
-    from memascend.models.loading import max_positions, resolve_model
+    from memascend.models.loading import import_modeling_without_scipy, max_positions, resolve_model
 
     src = resolve_model(cfg.model)
     limit = max_positions(src, cfg.model.from_scratch)
@@ -65,6 +67,7 @@ def load_inputs(cfg: RunConfig, out_dir: Path) -> RunInputs:
         trim_after_stage(cfg)
         footprint.mark("tokenizer")
         split = child.split()
+    import_modeling_without_scipy()  # before the first model class is imported
     shape = meta_shape(src, cfg)
     if cfg.model.from_scratch and cfg.model.from_scratch.vocab_size < len(tokenizer):
         raise UserError(
