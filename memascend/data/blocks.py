@@ -31,7 +31,9 @@ class TokenBlocks:
 
     Attributes:
         input_ids: int64 ``[num_blocks, seq_len]``.
-        labels: int64 ``[num_blocks, seq_len]``; ``-100`` where no loss is taken.
+        labels: int64 ``[num_blocks, seq_len]``; ``-100`` where no loss is taken. Where every token
+            carries a loss (plain text) the labels equal the ids and share their storage (one copy
+            of the tokens, not two); read them, never write them in place.
     """
 
     input_ids: torch.Tensor
@@ -205,7 +207,7 @@ def _pack(docs: Sequence[Pieces], seq_len: int) -> TokenBlocks:
 
     Returns:
         Blocks whose int64 ids are written in place piece by piece; labels are the ids with
-        ``-100`` where the mask is false.
+        ``-100`` where the mask is false, or the ids' very tensor where no mask is false.
     """
     n = sum(_num_tokens(d) for d in docs) // seq_len
     if n == 0:
@@ -222,6 +224,8 @@ def _pack(docs: Sequence[Pieces], seq_len: int) -> TokenBlocks:
             keep[pos : pos + k] = True if m is None else m[:k]
             pos += k
     input_ids = input_ids.view(n, seq_len)
+    if bool(keep.all()):
+        return TokenBlocks(input_ids, input_ids)
     labels = input_ids.masked_fill(keep.logical_not_().view(n, seq_len), IGNORE_INDEX)
     return TokenBlocks(input_ids, labels)
 

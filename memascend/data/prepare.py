@@ -21,9 +21,11 @@ folder the parent imported it from. Its peak RSS comes back with the results
 Wire format, child to parent on one pipe: an 8-byte little-endian header length; the header, UTF-8
 JSON: ``{"error": {"class": ..., "message": ...}}`` for a :class:`memascend.errors.MemascendError`,
 else ``num_ids``, ``files`` (``[[relative path, bytes], ...]``), ``tensors`` (``[[name, dtype,
-shape], ...]``), ``num_documents``, ``num_tokens`` and ``peak_rss_bytes``; then each file's bytes;
-then each tensor's bytes (C order, native byte order). The parent sends the request (a
-:class:`DataRequest` as JSON) on the child's standard input.
+shape], ...]``), ``aliases`` (``{name: name sent}``: labels that are their blocks' ids, plain text,
+are not sent again and share the ids' tensor, as in :func:`memascend.data.build_blocks`),
+``num_documents``, ``num_tokens`` and ``peak_rss_bytes``; then each file's bytes; then each sent
+tensor's bytes (C order, native byte order). The parent sends the request (a :class:`DataRequest`
+as JSON) on the child's standard input.
 """
 
 from __future__ import annotations
@@ -273,6 +275,8 @@ class DataProcess:
             t = torch.empty(shape, dtype=getattr(torch, dtype))
             self._read_into(memoryview(t.view(-1).numpy()).cast("B"))
             tensors[name] = t
+        for name, same in self._header["aliases"].items():
+            tensors[name] = tensors[same]
         code = self._proc.wait()
         if code != 0:
             raise self._died()
@@ -338,6 +342,11 @@ def _send(out, header: dict, files: dict[str, bytes] | None = None, tensors: lis
     out.flush()
 
 
+def _same_tensor(a, b) -> bool:
+    """Whether ``a`` and ``b`` view the very same elements (storage, offset, shape, strides)."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+
+
 def main(argv: list[str] | None = None) -> int:
     """The child: ``python -m memascend.data.prepare WRITE_FD PARENT_PID``, the :class:`DataRequest`
     as JSON on standard input. Returns the exit status (0 also after sending an error)."""
@@ -352,16 +361,21 @@ def main(argv: list[str] | None = None) -> int:
             _send(out, {"error": {"class": type(exc).__name__, "message": str(exc)}})
             return 0
         split, tok = prepared.split, prepared.tokenizer
-        tensors = [split.train.input_ids, split.train.labels, split.eval.input_ids, split.eval.labels]
+        named = dict(zip(_TENSORS, [split.train.input_ids, split.train.labels, split.eval.input_ids,
+                                    split.eval.labels], strict=True))
+        aliases = {f"{part}.labels": f"{part}.input_ids" for part in ("train", "eval")
+                   if _same_tensor(named[f"{part}.labels"], named[f"{part}.input_ids"])}
+        sent = {name: t for name, t in named.items() if name not in aliases}
         header = {
             "num_ids": tok.num_ids,
             "files": [[rel, len(data)] for rel, data in tok.files.items()],
-            "tensors": [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in zip(_TENSORS, tensors)],
+            "tensors": [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in sent.items()],
+            "aliases": aliases,
             "num_documents": split.num_documents,
             "num_tokens": split.num_tokens,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         }
-        _send(out, header, tok.files, tensors)
+        _send(out, header, tok.files, list(sent.values()))
     return 0
 
 

@@ -58,6 +58,11 @@ def test_the_child_sends_the_blocks_tokenizing_here_gives(model_dir, cache, smol
     _same(split, want)
     assert len(tokenizer) == len(smollm2_tokenizer) and tokenizer.files == {}
     assert peak > 0
+    # plain text learns every token: its labels are its ids, one tensor here as in the child; chat
+    # labels have -100 for the prompts
+    text = source == "shakespeare"
+    assert (want.train.labels is want.train.input_ids) == text == (split.train.labels is split.train.input_ids)
+    assert bool((split.train.labels == -100).any()) != text
     # again, with the token cache the first child wrote: the same blocks
     assert list(cache.glob("*.pt"))
     _same(_in_child(request)[0], want)
