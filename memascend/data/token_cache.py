@@ -54,8 +54,8 @@ MIN_CACHED_CHARS = 1 << 20
 
 ENV_SWITCH = "MEMASCEND_TOKEN_CACHE"
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".ot",
-                   ".npz")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx",
+                   ".onnx_data", ".ot", ".npz", ".tflite", ".mlmodel")
 """Files of a model folder that :func:`files_key` leaves out: weights, which no tokenizer reads."""
 
 KEYED_SUBFOLDERS = ("additional_chat_templates",)
