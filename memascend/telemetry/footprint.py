@@ -32,8 +32,11 @@ _KEYS = {"VmRSS": "rss_bytes", "RssAnon": "rss_anon_bytes", "RssFile": "rss_file
 POINTS = (
     ("job_start", "interpreter_bytes"),  # Python, click and memascend's configuration (no torch)
     ("libraries", "libraries_bytes"),  # torch, transformers, DeepSpeed and the recipe's modules
+    # the tokenizer as this process keeps it: its saved files when the run saves a model (the data
+    # process, memascend.data.prepare, loads the tokenizer; this process never does)
     ("tokenizer", "tokenizer_bytes"),
-    ("data", "data_bytes"),  # documents read, tokenized into blocks; the model's meta-device shape
+    # the token blocks from the data process; the model's meta-device shape (transformers' model classes)
+    ("data", "data_bytes"),
     ("process_group", "process_group_bytes"),  # DeepSpeed's ops check and the process group
     ("seam", "seam_bytes"),  # memascend's seam applied (its ops loaded); nothing for stock
     ("model", "model_bytes"),  # the model built or loaded (ZeRO-3 partitions placed)
