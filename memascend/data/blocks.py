@@ -31,7 +31,9 @@ class TokenBlocks:
 
     Attributes:
         input_ids: int64 ``[num_blocks, seq_len]``.
-        labels: int64 ``[num_blocks, seq_len]``; ``-100`` where no loss is taken.
+        labels: int64 ``[num_blocks, seq_len]``; ``-100`` where no loss is taken. Where every token
+            carries a loss (plain text) the labels equal the ids and share their storage (one copy
+            of the tokens, not two); read them, never write them in place.
     """
 
     input_ids: torch.Tensor
@@ -205,7 +207,7 @@ def _pack(docs: Sequence[Pieces], seq_len: int) -> TokenBlocks:
 
     Returns:
         Blocks whose int64 ids are written in place piece by piece; labels are the ids with
-        ``-100`` where the mask is false.
+        ``-100`` where the mask is false, or the ids' very tensor where no mask is false.
     """
     n = sum(_num_tokens(d) for d in docs) // seq_len
     if n == 0:
@@ -222,6 +224,8 @@ def _pack(docs: Sequence[Pieces], seq_len: int) -> TokenBlocks:
             keep[pos : pos + k] = True if m is None else m[:k]
             pos += k
     input_ids = input_ids.view(n, seq_len)
+    if bool(keep.all()):
+        return TokenBlocks(input_ids, input_ids)
     labels = input_ids.masked_fill(keep.logical_not_().view(n, seq_len), IGNORE_INDEX)
     return TokenBlocks(input_ids, labels)
 
@@ -237,14 +241,24 @@ def _with_trainable_rows(blocks: TokenBlocks) -> TokenBlocks:
 def build_blocks(docs: Sequence[Document], tokenizer, seq_len: int, eval_blocks: int, seed: int) -> DataSplit:
     """Tokenise, split by document and pack into blocks.
 
+    Args:
+        docs: the corpus.
+        tokenizer: a loaded tokenizer, or a :class:`memascend.data.token_cache.FolderTokenizer`,
+            loaded only if the token cache does not hold this corpus's tokens.
+        seq_len: tokens per block.
+        eval_blocks: held-out blocks wanted.
+        seed: shuffles the documents before the held-out ones are taken.
+
     Raises:
-        UserError: the corpus is too small for one training block after the held-out split.
+        UserError: the corpus is too small for one training block after the held-out split; what
+            loading a :class:`~memascend.data.token_cache.FolderTokenizer` raises.
     """
     order = list(range(len(docs)))
     random.Random(seed).shuffle(order)
     # one (ids, mask) list per document, from the token cache when it holds this corpus and tokenizer
-    by_doc = token_cache.tokenized_documents(docs, tokenizer, TOKENIZE_WINDOW_CHARS,
-                                             lambda doc: _tokenize_pieces(doc, tokenizer))
+    by_doc = token_cache.tokenized_documents(
+        docs, tokenizer, TOKENIZE_WINDOW_CHARS,
+        lambda doc: _tokenize_pieces(doc, token_cache.loaded_tokenizer(tokenizer)))
     tokenized = [by_doc[i] for i in order]
     del by_doc
     total = sum(_num_tokens(d) for d in tokenized)

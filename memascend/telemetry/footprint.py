@@ -10,7 +10,9 @@ components of ``report.json``'s ``memory_breakdown.fixed_cost``, each the RSS on
 added (bytes; negative where a stage released more than it took).
 
 The marks live in this module, not in a sampler, so the first one can be taken before torch is
-imported.
+imported. Work the start-up hands to a short-lived child process (reading and tokenizing the data:
+:mod:`memascend.data.prepare`) is outside this process's RSS; :func:`note_child_peak` records the
+child's peak, which ``fixed_cost`` reports beside the points.
 """
 
 from __future__ import annotations
@@ -30,8 +32,11 @@ _KEYS = {"VmRSS": "rss_bytes", "RssAnon": "rss_anon_bytes", "RssFile": "rss_file
 POINTS = (
     ("job_start", "interpreter_bytes"),  # Python, click and memascend's configuration (no torch)
     ("libraries", "libraries_bytes"),  # torch, transformers, DeepSpeed and the recipe's modules
+    # the tokenizer as this process keeps it: its saved files when the run saves a model (the data
+    # process, memascend.data.prepare, loads the tokenizer; this process never does)
     ("tokenizer", "tokenizer_bytes"),
-    ("data", "data_bytes"),  # documents read, tokenized into blocks; the model's meta-device shape
+    # the token blocks from the data process; the model's meta-device shape (transformers' model classes)
+    ("data", "data_bytes"),
     ("process_group", "process_group_bytes"),  # DeepSpeed's ops check and the process group
     ("seam", "seam_bytes"),  # memascend's seam applied (its ops loaded); nothing for stock
     ("model", "model_bytes"),  # the model built or loaded (ZeRO-3 partitions placed)
@@ -39,6 +44,7 @@ POINTS = (
 )
 
 _marks: dict[str, dict[str, int]] = {}
+_child_peaks: dict[str, int] = {}
 
 
 def read_rss_split(pid: int | str = "self") -> dict[str, int]:
@@ -66,8 +72,22 @@ def marks() -> dict[str, dict[str, int]]:
 
 
 def reset() -> None:
-    """Forget every point (a second run in the same process starts afresh)."""
+    """Forget every point and child peak (a second run in the same process starts afresh)."""
     _marks.clear()
+    _child_peaks.clear()
+
+
+def note_child_peak(name: str, rss_bytes: int | None) -> None:
+    """Record the peak RSS (bytes) of the start-up's child process ``name`` (``"data"``: the one
+    that reads and tokenizes the data); ``None`` records nothing. A later note of the same name
+    replaces it."""
+    if rss_bytes is not None:
+        _child_peaks[name] = int(rss_bytes)
+
+
+def child_peaks() -> dict[str, int]:
+    """The child processes' peak RSS recorded so far (bytes; a copy)."""
+    return dict(_child_peaks)
 
 
 def parent_rss_bytes() -> int | None:
@@ -107,13 +127,16 @@ def first_phase_peaks(samples: list[Any], phases: tuple[str, ...] = ("forward", 
 
 
 def fixed_cost(points: Mapping[str, Mapping[str, int]], *, samples: list[Any] | None = None,
-               supervisor_bytes: int | None = None) -> dict[str, Any]:
+               supervisor_bytes: int | None = None,
+               child_peak_bytes: Mapping[str, int] | None = None) -> dict[str, Any]:
     """The fixed-cost components of a run from its start-up points (:func:`marks`).
 
     Args:
         points: ``{point: read_rss_split() at it}``, as :func:`marks` returns.
         samples: the memory sampler's samples (for ``sampler_bytes``), or ``None``.
         supervisor_bytes: the supervising process's RSS (:func:`parent_rss_bytes` when supervised), or ``None``.
+        child_peak_bytes: the start-up's child processes' peak RSS (bytes), or ``None`` for those
+            recorded in this process (:func:`child_peaks`).
 
     Returns:
         One ``*_bytes`` entry per component of :data:`POINTS` whose point was recorded: the rise of
@@ -123,7 +146,10 @@ def fixed_cost(points: Mapping[str, Mapping[str, int]], *, samples: list[Any] | 
         recorded (``read_rss_split``'s keys); ``first_step_peak_rss_bytes``: the first step's
         forward, backward and optimizer step peaks (:func:`first_phase_peaks`; ``None`` without
         samples); ``sampler_bytes``; ``supervisor_rss_bytes``
-        (the parent process, outside this process's peak; ``None`` unsupervised).
+        (the parent process, outside this process's peak; ``None`` unsupervised);
+        ``child_peak_rss_bytes``: ``{child: peak RSS}`` of the start-up's short-lived child processes
+        (``"data"``: reading and tokenizing the data; outside this process's RSS and gone before the
+        model is built; empty when none ran).
     """
     out: dict[str, Any] = {}
     prev = 0
@@ -140,4 +166,5 @@ def fixed_cost(points: Mapping[str, Mapping[str, int]], *, samples: list[Any] | 
     out["first_step_peak_rss_bytes"] = first_phase_peaks(samples) if samples is not None else None
     out["sampler_bytes"] = sampler_bytes(samples) if samples is not None else None
     out["supervisor_rss_bytes"] = supervisor_bytes
+    out["child_peak_rss_bytes"] = dict(child_peaks() if child_peak_bytes is None else child_peak_bytes)
     return out

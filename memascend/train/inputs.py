@@ -1,5 +1,9 @@
 """A run's inputs, read before anything heavy: the model source, the tokenizer, the token blocks and
-the model's parameter layout (on the meta device), with the checks that need them."""
+the model's parameter layout (on the meta device), with the checks that need them.
+
+The documents are read and tokenized in a short-lived child process (:mod:`memascend.data.prepare`):
+the training process receives the token blocks, the tokenizer's number of ids and, when the run
+saves a model, the tokenizer's saved files, and never loads the tokenizer itself."""
 
 from __future__ import annotations
 
@@ -20,8 +24,9 @@ class RunInputs:
 
     Attributes:
         src: the resolved model source (:func:`memascend.models.loading.resolve_model`).
-        tokenizer: the tokenizer, or ``None`` when the run saves no model (only the saved model needs
-            it once the token blocks exist).
+        tokenizer: the tokenizer's saved files (:class:`memascend.data.prepare.SavedTokenizer`, whose
+            ``save_pretrained`` writes them beside the saved model), or ``None`` when the run saves no
+            model (only the saved model needs it once the token blocks exist).
         split: the training and held-out token blocks (:func:`memascend.data.build_blocks`).
         shape: the model's parameter layout (:class:`memascend.config.render.ModelShape`).
     """
@@ -33,29 +38,36 @@ class RunInputs:
 
 
 def load_inputs(cfg: RunConfig, out_dir: Path) -> RunInputs:
-    """Resolve the model, read the tokenizer and the data into token blocks, lay the model out on the
-    meta device; hand back what loading left after each stage (:func:`trim_after_stage`) and mark the
-    fixed-cost points ``tokenizer`` and ``data`` (:mod:`memascend.telemetry.footprint`).
+    """Resolve the model, have a child process read the data into token blocks
+    (:mod:`memascend.data.prepare`), lay the model out on the meta device; hand back what loading left
+    after each stage (:func:`trim_after_stage`) and mark the fixed-cost points ``tokenizer`` (what
+    the tokenizer's part of the child's results holds here: its saved files) and ``data`` (the
+    blocks, the meta-device model's imports: ``transformers``' model classes, imported without SciPy
+    by :func:`memascend.models.loading.import_modeling_without_scipy`)
+    (:mod:`memascend.telemetry.footprint`; the child's peak RSS:
+    :func:`memascend.telemetry.footprint.note_child_peak` ``"data"``).
 
     Raises:
         UserError: ``--seq-len`` over the model's limit, an unusable ``--output``, unreadable data, a
-            from-scratch vocabulary smaller than the tokenizer's, LoRA settings the model refuses.
+            tokenizer that cannot be loaded, a from-scratch vocabulary smaller than the tokenizer's,
+            LoRA settings the model refuses.
+        RuntimeError: the data process died without sending its results.
     """
-    from memascend.data import build_blocks, read_documents
-    from memascend.models.loading import load_tokenizer, max_positions, resolve_model
+    from memascend.data import prepare
+    from memascend.models.loading import import_modeling_without_scipy, max_positions, resolve_model
 
     src = resolve_model(cfg.model)
     limit = max_positions(src, cfg.model.from_scratch)
     if cfg.data.seq_len > limit:
         raise UserError(f"--seq-len {cfg.data.seq_len} exceeds the model's limit of {limit} tokens")
     check_output_dir(out_dir)
-    tokenizer = load_tokenizer(src)
-    trim_after_stage(cfg)
-    footprint.mark("tokenizer")
-    documents = read_documents(cfg.data.source, cfg.data.max_documents, data_format=cfg.data.format,
-                               columns=cfg.data.columns, max_bytes=cfg.data.max_bytes)
-    split = build_blocks(documents, tokenizer, cfg.data.seq_len, cfg.data.eval_blocks, cfg.train.seed)
-    del documents  # the blocks hold the tokens; the text is not needed again
+    with prepare.start(prepare.DataRequest.for_run(src, cfg)) as child:
+        tokenizer = child.tokenizer()
+        footprint.note_child_peak("data", child.peak_rss_bytes)
+        trim_after_stage(cfg)
+        footprint.mark("tokenizer")
+        split = child.split()
+    import_modeling_without_scipy()  # before the first model class is imported
     shape = meta_shape(src, cfg)
     if cfg.model.from_scratch and cfg.model.from_scratch.vocab_size < len(tokenizer):
         raise UserError(

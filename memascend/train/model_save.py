@@ -64,7 +64,8 @@ def save_lora_outputs(peft_model, state_dict: dict[str, torch.Tensor], out_dir: 
         peft_model: the trained ``peft.PeftModel`` (the engine's module; its weights partitioned).
         state_dict: its consolidated state dict (the gathered weights).
         out_dir: the run's output folder.
-        tokenizer: saved beside each.
+        tokenizer: saved beside each (its ``save_pretrained(folder)``: a loaded tokenizer, or the
+            files one wrote, :class:`memascend.data.prepare.SavedTokenizer`).
         merge: also write the merged model.
 
     Returns:
@@ -91,7 +92,8 @@ def save_lora_outputs(peft_model, state_dict: dict[str, torch.Tensor], out_dir: 
 def save_model(engine, out_dir: Path, tokenizer, lora: LoraConfig, *, is_rank0: bool) -> tuple[Path, str] | None:
     """Gather the engine's weights (collective: every rank calls it) and, on rank 0, write the model:
     ``out_dir/model`` (a full fine-tune), or ``out_dir/adapter`` and with ``lora.merge`` the merged
-    ``out_dir/model`` (:func:`save_lora_outputs`).
+    ``out_dir/model`` (:func:`save_lora_outputs`); ``tokenizer.save_pretrained`` writes the tokenizer's
+    files beside the model (a loaded tokenizer, or :class:`memascend.data.prepare.SavedTokenizer`).
 
     Returns:
         On rank 0 (the folder the report names: the model, else the adapter; a line saying what was

@@ -1,8 +1,9 @@
 """Host memory the start-up of a run hands back before training: what loading left behind.
 
-Loading the tokenizer, reading and tokenizing the data, building the model and
-``deepspeed.initialize`` each free memory they allocated on the way (temporary tensors, parsed
-JSON, the documents' text once they are token blocks). glibc keeps freed heap memory resident in
+Receiving the token blocks (the tokenizer and the documents' text stay in the short-lived data
+process, :mod:`memascend.data.prepare`), laying the model out on the meta device, building the
+model and ``deepspeed.initialize`` each free memory they allocated on the way (temporary tensors,
+parsed JSON, modules' import-time garbage). glibc keeps freed heap memory resident in
 its arenas until a trim, so it would stay in the run's RSS under every later phase; the memascend
 engine's malloc policy (``enable_malloc_policy``) trims after each of these stages
 (:func:`trim_after_stage`). Nothing computed changes: only which pages are resident.

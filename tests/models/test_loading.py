@@ -44,3 +44,28 @@ def test_tied_llama_tiny_is_unchanged():
     old, new = before.state_dict(), model.state_dict()
     assert old.keys() == new.keys()
     assert all(torch.equal(old[k], new[k]) for k in old)
+
+
+def test_model_classes_are_imported_without_scipy():
+    """In a fresh process: the model classes import without SciPy, the causal-LM loss is there, and
+    ``transformers``' own SciPy check answers as before afterwards."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from memascend.models.loading import import_modeling_without_scipy\n"
+        "import_modeling_without_scipy()\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "import transformers.models.llama.modeling_llama\n"
+        "from transformers.loss.loss_utils import LOSS_MAPPING\n"
+        "import transformers.utils as u\n"
+        "import importlib.util\n"
+        "print('scipy' in sys.modules, u.is_scipy_available() == (importlib.util.find_spec('scipy') is not None),"
+        " 'ForCausalLM' in LOSS_MAPPING)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["False", "True", "True"], proc.stdout

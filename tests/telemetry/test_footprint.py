@@ -48,8 +48,23 @@ def test_fixed_cost_is_the_rise_of_each_stage():
     assert fixed["after_engine"] == _at(620) and fixed["points"] == points
     assert fixed["sampler_bytes"] is None and fixed["supervisor_rss_bytes"] is None
     assert fixed["first_step_peak_rss_bytes"] is None
-    assert footprint.fixed_cost({}) == {"after_engine": None, "points": {}, "first_step_peak_rss_bytes": None,
-                                        "sampler_bytes": None, "supervisor_rss_bytes": None}
+    assert footprint.fixed_cost({}, child_peak_bytes={}) == {
+        "after_engine": None, "points": {}, "first_step_peak_rss_bytes": None, "sampler_bytes": None,
+        "supervisor_rss_bytes": None, "child_peak_rss_bytes": {}}
+
+
+def test_child_peaks_are_reported_beside_the_points():
+    footprint.reset()
+    try:
+        footprint.note_child_peak("data", None)  # nothing known: nothing recorded
+        assert footprint.fixed_cost({})["child_peak_rss_bytes"] == {}
+        footprint.note_child_peak("data", 300 << 20)
+        assert footprint.child_peaks() == {"data": 300 << 20}
+        assert footprint.fixed_cost({})["child_peak_rss_bytes"] == {"data": 300 << 20}
+        assert footprint.fixed_cost({}, child_peak_bytes={"data": 1})["child_peak_rss_bytes"] == {"data": 1}
+    finally:
+        footprint.reset()
+    assert footprint.child_peaks() == {}
 
 
 def test_first_phase_peaks_stop_at_the_first_step():
