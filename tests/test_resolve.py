@@ -187,9 +187,12 @@ def test_plan_preflight_and_the_swap_folder_use_the_resolvers_estimates(engine, 
     assert plan.preflight_nvme_bytes_per_rank == run.nvme_bytes_per_rank > 0
     assert plan.preflight_locked_bytes_per_rank == run.upfront_locked_bytes > 0
     assert plan.to_dict()["preflight_nvme_bytes_per_rank"] == run.nvme_bytes_per_rank
-    # The planner's NVMe prediction is the same formula without the margin.
-    assert plan.nvme_bytes == nvme_swap_bytes(shape.total_numel, 2, True, True)
-    assert int(plan.nvme_bytes * NVME_SPACE_MARGIN) // world == run.nvme_bytes_per_rank
+    # The preflight's requirement is the upper estimate (fp32 gradient files, every sub-group swapped)
+    # with the margin; the planner's NVMe prediction is that formula for stock, and at most it for
+    # memascend (gradient files in bf16, sub-groups too small to swap not on NVMe).
+    upper = nvme_swap_bytes(shape.total_numel, 2, True, True)
+    assert plan.nvme_bytes == upper if engine == "baseline" else 0 < plan.nvme_bytes <= upper
+    assert int(upper * NVME_SPACE_MARGIN) // world == run.nvme_bytes_per_rank
     # What the run's preflight and swap folder check.
     assert upfront_locked_bytes(run.ds_config, "bf16", shape.largest_numel, world, engine) == run.upfront_locked_bytes
     assert nvme_space_bytes(shape.total_numel, DTYPE_BYTES["bf16"], True, True) // world == run.nvme_bytes_per_rank
