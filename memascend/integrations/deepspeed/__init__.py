@@ -32,7 +32,8 @@ Three ways in:
 
 Settings that live in DeepSpeed's own config (``optimizer_sub_group_numel`` ->
 ``zero_optimization.sub_group_size``, ``reduce_bucket_numel`` -> ``reduce_bucket_size``,
-``param_dram_numel`` -> ``offload_param.max_in_cpu``) are written into the config by
+``param_dram_numel`` -> ``offload_param.max_in_cpu``, ``enable_bucketless_reduce`` ->
+``contiguous_gradients: false`` where the config leaves it out) are written into the config by
 :func:`prepare_ds_config` (which also resolves ``"auto"`` from the model's parameter sizes and
 records the stock grouping for the gradient norm). No extra call is needed: while memascend is
 applied, ``deepspeed.initialize`` runs it on a config with a ``"memascend"`` section (or when the
