@@ -173,7 +173,7 @@ class MemAscendSettings:
             ``reduce_scatter``, the default). ``None``: keep the config's. With
             ``enable_bucketless_reduce`` in effect there is no bucket buffer and the size is only
             how many gradient elements stage 3 lets wait for their reduce: ``"auto"`` is then the
-            largest parameter of the model's repeated layers
+            largest parameter of the model's repeated layers, at least 16 Mi elements
             (:func:`memascend.config.sizing.auto_reduce_bucket_numel`; the embedding is reduced in
             a bucket of its own), so fewer gradients wait beside the embedding's at the end of
             backward.

@@ -12,6 +12,7 @@ from memascend.config.sizing import (
     auto_chunked_sub_group_numel,
     auto_param_dram_numel,
     auto_param_pool_bytes,
+    BUCKETLESS_MIN_REDUCE_BUCKET_NUMEL,
     auto_reduce_bucket_numel,
     auto_sub_group_numel,
     bucketless_reduce_applies,
@@ -198,12 +199,18 @@ _LLAMA_1B = [49_152 * 2048] + ([2048 * 2048, 2048 * 512, 2048 * 512, 2048 * 2048
 
 def test_bucketless_reduce_turns_contiguous_gradients_off_and_the_bucket_to_a_layer_parameter():
     """Default settings: no IPG bucket buffer (``contiguous_gradients`` false, reduce-scatter on) and
-    the reduce bucket is the largest layer parameter (the MLP's 2048 x 5632), not the embedding."""
+    the reduce bucket is the largest layer parameter (the MLP's 2048 x 5632) raised to the 16 Mi-element
+    floor, not the embedding."""
     ds, resolved = prepare_ds_config(_nvme_config(), MemAscendSettings(), param_numels=_LLAMA_1B)
     zero = ds["zero_optimization"]
     assert zero["contiguous_gradients"] is False and resolved.enable_bucketless_reduce is True
-    assert zero["reduce_bucket_size"] == resolved.reduce_bucket_numel == 2048 * 5632
-    assert largest_layer_param_numel(_LLAMA_1B) == 2048 * 5632
+    assert zero["reduce_bucket_size"] == resolved.reduce_bucket_numel == BUCKETLESS_MIN_REDUCE_BUCKET_NUMEL
+    assert largest_layer_param_numel(_LLAMA_1B) == 2048 * 5632 < BUCKETLESS_MIN_REDUCE_BUCKET_NUMEL
+    # a layer parameter over the floor is the bucket; the floor never passes the largest parameter
+    wide = [49_152 * 4096] + [4096 * 14336, 4096 * 4096] * 2
+    assert auto_reduce_bucket_numel(wide, 500_000_000, bucketless=True) == 4096 * 14336
+    small = [1000] + [300, 200] * 2
+    assert auto_reduce_bucket_numel(small, 500_000_000, bucketless=True) == 1000
     # without the buffer's copy nothing needs to hold the embedding's gradient whole
     assert auto_reduce_bucket_numel(_LLAMA_1B, 500_000_000, bucketless=False) == 49_152 * 2048
     assert auto_reduce_bucket_numel(_LLAMA_1B, 1_000_000, bucketless=True) == 1_000_000  # the config's is smaller
@@ -225,7 +232,8 @@ def test_a_contiguous_gradients_or_reduce_scatter_of_the_users_json_stands(zero,
     assert resolved.enable_bucketless_reduce is bucketless
     expected = zero.get("contiguous_gradients", True) if not bucketless else False
     assert ds["zero_optimization"].get("contiguous_gradients", True) is expected
-    assert ds["zero_optimization"]["reduce_bucket_size"] == (2048 * 5632 if bucketless else 49_152 * 2048)
+    assert ds["zero_optimization"]["reduce_bucket_size"] == (BUCKETLESS_MIN_REDUCE_BUCKET_NUMEL if bucketless
+                                                             else 49_152 * 2048)
     assert prepare_ds_config(ds, resolved, param_numels=_LLAMA_1B) == (ds, resolved)  # idempotent
 
 
