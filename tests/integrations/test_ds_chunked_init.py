@@ -34,19 +34,7 @@ AIO = {"block_size": 1 << 20, "queue_depth": 8, "single_submit": False, "overlap
 WORKER = Path(__file__).with_name("chunked_init_worker.py")
 
 
-@pytest.fixture(autouse=True)
-def _single_rank(monkeypatch):
-    from deepspeed import comm
-
-    monkeypatch.setattr(comm, "get_rank", lambda *a, **k: 0)
-
-
-@pytest.fixture(scope="module")
-def aio_ok():
-    from deepspeed.ops.op_builder import AsyncIOBuilder
-
-    if not AsyncIOBuilder().is_compatible(verbose=False):
-        pytest.skip("DeepSpeed async_io op is not buildable here (libaio missing)")
+pytestmark = pytest.mark.usefixtures("single_rank")  # conftest: get_rank() is 0
 
 
 class _ParamSwapper:

@@ -24,19 +24,7 @@ LARGEST = 18 * CHUNK
 """The sub-group's elements (stock's buffers each hold this many)."""
 
 
-@pytest.fixture(autouse=True)
-def _single_rank(monkeypatch):
-    from deepspeed import comm
-
-    monkeypatch.setattr(comm, "get_rank", lambda *a, **k: 0)
-
-
-@pytest.fixture(scope="module")
-def aio_ok():
-    from deepspeed.ops.op_builder import AsyncIOBuilder
-
-    if not AsyncIOBuilder().is_compatible(verbose=False):
-        pytest.skip("DeepSpeed async_io op is not buildable here (libaio missing)")
+pytestmark = pytest.mark.usefixtures("single_rank")  # conftest: get_rank() is 0
 
 
 def _swapper(folder: Path, ours: bool):

@@ -14,20 +14,13 @@ pytest.importorskip("deepspeed")
 
 from memascend.integrations.deepspeed import grad_store  # noqa: E402
 from memascend.integrations.deepspeed.aligned_io import read_widened  # noqa: E402
-from tests.integrations.test_ds_chunked_swap_out import (  # noqa: E402, F401
+from tests.integrations.test_ds_chunked_swap_out import (  # noqa: E402
     _call,
     _gradients,
-    _single_rank,
     _swapper,
 )
 
-
-@pytest.fixture(scope="module")
-def aio_ok():
-    from deepspeed.ops.op_builder import AsyncIOBuilder
-
-    if not AsyncIOBuilder().is_compatible(verbose=False):
-        pytest.skip("DeepSpeed async_io op is not buildable here (libaio missing)")
+pytestmark = pytest.mark.usefixtures("single_rank")  # conftest: get_rank() is 0
 
 
 def _special(grads: list[torch.Tensor]) -> list[torch.Tensor]:

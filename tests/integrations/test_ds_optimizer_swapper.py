@@ -28,11 +28,7 @@ def handle():
     return AsyncIOBuilder().load(verbose=False).aio_handle(1 << 20, 8, False, True, 1)
 
 
-@pytest.fixture(autouse=True)
-def _single_rank(monkeypatch):
-    from deepspeed import comm
-
-    monkeypatch.setattr(comm, "get_rank", lambda *a, **k: 0)
+pytestmark = pytest.mark.usefixtures("single_rank")  # conftest: get_rank() is 0
 
 
 def on_demand(handle, count=4):

@@ -9,10 +9,10 @@ from hypothesis import strategies as st
 from memascend.config.ds_defaults import MIN_SWAPPABLE_BYTES
 from memascend.config.settings import MemAscendSettings
 from memascend.config.sizing import (
+    BUCKETLESS_MIN_REDUCE_BUCKET_NUMEL,
     auto_chunked_sub_group_numel,
     auto_param_dram_numel,
     auto_param_pool_bytes,
-    BUCKETLESS_MIN_REDUCE_BUCKET_NUMEL,
     auto_reduce_bucket_numel,
     auto_sub_group_numel,
     bucketless_reduce_applies,
