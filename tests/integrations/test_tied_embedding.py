@@ -77,6 +77,15 @@ def _stock_and_ours(model: nn.Module, *args, **kwargs) -> tuple[torch.Tensor, to
     return stock, ours, stats
 
 
+def _stock_and_ours_with_forward(model: nn.Module, forward, *args) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """:func:`_stock_and_ours` with ``forward`` as the model instance's ``forward`` (removed after)."""
+    model.forward = forward
+    try:
+        return _stock_and_ours(model, *args)
+    finally:
+        del model.forward
+
+
 def _assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
     assert a.dtype == b.dtype and a.shape == b.shape
     assert torch.equal(_bits(a), _bits(b)), f"{int((_bits(a) != _bits(b)).sum())} elements differ in their bits"
@@ -153,11 +162,7 @@ def test_checkpointed_lookup_is_stocks(use_reentrant):
         logits = model.head(emb.to(model.embed.weight.dtype)).float()
         return logits.logsumexp(-1).mean()
 
-    model.forward = forward
-    try:
-        stock, ours, stats = _stock_and_ours(model, ids)
-    finally:
-        del model.forward
+    stock, ours, stats = _stock_and_ours_with_forward(model, forward, ids)
     _assert_same_bits(stock, ours)
     assert stats["rows_backwards"] + stats["dense_backwards"] == 1
 
@@ -174,11 +179,7 @@ def test_chunked_loss_head_called_per_chunk_is_stocks():
                  for chunk in h.split(8)]
         return sum(parts) / h.shape[0]
 
-    model.forward = forward
-    try:
-        stock, ours, _ = _stock_and_ours(model, ids)
-    finally:
-        del model.forward
+    stock, ours, _ = _stock_and_ours_with_forward(model, forward, ids)
     _assert_same_bits(stock, ours)
 
 
