@@ -159,8 +159,45 @@ def malloc_policy_in_force() -> MallocPolicy:
     return _in_force if _in_force is not None else startup_malloc_policy()
 
 
+def start_intra_op_threads() -> int:
+    """Start torch's intra-op (OpenMP) worker threads now, if they have not started yet.
+
+    glibc gives a thread its malloc arena at the thread's first ``malloc`` and never moves it: a
+    thread that starts after ``M_ARENA_MAX`` arenas exist shares one of them (``reused_arena``), and
+    every ``malloc``/``free`` it makes waits on that arena's lock while the arena's other thread
+    allocates. libgomp's workers start, and allocate, at torch's first parallel region. Where that
+    region comes after :func:`set_malloc_policy`'s two-arena limit and after another thread (an aio
+    or gloo thread, a step worker) has taken the second arena, the intra-op worker shares an arena
+    with the threads it computes beside. Measured on the default job (SmolLM2-135M bf16, 4 x 256,
+    parameters and optimizer on NVMe, 2 cores): the backward took 2.6-3.0 s a step with 0.38-0.48 s
+    of system time and ~35 % more ``futex`` calls, against 2.0-2.2 s and 0.15-0.18 s with the worker
+    started first (or without the arena limit); peak RSS the same (2,168-2,180 MiB).
+
+    One parallel ``fill_`` of 64 Ki float32 elements (two chunks of ATen's 32 Ki-element grain)
+    starts them; with one intra-op thread, or a pool already running, it starts nothing.
+
+    Returns:
+        Threads this process gained (``/proc/self/task`` entries; 0 where that is unreadable).
+    """
+    import torch
+
+    def tasks() -> int:
+        try:
+            return len(os.listdir("/proc/self/task"))
+        except OSError:
+            return 0
+
+    before = tasks()
+    if torch.get_num_threads() > 1:
+        torch.empty(1 << 16, dtype=torch.float32).fill_(0.0)
+    return max(0, tasks() - before)
+
+
 def set_malloc_policy(policy: MallocPolicy = MallocPolicy()) -> bool:
     """Set ``policy``'s values in this process's glibc malloc; ``True`` if every call succeeded.
+
+    A policy that limits the arenas (``arena_max``) first starts torch's intra-op threads
+    (:func:`start_intra_op_threads`), so that they keep an arena of their own.
 
     To undo it, keep :func:`malloc_policy_in_force` from before and set that again. glibc offers
     no call that gives the mmap threshold back its dynamic raising, nor one back to its own arena
@@ -172,6 +209,8 @@ def set_malloc_policy(policy: MallocPolicy = MallocPolicy()) -> bool:
     libc = _libc()
     if libc is None:
         return False
+    if policy.arena_max is not None:
+        start_intra_op_threads()
     before = malloc_policy_in_force()
     done = {}
     for name, (param, _, _) in _PARAMETERS.items():

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import psutil
 import pytest
 import torch
@@ -80,3 +84,66 @@ def test_a_refused_value_is_not_recorded_as_in_force(monkeypatch):
     assert host_allocator.set_malloc_policy() is False
     assert host_allocator.malloc_policy_in_force() == host_allocator.MallocPolicy(
         mmap_threshold_bytes=1 << 20, trim_threshold_bytes=16 << 20, arena_max=2)
+
+
+_ARENA_PROBE = r"""
+import ctypes, sys, threading, torch
+from memascend.memory import host_allocator
+
+torch.set_num_threads(2)
+libc = ctypes.CDLL("libc.so.6")
+libc.open_memstream.restype = ctypes.c_void_p
+libc.open_memstream.argtypes = [ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_size_t)]
+libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+libc.fclose.argtypes = [ctypes.c_void_p]
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+
+
+def arenas():
+    buf, size = ctypes.c_char_p(), ctypes.c_size_t()
+    stream = libc.open_memstream(ctypes.byref(buf), ctypes.byref(size))
+    libc.malloc_info(0, stream)
+    libc.fclose(stream)
+    return buf.value.decode().count("<heap nr=")
+
+
+# another thread (as an aio or gloo thread would) takes the second arena first, and stays
+ready, done = threading.Event(), threading.Event()
+def other():
+    libc.free(libc.malloc(1000))
+    ready.set()
+    done.wait()
+t = threading.Thread(target=other)
+t.start()
+ready.wait()
+if sys.argv[1] == "stock-order":
+    host_allocator.start_intra_op_threads = lambda: 0
+host_allocator.set_malloc_policy()
+torch.empty(1 << 16).fill_(1.0)  # the first parallel region, wherever the pool did not start yet
+print(arenas())
+done.set()
+t.join()
+"""
+
+
+@pytest.mark.skipif(host_allocator.malloc_stats() is None, reason="needs glibc >= 2.33 (mallinfo2, malloc_info)")
+@pytest.mark.skipif(not torch.backends.openmp.is_available(), reason="torch built without OpenMP")
+def test_the_arena_limit_leaves_the_intra_op_worker_its_own_arena():
+    # main arena + the other thread's + the intra-op worker's own; where the pool starts only after
+    # the two-arena limit the worker shares one of the first two
+    def arenas(order: str) -> int:
+        out = subprocess.run([sys.executable, "-c", _ARENA_PROBE, order], capture_output=True, text=True,
+                             check=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+        return int(out.stdout.split()[-1])
+
+    assert arenas("memascend") == 3
+    assert arenas("stock-order") == 2
+
+
+def test_start_intra_op_threads_starts_the_pool_once():
+    code = ("import torch; from memascend.memory import host_allocator as h; torch.set_num_threads(2); "
+            "print(h.start_intra_op_threads(), h.start_intra_op_threads())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert out.stdout.split() == ["1", "0"]
