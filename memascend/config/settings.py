@@ -130,7 +130,8 @@ class MemAscendSettings:
             order that removes the most NVMe bytes per byte of DRAM) and choose the sizing settings
             with the best expected step time (:mod:`memascend.plan.budget`), and refuse a budget
             nothing fits. Kept as the number of bytes (or ``"auto"``).
-        enable_malloc_policy: fixed glibc mmap/trim thresholds, two arenas and ``malloc_trim``
+        enable_malloc_policy: fixed glibc mmap/trim thresholds, two arenas (torch's intra-op
+            threads started first, so that they keep an arena of their own) and ``malloc_trim``
             after each optimizer step (:mod:`memascend.memory.host_allocator`): freed host memory
             goes back to the OS instead of staying resident.
         enable_16bit_gradient_swap: with ``enable_grad_streaming`` and a chunked optimizer step, a
