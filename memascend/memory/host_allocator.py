@@ -169,8 +169,8 @@ def start_intra_op_threads() -> int:
     region comes after :func:`set_malloc_policy`'s two-arena limit and after another thread (an aio
     or gloo thread, a step worker) has taken the second arena, the intra-op worker shares an arena
     with the threads it computes beside. Measured on the default job (SmolLM2-135M bf16, 4 x 256,
-    parameters and optimizer on NVMe, 2 cores): the backward took 2.6-3.0 s a step with 0.38-0.48 s
-    of system time and ~35 % more ``futex`` calls, against 2.0-2.2 s and 0.15-0.18 s with the worker
+    parameters and optimizer on NVMe, 2 cores): the backward took 2.6-3.5 s a step with 0.38-0.51 s
+    of system time and ~35 % more ``futex`` calls, against 2.0-2.4 s and 0.15-0.22 s with the worker
     started first (or without the arena limit); peak RSS the same (2,168-2,180 MiB).
 
     One parallel ``fill_`` of 64 Ki float32 elements (two chunks of ATen's 32 Ki-element grain)
