@@ -159,7 +159,7 @@ def malloc_policy_in_force() -> MallocPolicy:
     return _in_force if _in_force is not None else startup_malloc_policy()
 
 
-def start_intra_op_threads() -> int:
+def start_intra_op_threads() -> None:
     """Start torch's intra-op (OpenMP) worker threads now, if they have not started yet.
 
     glibc gives a thread its malloc arena at the thread's first ``malloc`` and never moves it: a
@@ -175,22 +175,11 @@ def start_intra_op_threads() -> int:
 
     One parallel ``fill_`` of 64 Ki float32 elements (two chunks of ATen's 32 Ki-element grain)
     starts them; with one intra-op thread, or a pool already running, it starts nothing.
-
-    Returns:
-        Threads this process gained (``/proc/self/task`` entries; 0 where that is unreadable).
     """
     import torch
 
-    def tasks() -> int:
-        try:
-            return len(os.listdir("/proc/self/task"))
-        except OSError:
-            return 0
-
-    before = tasks()
     if torch.get_num_threads() > 1:
         torch.empty(1 << 16, dtype=torch.float32).fill_(0.0)
-    return max(0, tasks() - before)
 
 
 def set_malloc_policy(policy: MallocPolicy = MallocPolicy()) -> bool:

@@ -118,7 +118,7 @@ t = threading.Thread(target=other)
 t.start()
 ready.wait()
 if sys.argv[1] == "stock-order":
-    host_allocator.start_intra_op_threads = lambda: 0
+    host_allocator.start_intra_op_threads = lambda: None
 host_allocator.set_malloc_policy()
 torch.empty(1 << 16).fill_(1.0)  # the first parallel region, wherever the pool did not start yet
 print(arenas())
@@ -142,8 +142,11 @@ def test_the_arena_limit_leaves_the_intra_op_worker_its_own_arena():
 
 
 def test_start_intra_op_threads_starts_the_pool_once():
-    code = ("import torch; from memascend.memory import host_allocator as h; torch.set_num_threads(2); "
-            "print(h.start_intra_op_threads(), h.start_intra_op_threads())")
+    # threads of the process before, after a first and after a second call
+    code = ("import psutil, torch; from memascend.memory import host_allocator as h; torch.set_num_threads(2); "
+            "p = psutil.Process(); n = [p.num_threads()]; h.start_intra_op_threads(); n.append(p.num_threads()); "
+            "h.start_intra_op_threads(); n.append(p.num_threads()); print(*n)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "OMP_NUM_THREADS": "2"})
-    assert out.stdout.split() == ["1", "0"]
+    before, first, second = map(int, out.stdout.split())
+    assert (first - before, second - first) == (1, 0)
